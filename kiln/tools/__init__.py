@@ -1,0 +1,1 @@
+"""Command-line tools: ``kiln ls``, ``kiln explain``, ``kiln precompile``, ``kiln cluster``..."""
