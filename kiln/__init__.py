@@ -1,5 +1,41 @@
-"""Kiln: an open training compiler and lazy accelerator runtime for PyTorch."""
+"""Kiln: an open training compiler and lazy accelerator runtime for PyTorch.
+
+Two programming models over one graph IR:
+
+    # 1. torch.compile backend
+    step = torch.compile(step, backend="kiln")        # or kiln.compile(step)
+
+    # 2. lazy device (the PyTorch/XLA model)
+    dev = kiln.device()
+    model.to(dev)
+    loss = model(x.to(dev)).sum(); loss.backward(); opt.step()
+    kiln.mark_step()                                  # compile (cached) + run the whole step
+"""
+
+from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+from kiln import metrics
+from kiln.config import Config, ConfigError, config
+from kiln.frontends.compile.backend import _register as _register_backend
+from kiln.frontends.compile.backend import compile
+
+_register_backend()
+
+try:  # the lazy device
+    from kiln.frontends.lazy import device, mark_step, optimizer_step, sync
+
+    _LAZY = ["device", "mark_step", "optimizer_step", "sync"]
+except ImportError:  # pragma: no cover - while the lazy frontend is being built
+    _LAZY = []
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "__version__",
+    "compile",
+    "config",
+    "metrics",
+    *_LAZY,
+]

@@ -8,6 +8,7 @@ fuses by category.  A handful of ops are Kiln's own:
   scalar       a Python number lifted into a graph input     (attrs: index) - never baked in
   constant     a small tensor captured at trace time         (attrs: value)
   getitem      element ``index`` of a multi-output node
+  pyop         integer arithmetic on sizes (``pyop.mul``): dynamic-shape bookkeeping
   opaque       an ATen op Kiln has no rule for: runs eagerly, counted as a fallback
   fused        a kernel built by the fusion pass (attrs: kernel)
 """
@@ -103,7 +104,7 @@ for _cat, _names in _TABLE.items():
         OPS[_n] = OpDef(_n, _cat)
 
 # Kiln's own ops.
-for _n in ("input", "scalar", "constant", "getitem"):
+for _n in ("input", "scalar", "constant", "getitem", "sym_size", "sym_numel", "sym_stride", "pyop"):
     OPS[_n] = OpDef(_n, Category.META)
 OPS["opaque"] = OpDef("opaque", Category.OPAQUE)
 OPS["fused"] = OpDef("fused", Category.ELEMENTWISE)

@@ -1,1 +1,1 @@
-"""Kiln frontends/compile."""
+"""torch.compile frontend: ``torch.compile(f, backend="kiln")`` and ``kiln.compile(f)``."""

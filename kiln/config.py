@@ -1,0 +1,115 @@
+"""One typed configuration object.
+
+Every setting has a field here and an environment variable ``KILN_<NAME>``.  Unknown keys, unknown
+``KILN_*`` variables and bad values raise :class:`ConfigError`, naming what is valid.
+
+    import kiln
+    kiln.config.update(checks=True)
+    KILN_EAGER=1 python train.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "kiln")
+
+
+_BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+         "off": False, "": False}
+
+
+@dataclass
+class Config:
+    checks: bool = False  # verify every graph after every pass (KILN_CHECKS=1)
+    eager: bool = False  # lazy device runs every op at once (KILN_EAGER=1)
+    cache_dir: str = field(default_factory=_default_cache_dir)  # persistent compile cache
+    disk_cache: bool = True  # use the persistent cache at all
+    backend: str = "cpp"  # "cpp" (generated C++ kernels) or "interpreter" (ATen reference)
+    disable_passes: str = ""  # comma-separated pass names to switch off
+    log: str = ""  # comma-separated: "graphs", "passes", "kernels", "recompiles", "fallbacks"
+    recompile_warn: int = 4  # warn when one call site compiles more graphs than this
+
+    _CHOICES = {"backend": ("cpp", "interpreter")}
+    _LOG_CHOICES = ("graphs", "passes", "kernels", "recompiles", "fallbacks", "all")
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def update(self, **kw: Any) -> None:
+        for k, v in kw.items():
+            if k not in self.names():
+                raise ConfigError(
+                    f"unknown Kiln config key {k!r}; valid keys: {', '.join(self.names())}"
+                )
+            setattr(self, k, self._check(k, v))
+
+    def _check(self, k: str, v: Any) -> Any:
+        ftype = {f.name: f.type for f in dataclasses.fields(self)}[k]
+        if ftype == "bool" and not isinstance(v, bool):
+            raise ConfigError(f"config {k!r} must be True or False, got {v!r}")
+        if ftype == "int" and not isinstance(v, int):
+            raise ConfigError(f"config {k!r} must be an int, got {v!r}")
+        if k in self._CHOICES and v not in self._CHOICES[k]:
+            raise ConfigError(
+                f"config {k!r} must be one of {', '.join(self._CHOICES[k])}; got {v!r}"
+            )
+        if k == "log" and v:
+            for part in v.split(","):
+                if part not in self._LOG_CHOICES:
+                    raise ConfigError(
+                        f"KILN_LOG part {part!r} is unknown; valid: {', '.join(self._LOG_CHOICES)}"
+                    )
+        return v
+
+    def log_enabled(self, what: str) -> bool:
+        parts = self.log.split(",") if self.log else []
+        return what in parts or "all" in parts
+
+    @property
+    def disabled_passes(self) -> frozenset[str]:
+        return frozenset(p for p in self.disable_passes.split(",") if p)
+
+
+def from_env(env: dict[str, str] | None = None) -> Config:
+    env = dict(os.environ if env is None else env)
+    cfg = Config()
+    valid = {f"KILN_{n.upper()}": n for n in Config.names()}
+    for key, raw in env.items():
+        if not key.startswith("KILN_") or key.startswith("KILN_TEST_"):
+            continue
+        if key not in valid:
+            raise ConfigError(
+                f"unknown environment variable {key}; valid Kiln variables: "
+                + ", ".join(sorted(valid))
+            )
+        name = valid[key]
+        ftype = {f.name: f.type for f in dataclasses.fields(Config)}[name]
+        if ftype == "bool":
+            if raw.lower() not in _BOOL:
+                raise ConfigError(f"{key}={raw!r} is not a boolean; use 1 or 0")
+            value: Any = _BOOL[raw.lower()]
+        elif ftype == "int":
+            try:
+                value = int(raw)
+            except ValueError:
+                raise ConfigError(f"{key}={raw!r} is not an integer") from None
+        else:
+            value = raw
+        cfg.update(**{name: value})
+    return cfg
+
+
+config = from_env()

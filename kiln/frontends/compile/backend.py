@@ -1,0 +1,105 @@
+"""The ``torch.compile`` backend.
+
+    import kiln, torch
+    step = torch.compile(step, backend="kiln")     # or: step = kiln.compile(step)
+
+Dynamo captures the Python code, AOTAutograd splits it into forward and backward ATen graphs (the
+optimizer step, compiled on its own, is an inference graph), torch's core decompositions reduce the
+op set, and each graph is lowered to Kiln IR, optimized and compiled through the shared caches.
+A graph Kiln cannot take at all runs as the ATen graph Dynamo gave it, counted in the metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+from functorch.compile import make_boxed_func
+from torch._decomp import core_aten_decompositions
+from torch._dynamo.backends.common import aot_autograd
+
+from kiln import metrics
+from kiln.config import config
+from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
+from kiln.runtime.compiler import compile_graph
+
+_last_shapes: dict[str, list] = {}
+
+
+def _site(gm: torch.fx.GraphModule) -> str:
+    for n in gm.graph.nodes:
+        st = n.meta.get("stack_trace")
+        if st:
+            lines = [ln.strip() for ln in st.strip().splitlines() if ln.strip().startswith("File")]
+            if lines:
+                return "compile:" + lines[-1].replace("File ", "").split(", in ")[0]
+    return f"compile:{gm.__class__.__name__}"
+
+
+def _note_recompile(site: str, example_inputs: list) -> None:
+    shapes = [
+        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
+        for x in example_inputs
+    ]
+    prev = _last_shapes.get(site)
+    _last_shapes[site] = shapes
+    if prev is None:
+        return
+    if len(prev) != len(shapes):
+        reason = f"number of inputs changed {len(prev)} -> {len(shapes)}"
+    else:
+        diffs = [i for i, (a, b) in enumerate(zip(prev, shapes)) if a != b]
+        if not diffs:
+            return  # same signature: a different graph at the same site, not a recompile
+        i = diffs[0]
+        reason = f"input {i} changed {prev[i]} -> {shapes[i]}"
+    metrics.recompile(site, reason, config.recompile_warn)
+
+
+def _kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    site = _site(gm)
+    _note_recompile(site + f"#{len(example_inputs)}", example_inputs)
+    try:
+        g, out_spec = fx_to_kiln(gm)
+    except UnsupportedGraph as e:
+        metrics.fallback(f"graph:{e}")
+        return make_boxed_func(gm.forward)
+    exe = compile_graph(g)
+    kinds = [k for k, _ in out_spec]
+    idx = [v for _, v in out_spec]
+
+    def run(args: list) -> list:
+        t0 = time.perf_counter()
+        outs = exe(args)
+        args.clear()
+        metrics.executed(time.perf_counter() - t0)
+        return [outs[v] if k == "out" else v for k, v in zip(kinds, idx)]
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    run.kiln_executable = exe  # type: ignore[attr-defined]
+    return run
+
+
+_DECOMPS = core_aten_decompositions()
+
+kiln_backend = aot_autograd(
+    fw_compiler=_kiln_compiler,
+    bw_compiler=_kiln_compiler,
+    inference_compiler=_kiln_compiler,
+    decompositions=_DECOMPS,
+)
+
+
+def _register() -> None:
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "kiln" not in _BACKENDS:
+        register_backend(name="kiln")(kiln_backend)
+
+
+def compile(model_or_fn: Any = None, **kwargs: Any) -> Any:
+    """``kiln.compile(f)`` = ``torch.compile(f, backend="kiln")``; keyword arguments pass through."""
+    if model_or_fn is None:
+        return lambda f: compile(f, **kwargs)
+    return torch.compile(model_or_fn, backend="kiln", **kwargs)

@@ -1,0 +1,88 @@
+"""torch.fx (ATen-level, from AOTAutograd) -> Kiln graph.
+
+Placeholders become ``input`` nodes (tensors) or ``scalar`` nodes (SymInt / Python numbers), ATen
+calls go through :func:`kiln.lowering.lower_call`, integer arithmetic on symbolic sizes becomes
+``pyop`` nodes.  The output spec says, per output position, which graph output fills it or which
+constant (``None`` for a gradient that does not exist).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType
+from kiln.lowering.aten import Ref, lower_call
+from kiln.runtime.interpreter import PYOPS, shape_dim
+
+_PYOP_NAMES = {v: k for k, v in PYOPS.items()}
+_PYOP_NAMES.update({operator.mul: "mul", operator.add: "add", operator.sub: "sub"})
+
+
+class UnsupportedGraph(Exception):
+    pass
+
+
+def _type(v: Any) -> TensorType | None:
+    if isinstance(v, torch.Tensor):
+        return TensorType(tuple(shape_dim(s) for s in v.shape), v.dtype)
+    if isinstance(v, (bool, torch.SymBool)):
+        return TensorType((), None, "bool")
+    if isinstance(v, (int, torch.SymInt)):
+        return TensorType((), None, "int")
+    if isinstance(v, (float, torch.SymFloat)):
+        return TensorType((), None, "float")
+    return None
+
+
+def _types(v: Any) -> tuple[TensorType | None, ...]:
+    if isinstance(v, (tuple, list)):
+        return tuple(_type(x) for x in v)
+    return (_type(v),)
+
+
+def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
+    b = GraphBuilder()
+    env: dict[torch.fx.Node, int] = {}
+
+    def ref_of(x: Any) -> Ref | None:
+        if isinstance(x, torch.fx.Node):
+            return Ref(env[x])
+        return None
+
+    out_spec: list[tuple[str, Any]] = []
+    outputs: list[int] = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            t = _type(val)
+            if t is None:
+                raise UnsupportedGraph(f"placeholder {node.name} has no known type ({type(val)})")
+            env[node] = b.input(t) if t.py is None else b.scalar(t.py)
+        elif node.op == "call_function":
+            tgt = node.target
+            if tgt is operator.getitem:
+                env[node] = b.getitem(env[node.args[0]], node.args[1])
+            elif isinstance(tgt, torch._ops.OpOverload):
+                n = lower_call(tgt, node.args, dict(node.kwargs), ref_of, _types(val))
+                env[node] = b.add(n)
+            elif tgt in _PYOP_NAMES:
+                ins = tuple(env[a] for a in node.args if isinstance(a, torch.fx.Node))
+                k = iter(range(len(ins)))
+                targs = tuple(In(next(k)) if isinstance(a, torch.fx.Node) else a for a in node.args)
+                env[node] = b.add(Node(f"pyop.{_PYOP_NAMES[tgt]}", ins, targs, (), _types(val)))
+            else:
+                raise UnsupportedGraph(f"call to {tgt} is not an ATen op")
+        elif node.op == "output":
+            for o in node.args[0]:
+                if isinstance(o, torch.fx.Node):
+                    out_spec.append(("out", len(outputs)))
+                    outputs.append(env[o])
+                else:
+                    out_spec.append(("const", o))
+        else:
+            raise UnsupportedGraph(f"fx node kind {node.op} ({node.target})")
+    return b.build(outputs), out_spec

@@ -1,0 +1,166 @@
+"""Counters and timings of everything Kiln does, in one place.
+
+    import kiln
+    print(kiln.metrics.report())     # human-readable
+    kiln.metrics.counters()          # dict, for tests and dashboards
+    kiln.metrics.reset()
+
+Tracked: graphs compiled, cache hits (memory / disk), compile and execute time, graph sizes, forced
+syncs (by reason), ops that fell back to eager ATen (by name), recompiles with their reason, and a
+warning when one call site keeps recompiling (naming the input that changes).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import warnings
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+
+class RecompileWarning(UserWarning):
+    pass
+
+
+@dataclass
+class _Metrics:
+    counters: Counter = field(default_factory=Counter)
+    fallbacks: Counter = field(default_factory=Counter)
+    syncs: Counter = field(default_factory=Counter)
+    compile_s: list[float] = field(default_factory=list)
+    execute_s: list[float] = field(default_factory=list)
+    load_s: list[float] = field(default_factory=list)
+    trace_s: list[float] = field(default_factory=list)
+    graph_sizes: list[int] = field(default_factory=list)
+    recompiles: list[tuple[str, str]] = field(default_factory=list)  # (site, reason)
+    per_site: Counter = field(default_factory=Counter)
+    warned: set = field(default_factory=set)
+
+
+_m = _Metrics()
+_lock = threading.Lock()
+
+
+def reset() -> None:
+    global _m
+    with _lock:
+        _m = _Metrics()
+
+
+def incr(name: str, n: int = 1) -> None:
+    with _lock:
+        _m.counters[name] += n
+
+
+def fallback(op: str, n: int = 1) -> None:
+    with _lock:
+        _m.fallbacks[op] += n
+
+
+def forced_sync(reason: str) -> None:
+    with _lock:
+        _m.syncs[reason] += 1
+        _m.counters["forced_syncs"] += 1
+
+
+def compiled(seconds: float, nodes: int) -> None:
+    with _lock:
+        _m.counters["graphs_compiled"] += 1
+        _m.compile_s.append(seconds)
+        _m.graph_sizes.append(nodes)
+
+
+def loaded(seconds: float) -> None:
+    with _lock:
+        _m.load_s.append(seconds)
+
+
+def executed(seconds: float) -> None:
+    with _lock:
+        _m.counters["graphs_executed"] += 1
+        _m.execute_s.append(seconds)
+
+
+def traced(seconds: float) -> None:
+    with _lock:
+        _m.trace_s.append(seconds)
+
+
+def recompile(site: str, reason: str, warn_after: int) -> None:
+    """A call site compiled a new graph for a reason other than its first call."""
+    with _lock:
+        _m.counters["recompiles"] += 1
+        _m.recompiles.append((site, reason))
+        _m.per_site[site] += 1
+        n = _m.per_site[site]
+        should_warn = n > warn_after and site not in _m.warned
+        if should_warn:
+            _m.warned.add(site)
+    if should_warn:
+        warnings.warn(
+            f"Kiln recompiled {site} {n} times; last reason: {reason}. Each new shape or dtype is "
+            "a new graph: pad inputs to a few fixed sizes or mark the dimension dynamic.",
+            RecompileWarning,
+            stacklevel=3,
+        )
+
+
+def counters() -> dict:
+    with _lock:
+        return {
+            **dict(_m.counters),
+            "fallbacks": dict(_m.fallbacks),
+            "syncs": dict(_m.syncs),
+            "compile_s_total": sum(_m.compile_s),
+            "execute_s_total": sum(_m.execute_s),
+            "trace_s_total": sum(_m.trace_s),
+            "graph_sizes": list(_m.graph_sizes),
+            "recompile_reasons": list(_m.recompiles),
+        }
+
+
+def get(name: str) -> int:
+    with _lock:
+        return _m.counters.get(name, 0)
+
+
+def _fmt_times(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    return (
+        f"n={len(xs)} total={sum(xs) * 1e3:.1f}ms median={statistics.median(xs) * 1e3:.2f}ms "
+        f"max={max(xs) * 1e3:.1f}ms"
+    )
+
+
+def report() -> str:
+    with _lock:
+        m = _m
+        lines = ["Kiln metrics"]
+        for k in sorted(m.counters):
+            lines.append(f"  {k:<28} {m.counters[k]}")
+        lines.append(f"  {'compile time':<28} {_fmt_times(m.compile_s)}")
+        lines.append(f"  {'disk-cache load time':<28} {_fmt_times(m.load_s)}")
+        lines.append(f"  {'execute time':<28} {_fmt_times(m.execute_s)}")
+        lines.append(f"  {'trace time':<28} {_fmt_times(m.trace_s)}")
+        if m.graph_sizes:
+            lines.append(
+                f"  {'graph sizes (nodes)':<28} min={min(m.graph_sizes)} max={max(m.graph_sizes)}"
+            )
+        if m.syncs:
+            lines.append("  forced syncs:")
+            for k, v in m.syncs.most_common():
+                lines.append(f"    {k:<26} {v}")
+        if m.fallbacks:
+            lines.append("  ops run eagerly (fallback):")
+            for k, v in m.fallbacks.most_common():
+                lines.append(f"    {k:<26} {v}")
+        if m.recompiles:
+            by = defaultdict(list)
+            for site, reason in m.recompiles:
+                by[site].append(reason)
+            lines.append("  recompiles:")
+            for site, reasons in by.items():
+                lines.append(f"    {site}: {len(reasons)} (last: {reasons[-1]})")
+        return "\n".join(lines)

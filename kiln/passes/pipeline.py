@@ -1,0 +1,44 @@
+"""The optimization pipeline: one readable list of named Graph -> Graph steps.
+
+Each step is timed (``KILN_LOG=passes``), can be switched off by name
+(``KILN_DISABLE_PASSES=cse,fuse``), and its output is verified when ``KILN_CHECKS=1``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from kiln.config import config
+from kiln.ir.graph import Graph
+from kiln.ir.verifier import verify
+
+Pass = Callable[[Graph], Graph]
+
+
+def _passes() -> list[tuple[str, Pass]]:
+    # Imported here so each pass module stays independent of the pipeline.
+    steps: list[tuple[str, Pass]] = []
+    return steps
+
+
+PIPELINE_NAMES: list[str] = []
+
+
+def run_pipeline(g: Graph, trace: list | None = None) -> Graph:
+    """Run every enabled pass in order; ``trace`` (if given) collects (name, seconds, graph)."""
+    if config.checks:
+        verify(g)
+    for name, p in _passes():
+        if name in config.disabled_passes:
+            continue
+        t0 = time.perf_counter()
+        g = p(g)
+        dt = time.perf_counter() - t0
+        if config.checks:
+            verify(g)
+        if trace is not None:
+            trace.append((name, dt, g))
+        if config.log_enabled("passes"):
+            print(f"[kiln] pass {name}: {dt * 1e3:.2f} ms, {len(g)} nodes")
+    return g

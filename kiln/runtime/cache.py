@@ -1,0 +1,127 @@
+"""Compile cache: in memory, and persistent on disk.
+
+Disk entries live under ``<cache_dir>/graphs/<key>.kgc``; the key covers the graph's structural hash,
+Kiln's version, torch's version and the backend.  Writes go to a temporary file in the same folder
+and are renamed into place (atomic on POSIX), under a file lock, so several processes can share one
+cache.  Every entry carries a SHA-256 of its payload: a corrupt entry is reported once, removed,
+and rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import tempfile
+import threading
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+from filelock import FileLock
+
+import kiln
+
+_MAGIC = b"KILNGC1\n"
+
+
+class CorruptCacheEntry(RuntimeError):
+    pass
+
+
+def cache_key(graph_hash: str, backend: str) -> str:
+    raw = f"{graph_hash}|kiln={kiln.__version__}|torch={torch.__version__}|backend={backend}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:40]
+
+
+class MemoryCache:
+    def __init__(self, capacity: int = 2048) -> None:
+        self._d: OrderedDict[str, Any] = OrderedDict()
+        self._cap = capacity
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> Any:
+        with self._lock:
+            v = self._d.get(key)
+            if v is not None:
+                self._d.move_to_end(key)
+            return v
+
+    def put(self, key: str, value: Any) -> None:
+        with self._lock:
+            self._d[key] = value
+            self._d.move_to_end(key)
+            while len(self._d) > self._cap:
+                self._d.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+
+
+class DiskCache:
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root) / "graphs"
+        self._reported: set[str] = set()
+
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}.kgc"
+
+    def lock(self, key: str) -> FileLock:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(self.root / f"{key}.lock"), timeout=600)
+
+    def load(self, key: str) -> Any | None:
+        p = self.path(key)
+        try:
+            raw = p.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            return _decode(raw)
+        except CorruptCacheEntry as e:
+            if key not in self._reported:
+                self._reported.add(key)
+                warnings.warn(f"Kiln: corrupt cache entry {p} ({e}); removing it and rebuilding")
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+            return None
+
+    def store(self, key: str, value: Any) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        data = _encode(value)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{key}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path(key))
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+
+
+def _encode(value: Any) -> bytes:
+    payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    return _MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+def _decode(raw: bytes) -> Any:
+    if not raw.startswith(_MAGIC) or len(raw) < len(_MAGIC) + 32:
+        raise CorruptCacheEntry("bad header")
+    digest = raw[len(_MAGIC) : len(_MAGIC) + 32]
+    payload = raw[len(_MAGIC) + 32 :]
+    if hashlib.sha256(payload).digest() != digest:
+        raise CorruptCacheEntry("checksum mismatch")
+    try:
+        return pickle.loads(payload)
+    except Exception as e:  # noqa: BLE001
+        raise CorruptCacheEntry(f"cannot unpickle: {e}") from None

@@ -1,0 +1,88 @@
+"""Graph -> executable, through the caches.
+
+    exe = compile_graph(graph, site="lazy:train.py:42")
+    outputs = exe(inputs)
+
+Order: memory cache, then disk cache (a hit skips the pass pipeline and code generation), then a
+real compile: the pass pipeline, then the backend (generated C++ kernels, or the reference
+interpreter).  Every step is counted in :mod:`kiln.metrics`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from kiln import metrics
+from kiln.config import config
+from kiln.ir.graph import Graph
+from kiln.passes.pipeline import run_pipeline
+from kiln.runtime.cache import DiskCache, MemoryCache, cache_key
+from kiln.runtime.interpreter import Interpreter
+
+_memory = MemoryCache()
+
+
+@dataclass
+class Executable:
+    graph: Graph  # the optimized graph
+    run: Callable[[Sequence[Any]], list[Any]]
+    source_graph_hash: str = ""
+    info: dict = field(default_factory=dict)
+
+    def __call__(self, inputs: Sequence[Any]) -> list[Any]:
+        return self.run(inputs)
+
+
+def _backend_build(g: Graph) -> tuple[Callable, dict]:
+    if config.backend == "cpp":
+        try:
+            from kiln.codegen.cpp import build as cpp_build  # noqa: PLC0415
+        except ImportError:
+            cpp_build = None
+        if cpp_build is not None:
+            return cpp_build(g)
+    return Interpreter(g), {"backend": "interpreter"}
+
+
+def optimize(g: Graph) -> Graph:
+    return run_pipeline(g)
+
+
+def compile_graph(g: Graph) -> Executable:
+    key = cache_key(g.hash, config.backend)
+    exe = _memory.get(key)
+    if exe is not None:
+        metrics.incr("cache_hits_memory")
+        return exe
+    t0 = time.perf_counter()
+    disk = DiskCache(config.cache_dir) if config.disk_cache else None
+    opt = disk.load(key) if disk else None
+    built = False
+    if opt is None:
+        if disk:
+            with disk.lock(key):
+                opt = disk.load(key)  # another process may have just built it
+                if opt is None:
+                    opt, built = optimize(g), True
+                    disk.store(key, opt)
+        else:
+            opt, built = optimize(g), True
+    run, info = _backend_build(opt)
+    dt = time.perf_counter() - t0
+    if built:
+        metrics.compiled(dt, len(g))
+    else:
+        metrics.incr("cache_hits_disk")
+        metrics.loaded(dt)
+    if config.log_enabled("graphs"):
+        print(f"[kiln] compiled graph {g.hash} ({len(g)} nodes -> {len(opt)}) in {dt * 1e3:.1f} ms")
+        print(opt)
+    exe = Executable(opt, run, g.hash, info)
+    _memory.put(key, exe)
+    return exe
+
+
+def clear_memory_cache() -> None:
+    _memory.clear()
