@@ -164,6 +164,12 @@ def check_shape(
                 f"{where}: invalid value {value!r}; valid values are: {', '.join(enum)}"
             )
         _check_length(where, len(value), definition, "characters")
+    elif kind in ("integer", "long"):
+        low, high = definition.get("min"), definition.get("max")
+        if low is not None and value < low:
+            raise ClientException(f"{where}: must be at least {low} (got {value})")
+        if high is not None and value > high:
+            raise ClientException(f"{where}: must be at most {high} (got {value})")
 
 
 def _check_length(where: str, size: int, definition: dict[str, Any], unit: str) -> None:
