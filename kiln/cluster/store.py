@@ -108,10 +108,7 @@ def _is_postgres(url: str) -> bool:
 
 
 def default_path() -> str:
-    """Where the store lives unless told otherwise: ``$KILN_CLUSTER_DB`` or ``~/.kiln/cluster.db``."""
-    env = os.environ.get("KILN_CLUSTER_DB")
-    if env:
-        return env
+    """Where the store lives unless told otherwise: ``~/.kiln/cluster.db``."""
     return os.path.join(os.path.expanduser("~"), ".kiln", "cluster.db")
 
 

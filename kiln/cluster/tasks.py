@@ -1,0 +1,389 @@
+"""Task actions (RunTask, DescribeTasks, ListTasks, StopTask) and the agent's lifecycle writes.
+
+A task's devices are recorded in the ``devices`` table (``task_arn``) in the same exclusive
+transaction that inserts the task, and released in the same transaction that marks it STOPPED,
+so ``registered - sum(active tasks) == remaining`` holds after every commit.
+
+Lifecycle: PROVISIONING (placed) -> PENDING (claimed by its agent, about to start) -> RUNNING
+(process started, pid recorded) -> STOPPED (exit code / stop reason, devices freed).  StopTask sets
+``desiredStatus`` STOPPED; a task no agent has claimed yet is stopped at once.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+from kiln.cluster import placement, resources
+from kiln.cluster.errors import ClientException, InvalidParameterException
+from kiln.cluster.store import Tx, dumps, loads
+
+if TYPE_CHECKING:
+    from kiln.cluster.store import Store
+
+ACTIVE_SQL = "last_status != 'STOPPED'"
+
+
+def _int(value: Any, default: int = 0) -> int:
+    if value in (None, ""):
+        return default
+    try:
+        return int(str(value).split()[0])
+    except ValueError as e:
+        raise InvalidParameterException(f"not an integer amount: {value!r}") from e
+
+
+def _container_request(container: dict[str, Any]) -> dict[str, Any]:
+    from kiln.cluster import taskdef
+
+    return taskdef.container_device_request(container)
+
+
+class TaskActions:
+    """Mixed into ``ClusterService`` (which provides ``store``, ``arn``, ``cluster_name`` ...)."""
+
+    store: Store
+    rng: random.Random | None = None
+
+    # -- placement ----------------------------------------------------------------------------
+    def candidates(
+        self, tx: Tx, cluster: str, statuses: tuple[str, ...] | None = ("ACTIVE",)
+    ) -> list[placement.Candidate]:
+        """Snapshot every container instance of ``cluster`` for placement (or filtering)."""
+        rows = tx.execute(
+            "SELECT * FROM container_instances WHERE cluster = ? AND status != 'DEREGISTERED'"
+            " ORDER BY registered_at, arn",
+            (cluster,),
+        )
+        if statuses is not None:
+            rows = [r for r in rows if r["status"] in statuses]
+        out = []
+        for r in rows:
+            active = tx.execute(
+                f"SELECT grp, cpu, memory, last_status FROM tasks WHERE instance_arn = ? AND {ACTIVE_SQL}",
+                (r["arn"],),
+            )
+            devices = tx.execute(
+                "SELECT * FROM devices WHERE instance_arn = ? ORDER BY kind, idx", (r["arn"],)
+            )
+            groups: dict[str, int] = {}
+            for t in active:
+                groups[t["grp"]] = groups.get(t["grp"], 0) + 1
+            out.append(
+                placement.Candidate(
+                    arn=r["arn"],
+                    ec2_instance_id=r["ec2_instance_id"],
+                    status=r["status"],
+                    agent_connected=bool(r["agent_connected"]),
+                    agent_version=r["agent_version"],
+                    attributes=loads(r["attributes"]) or {},
+                    registered_at=r["registered_at"],
+                    remaining_cpu=r["cpu"] - sum(t["cpu"] for t in active),
+                    remaining_memory=r["memory"] - sum(t["memory"] for t in active),
+                    free_devices=[d for d in devices if d["task_arn"] is None],
+                    all_devices=devices,
+                    running_tasks_count=sum(1 for t in active if t["last_status"] == "RUNNING"),
+                    groups=groups,
+                )
+            )
+        return out
+
+    def run_task(self, body: dict[str, Any]) -> dict[str, Any]:
+        from kiln.cluster import query
+
+        count = _int(body.get("count"), 1)
+        if not 1 <= count <= 10:
+            raise InvalidParameterException("count must be between 1 and 10")
+        constraints = list(body.get("placementConstraints") or [])
+        strategies = list(body.get("placementStrategy") or [])
+        query.validate_constraints(constraints, for_task_definition=False)
+        if len(strategies) > 5:
+            raise InvalidParameterException("at most 5 placement strategies per task")
+        for s in strategies:
+            if s.get("type") not in ("random", "spread", "binpack"):
+                raise InvalidParameterException(f"unknown placement strategy {s.get('type')!r}")
+        with self.store.transaction(exclusive=True) as tx:
+            cluster = self.cluster_name(tx, body.get("cluster"))  # type: ignore[attr-defined]
+            td_row = self.resolve_taskdef(tx, body.get("taskDefinition", ""))  # type: ignore[attr-defined]
+            if td_row["status"] != "ACTIVE":
+                raise ClientException("TaskDefinition is inactive")
+            td = loads(td_row["body"])
+            all_constraints = list(td.get("placementConstraints") or []) + constraints
+            if len(all_constraints) > 10:
+                raise InvalidParameterException("at most 10 placement constraints per task")
+            containers = self._containers(td, body.get("overrides") or {})
+            needs = placement.TaskNeeds(
+                cpu=_int((body.get("overrides") or {}).get("cpu"), _int(td.get("cpu"), 0))
+                or sum(c["cpu"] for c in containers),
+                memory=_int((body.get("overrides") or {}).get("memory"), _int(td.get("memory"), 0))
+                or sum(c["memory"] for c in containers),
+                group=body.get("group") or f"family:{td['family']}",
+                containers=[c["request"] for c in containers],
+                constraints=all_constraints,
+                strategies=strategies,
+                required_attributes=list(td.get("requiresAttributes") or []),
+            )
+            cands = self.candidates(tx, cluster)
+            if not cands:
+                raise InvalidParameterException("No Container Instances were found in your cluster.")
+            placed, failures = placement.place(cands, needs, count, self.rng)
+            tasks = [
+                self._insert_task(tx, cluster, td_row, body, needs, containers, p) for p in placed
+            ]
+        return {"tasks": tasks, "failures": failures}
+
+    @staticmethod
+    def _containers(td: dict[str, Any], overrides: dict[str, Any]) -> list[dict[str, Any]]:
+        by_name = {o.get("name"): o for o in overrides.get("containerOverrides") or []}
+        out = []
+        for c in td.get("containerDefinitions") or []:
+            o = by_name.get(c.get("name"), {})
+            env = {e["name"]: e.get("value", "") for e in c.get("environment") or []}
+            env.update({e["name"]: e.get("value", "") for e in o.get("environment") or []})
+            out.append(
+                {
+                    "name": c["name"],
+                    "command": list(c.get("entryPoint") or [])
+                    + list(o.get("command") or c.get("command") or []),
+                    "environment": env,
+                    "cpu": _int(o.get("cpu"), _int(c.get("cpu"))),
+                    "memory": _int(
+                        o.get("memory"), _int(c.get("memory"), _int(c.get("memoryReservation")))
+                    ),
+                    "request": _container_request(c),
+                    "hostDevices": [
+                        d["hostPath"] for d in (c.get("linuxParameters") or {}).get("devices") or []
+                    ],
+                }
+            )
+        return out
+
+    def _insert_task(
+        self,
+        tx: Tx,
+        cluster: str,
+        td_row: dict[str, Any],
+        body: dict[str, Any],
+        needs: placement.TaskNeeds,
+        containers: list[dict[str, Any]],
+        p: placement.Placement,
+    ) -> dict[str, Any]:
+        task_id = secrets.token_hex(16)
+        arn = self.arn("task", f"{cluster}/{task_id}")  # type: ignore[attr-defined]
+        stored = []
+        for c, devs in zip(containers, p.devices):
+            for d in devs:
+                tx.execute(
+                    "UPDATE devices SET task_arn = ? WHERE instance_arn = ? AND device_id = ?"
+                    " AND task_arn IS NULL",
+                    (arn, p.candidate.arn, d["device_id"]),
+                )
+                if tx.rowcount != 1:  # cannot happen under the exclusive lock; never double-book
+                    raise RuntimeError(f"device {d['device_id']} was taken concurrently")
+            stored.append(
+                {
+                    "name": c["name"],
+                    "containerArn": self.arn(  # type: ignore[attr-defined]
+                        "container", f"{cluster}/{task_id}/{secrets.token_hex(16)}"
+                    ),
+                    "command": c["command"],
+                    "environment": c["environment"],
+                    "cpu": c["cpu"],
+                    "memory": c["memory"],
+                    "hostDevices": c["hostDevices"],
+                    "devices": [
+                        {k: d[k] for k in ("device_id", "kind", "idx", "path", "cores", "uuid",
+                                           "memory_mib", "name")}
+                        for d in devs
+                    ],
+                    "lastStatus": "PENDING",
+                }
+            )
+        tx.execute(
+            "INSERT INTO tasks (arn, cluster, instance_arn, taskdef_arn, family, grp, started_by,"
+            " last_status, desired_status, cpu, memory, containers, overrides, created_at, version)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, 'PROVISIONING', 'RUNNING', ?, ?, ?, ?, ?, 1)",
+            (
+                arn, cluster, p.candidate.arn, td_row["arn"], td_row["family"], needs.group,
+                body.get("startedBy"), needs.cpu, needs.memory, dumps(stored),
+                dumps(body.get("overrides") or {}), time.time(),
+            ),
+        )
+        return self.task_json(tx, arn)
+
+    # -- describing ---------------------------------------------------------------------------
+    def task_json(self, tx: Tx, arn: str) -> dict[str, Any]:
+        t = tx.one("SELECT * FROM tasks WHERE arn = ?", (arn,))
+        if t is None:
+            raise InvalidParameterException("task not found")
+        cluster_arn = self.arn("cluster", t["cluster"])  # type: ignore[attr-defined]
+        containers = []
+        for c in loads(t["containers"]):
+            doc = {
+                "containerArn": c["containerArn"],
+                "taskArn": arn,
+                "name": c["name"],
+                "lastStatus": c.get("lastStatus", "PENDING"),
+                "cpu": str(c["cpu"]),
+                "gpuIds": [resources.public_id(d) for d in c["devices"] if d["kind"] == "gpu"],
+                "neuronDeviceIds": [
+                    resources.public_id(d) for d in c["devices"] if d["kind"] == "neuron"
+                ],
+            }
+            if c.get("memory"):
+                doc["memory"] = str(c["memory"])
+            if c.get("exitCode") is not None:
+                doc["exitCode"] = c["exitCode"]
+            if c.get("reason"):
+                doc["reason"] = c["reason"]
+            containers.append(doc)
+        doc = {
+            "taskArn": arn,
+            "clusterArn": cluster_arn,
+            "taskDefinitionArn": t["taskdef_arn"],
+            "containerInstanceArn": t["instance_arn"],
+            "overrides": loads(t["overrides"]) or {},
+            "lastStatus": t["last_status"],
+            "desiredStatus": t["desired_status"],
+            "cpu": str(t["cpu"]),
+            "memory": str(t["memory"]),
+            "containers": containers,
+            "group": t["grp"],
+            "launchType": "EC2",
+            "version": t["version"],
+            "createdAt": t["created_at"],
+        }
+        for key, col in (("startedBy", "started_by"), ("stoppedReason", "stopped_reason"),
+                         ("stopCode", "stop_code"), ("startedAt", "started_at"),
+                         ("stoppingAt", "stopping_at"), ("stoppedAt", "stopped_at")):
+            if t[col] is not None:
+                doc[key] = t[col]
+        return doc
+
+    def _task_arn(self, cluster: str, ref: str) -> str:
+        return ref if ref.startswith("arn:") else self.arn("task", f"{cluster}/{ref}")  # type: ignore[attr-defined]
+
+    def describe_tasks(self, body: dict[str, Any]) -> dict[str, Any]:
+        found, failures = [], []
+        with self.store.transaction() as tx:
+            cluster = self.cluster_name(tx, body.get("cluster"))  # type: ignore[attr-defined]
+            for ref in body.get("tasks") or []:
+                arn = self._task_arn(cluster, ref)
+                if tx.one("SELECT arn FROM tasks WHERE arn = ?", (arn,)) is None:
+                    failures.append({"arn": ref, "reason": "MISSING"})
+                else:
+                    found.append(self.task_json(tx, arn))
+        return {"tasks": found, "failures": failures}
+
+    def list_tasks(self, body: dict[str, Any]) -> dict[str, Any]:
+        from kiln.cluster.service import _paginate
+
+        with self.store.transaction() as tx:
+            cluster = self.cluster_name(tx, body.get("cluster"))  # type: ignore[attr-defined]
+            sql, params = "SELECT arn FROM tasks WHERE cluster = ?", [cluster]
+            desired = body.get("desiredStatus") or "RUNNING"
+            sql += " AND desired_status = ?"
+            params.append(desired)
+            if body.get("containerInstance"):
+                ref = body["containerInstance"]
+                sql += " AND instance_arn = ?"
+                params.append(
+                    ref if ref.startswith("arn:")
+                    else self.arn("container-instance", f"{cluster}/{ref}")  # type: ignore[attr-defined]
+                )
+            if body.get("family"):
+                sql += " AND family = ?"
+                params.append(body["family"])
+            if body.get("startedBy"):
+                sql += " AND started_by = ?"
+                params.append(body["startedBy"])
+            arns = [r["arn"] for r in tx.execute(sql + " ORDER BY created_at, arn", params)]
+        return _paginate(arns, body, "taskArns")
+
+    def stop_task(self, body: dict[str, Any]) -> dict[str, Any]:
+        reason = body.get("reason") or "Task stopped by user"
+        with self.store.transaction(exclusive=True) as tx:
+            cluster = self.cluster_name(tx, body.get("cluster"))  # type: ignore[attr-defined]
+            arn = self._task_arn(cluster, body.get("task") or "")
+            t = tx.one("SELECT * FROM tasks WHERE arn = ?", (arn,))
+            if t is None:
+                raise InvalidParameterException("The referenced task was not found.")
+            if t["last_status"] == "PROVISIONING":  # no agent owns it yet: stop it here
+                self._stop_in_tx(tx, arn, None, reason, "UserInitiated")
+            elif t["last_status"] != "STOPPED" and t["desired_status"] != "STOPPED":
+                tx.execute(
+                    "UPDATE tasks SET desired_status = 'STOPPED', stopped_reason = ?,"
+                    " stop_code = 'UserInitiated', stopping_at = ?, version = version + 1"
+                    " WHERE arn = ?",
+                    (reason, time.time(), arn),
+                )
+            return {"task": self.task_json(tx, arn)}
+
+    # -- agent lifecycle ----------------------------------------------------------------------
+    def agent_tasks(self, instance_arn: str) -> list[dict[str, Any]]:
+        """Active task rows of one instance (for its agent)."""
+        rows = self.store.query(
+            f"SELECT * FROM tasks WHERE instance_arn = ? AND {ACTIVE_SQL} ORDER BY created_at",
+            (instance_arn,),
+        )
+        for r in rows:
+            r["containers"] = loads(r["containers"])
+        return rows
+
+    def claim_task(self, arn: str, work_dir: str) -> bool:
+        """PROVISIONING -> PENDING: the agent takes ownership before launching anything."""
+        with self.store.transaction(exclusive=True) as tx:
+            tx.execute(
+                "UPDATE tasks SET last_status = 'PENDING', work_dir = ?, version = version + 1"
+                " WHERE arn = ? AND last_status = 'PROVISIONING' AND desired_status = 'RUNNING'",
+                (work_dir, arn),
+            )
+            return tx.rowcount == 1
+
+    def mark_running(self, arn: str, procs: list[tuple[int, float]]) -> None:
+        """Record each container's pid and psutil create time (for safe re-adoption)."""
+        with self.store.transaction(exclusive=True) as tx:
+            t = tx.one("SELECT containers, started_at FROM tasks WHERE arn = ?", (arn,))
+            if t is None:
+                return
+            containers = loads(t["containers"])
+            for c, (pid, start) in zip(containers, procs):
+                c.update(lastStatus="RUNNING", pid=pid, pidStart=start)
+            tx.execute(
+                "UPDATE tasks SET last_status = 'RUNNING', pid = ?, pid_start = ?,"
+                " started_at = ?, containers = ?, version = version + 1"
+                " WHERE arn = ? AND last_status != 'STOPPED'",
+                (procs[0][0] if procs else None, procs[0][1] if procs else None,
+                 t["started_at"] or time.time(), dumps(containers), arn),
+            )
+
+    def mark_stopped(
+        self, arn: str, exit_code: int | None, reason: str, stop_code: str = "EssentialContainerExited"
+    ) -> None:
+        """Mark a task STOPPED and free its devices, in one transaction (idempotent)."""
+        with self.store.transaction(exclusive=True) as tx:
+            self._stop_in_tx(tx, arn, exit_code, reason, stop_code)
+
+    def _stop_in_tx(
+        self, tx: Tx, arn: str, exit_code: int | None, reason: str, stop_code: str
+    ) -> None:
+        t = tx.one("SELECT * FROM tasks WHERE arn = ?", (arn,))
+        if t is None or t["last_status"] == "STOPPED":
+            tx.execute("UPDATE devices SET task_arn = NULL WHERE task_arn = ?", (arn,))
+            return
+        containers = loads(t["containers"])
+        for c in containers:
+            c["lastStatus"] = "STOPPED"
+            c["exitCode"] = exit_code
+            c["reason"] = reason
+        now = time.time()
+        tx.execute(
+            "UPDATE tasks SET last_status = 'STOPPED', desired_status = 'STOPPED', exit_code = ?,"
+            " stopped_reason = ?, stop_code = ?, stopping_at = COALESCE(stopping_at, ?),"
+            " stopped_at = ?, containers = ?, version = version + 1 WHERE arn = ?",
+            (exit_code, t["stopped_reason"] or reason, t["stop_code"] or stop_code, now, now,
+             dumps(containers), arn),
+        )
+        tx.execute("UPDATE devices SET task_arn = NULL WHERE task_arn = ?", (arn,))
