@@ -58,7 +58,11 @@ _TABLE: dict[Category, str] = {
     threshold_backward trunc where _to_copy to_copy heaviside hypot nextafter igamma igammac
     logit xlogy special_xlog1py copysign fmax fmin sgn softplus softplus_backward
     elu_backward leaky_relu_backward hardtanh_backward silu_backward mish_backward
-    hardswish_backward hardsigmoid_backward square i0 polygamma log_sigmoid_forward
+    hardswish_backward hardsigmoid_backward square i0 polygamma log_sigmoid_forward zero
+    _foreach_add _foreach_sub _foreach_mul _foreach_div _foreach_addcdiv _foreach_addcmul
+    _foreach_lerp _foreach_sqrt _foreach_neg _foreach_abs _foreach_exp _foreach_reciprocal
+    _foreach_copy _foreach_maximum _foreach_minimum _foreach_clamp_min _foreach_clamp_max
+    _foreach_pow _foreach_sign _foreach_zero _foreach_rsqrt _foreach_log
     """,
     _R: """
     sum mean amax amin max min argmax argmin prod var var_mean std std_mean any all logsumexp
@@ -69,6 +73,7 @@ _TABLE: dict[Category, str] = {
     cumsum cumprod norm linalg_vector_norm nll_loss_forward nll_loss_backward nll_loss2d_forward
     nll_loss2d_backward mse_loss mse_loss_backward binary_cross_entropy
     binary_cross_entropy_backward _fused_rms_norm cummax cummin logcumsumexp sort topk
+    _foreach_norm
     """,
     _V: """
     view _unsafe_view reshape expand permute transpose t squeeze unsqueeze select slice
@@ -90,7 +95,7 @@ _TABLE: dict[Category, str] = {
     """,
     _X: """
     rand randn rand_like randn_like randint randint_like bernoulli native_dropout uniform normal
-    randperm multinomial exponential geometric cauchy log_normal
+    randperm multinomial exponential geometric cauchy log_normal normal_functional random
     """,
     _F: """
     empty empty_strided empty_like zeros zeros_like ones ones_like full full_like arange

@@ -1,0 +1,120 @@
+"""The ``kiln`` device: registration with PyTorch and the user-facing API.
+
+    dev = kiln.device()              # torch.device("kiln", 0)
+    model.to(dev); x = x.to(dev)
+    loss = model(x).sum(); loss.backward(); opt.step()
+    kiln.mark_step()                 # or kiln.optimizer_step(opt)
+
+PyTorch's PrivateUse1 backend slot is renamed to ``kiln``; factory functions with
+``device=dev`` reach :func:`kiln.frontends.lazy.tensor.factory` through a dispatch fallback, and every
+other op reaches ``LazyTensor.__torch_dispatch__``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+_registered = False
+_reg_lock = threading.Lock()
+
+
+class _KilnModule:
+    """``torch.kiln``: what PyTorch expects of a device module."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        """Lazy random ops draw their per-step seed from torch's CPU generator."""
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        """See manual_seed_all."""
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        from kiln.frontends.lazy.trace import sync
+
+        sync()
+
+
+def _register() -> None:
+    global _registered
+    with _reg_lock:
+        if _registered:
+            return
+        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+        if torch._C._get_privateuse1_backend_name() not in ("privateuseone", "kiln"):
+            raise RuntimeError(
+                "Kiln's lazy device needs PyTorch's PrivateUse1 backend slot, but another backend "
+                f"({torch._C._get_privateuse1_backend_name()!r}) already took it in this process"
+            )
+        if torch._C._get_privateuse1_backend_name() == "privateuseone":
+            _setup_privateuseone_for_python_backend("kiln", backend_module=_KilnModule())
+        from kiln.frontends.lazy.tensor import factory
+
+        lib = torch.library.Library("_", "IMPL")
+        lib.fallback(
+            lambda keyset, op, *args, **kwargs: factory(op, *args, **kwargs),
+            dispatch_key="PrivateUse1",
+            with_keyset=True,
+        )
+        _register.lib = lib  # type: ignore[attr-defined]  # keep the registration alive
+        _registered = True
+
+
+def device(index: int = 0) -> torch.device:
+    """The Kiln lazy device, as a ``torch.device`` to pass to ``.to()`` and factory functions."""
+    if index != 0:
+        raise ValueError(f"Kiln has one lazy device (index 0); got index {index}")
+    _register()
+    return torch.device("kiln", 0)
+
+
+def mark_step() -> None:
+    """Cut the pending graph: compile it (cached by structural hash), run it, materialize."""
+    from kiln.frontends.lazy.trace import sync
+
+    sync()
+
+
+def sync() -> None:
+    """Same as :func:`mark_step`."""
+    mark_step()
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, **step_kwargs: Any) -> Any:
+    """``optimizer.step()`` followed by :func:`mark_step`, as in PyTorch/XLA."""
+    loss = optimizer.step(**step_kwargs)
+    mark_step()
+    return loss

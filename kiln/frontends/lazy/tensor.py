@@ -1,0 +1,359 @@
+"""Lazy tensors: every ATen op on them is recorded into the pending graph, not run.
+
+A :class:`LazyTensor` is a wrapper subclass on the ``kiln`` device with no storage of its own.  It
+holds a :class:`~kiln.frontends.lazy.trace.Storage` (the value it shares with its views), the chain
+of view ops from that storage's base to itself, and a meta tensor with its exact geometry, which is
+how shapes, dtypes and strides are inferred (by running each op on the meta device).
+
+How each op is handled (``_dispatch``):
+  view ops          no node: the result shares the storage, its chain grows by one link
+  in-place ops      the functional variant is recorded, and the result written back through the
+                    view chain (so every alias sees it, as in eager)
+  Kiln ops          one node; float arguments lifted into scalar inputs (a new lr is no new graph)
+  other ops         torch's decomposition if it has one, else an opaque node (counted)
+  data-dependent    (``nonzero``, ``.item()``, ops without a meta kernel) sync, run eagerly, counted
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._decomp import core_aten_decompositions
+from torch.utils._pytree import tree_flatten, tree_map
+
+from kiln import metrics
+from kiln.config import config
+from kiln.frontends.lazy import trace as T
+from kiln.frontends.lazy.views import Link, inverse, split_links
+from kiln.ir.graph import Node
+from kiln.ir.ops import OPS, Category
+from kiln.lowering.aten import Ref, lower_call, op_name
+
+aten = torch.ops.aten
+DEVICE = torch.device("kiln", 0)
+_CPU = torch.device("cpu")
+_DECOMPS = core_aten_decompositions()
+
+# Ops whose float arguments describe the op itself (not a value that changes per step): kept in
+# the graph so passes can see them (pow(x, 2.0) -> x*x).
+_STRUCTURAL_FLOATS = {"pow", "native_dropout", "leaky_relu", "elu", "hardtanh", "softplus",
+                      "threshold", "rrelu", "celu", "gelu", "clamp", "clamp_min", "clamp_max",
+                      "native_layer_norm", "native_group_norm", "native_batch_norm",
+                      "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+                      "_fused_rms_norm", "full", "fill", "scalar_tensor", "arange",
+                      "linspace", "bernoulli", "uniform", "normal_functional", "masked_fill",
+                      "nan_to_num"}
+# In-place ops whose functional variant is not just the name without the trailing underscore.
+_FUNCTIONAL = {
+    "bernoulli_.float": "bernoulli.p",
+    "normal_.default": "normal_functional.default",
+}
+
+
+class LazyTensor(torch.Tensor):
+    _st: T.Storage
+    _chain: tuple[Link, ...]
+    _meta: torch.Tensor
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, meta: torch.Tensor, st: T.Storage, chain: tuple = ()) -> "LazyTensor":
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            meta.shape,
+            strides=meta.stride(),
+            storage_offset=meta.storage_offset(),
+            dtype=meta.dtype,
+            device=DEVICE,
+            requires_grad=False,
+        )
+        r._st = st
+        r._chain = chain
+        r._meta = meta
+        return r
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002
+        v = materialize(self, "print")
+        body = repr(v)
+        return body[:-1] + f", device='{DEVICE}')" if body.endswith(")") else body
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+        with T._lock:
+            out = _dispatch(func, args, kwargs or {})
+            if config.eager:
+                T.sync("eager")
+                metrics.incr("eager_ops")
+            return out
+
+
+def new_data(value: torch.Tensor) -> LazyTensor:
+    """A lazy tensor that holds concrete data (its own storage)."""
+    value = value.detach()
+    meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return LazyTensor(meta, T.Storage(meta, value))
+
+
+def _new_pending(meta: torch.Tensor, node: int) -> LazyTensor:
+    st = T.Storage(meta)
+    T.current().set_pending(st, node)
+    return LazyTensor(meta, st)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading and writing values
+
+
+def read(x: LazyTensor) -> int:
+    """Node id of ``x``'s current value in the trace (replaying its view chain)."""
+    tr = T.current()
+    node = tr.import_storage(x._st)
+    meta = x._st.meta
+    for func, args, kw in x._chain:
+        out_meta = func(meta, *args, **dict(kw))
+        n = lower_call(func, (Ref(node), *args), dict(kw), _ref_only, T.out_types(out_meta))
+        node = tr.add(n)
+        meta = out_meta
+    return node
+
+
+def _ref_only(x: Any) -> Ref | None:
+    return x if isinstance(x, Ref) else None
+
+
+def _write(x: LazyTensor, value_node: int) -> None:
+    """Make ``value_node`` the new value of ``x``, through its view chain."""
+    tr = T.current()
+    chain = x._chain
+    # metas along the chain: metas[k] is the value that link k is applied to
+    metas = [x._st.meta]
+    for func, args, kw in chain:
+        metas.append(func(metas[-1], *args, **dict(kw)))
+    new = value_node
+    for k in range(len(chain) - 1, -1, -1):
+        parent = LazyTensor(metas[k], x._st, chain[:k])
+        new = inverse(chain[k], metas[k], _record_nodes, Ref(read(parent)), Ref(new)).id
+    tr.set_pending(x._st, new)
+
+
+def _record_nodes(func: Any, *args: Any, **kwargs: Any) -> Ref:
+    """Record a functional op whose tensor arguments are already graph values (Refs)."""
+    meta_args = tree_map(lambda a: _meta_of_ref(a), args)
+    out_meta = func(*meta_args, **kwargs)
+    n = lower_call(func, args, kwargs, _ref_only, T.out_types(out_meta))
+    return Ref(T.current().add(n))
+
+
+def _meta_of_ref(a: Any) -> Any:
+    if isinstance(a, Ref):
+        t = T.current().b.nodes[a.id].types[0]
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return a
+
+
+def materialize(x: LazyTensor, reason: str) -> torch.Tensor:
+    """Concrete CPU value of ``x`` (aliasing its storage's data), running pending work first."""
+    with T._lock:
+        st = x._st
+        if st.pending and st.gen == T.current().gen:
+            T.sync(reason)
+        v = st.data
+        for func, args, kw in x._chain:
+            v = func(v, *args, **dict(kw))
+        return v
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch
+
+
+def _to_meta(a: Any) -> Any:
+    if isinstance(a, LazyTensor):
+        return a._meta
+    if isinstance(a, torch.Tensor):
+        return a.to("meta")
+    if isinstance(a, torch.device) and a.type == "kiln":
+        return torch.device("meta")
+    return a
+
+
+def _cpu_device(a: Any) -> Any:
+    if isinstance(a, torch.device) and a.type == "kiln":
+        return _CPU
+    return a
+
+
+def _check_devices(func: Any, args: Any, kwargs: dict) -> None:
+    flat, _ = tree_flatten((args, kwargs))
+    for a in flat:
+        if isinstance(a, torch.Tensor) and not isinstance(a, LazyTensor) and a.dim() > 0:
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at least two devices, "
+                f"{DEVICE} and {a.device}! (when checking arguments for {func}); move the "
+                f"{a.device} tensor with .to(kiln.device()) or the kiln tensor with .cpu()"
+            )
+
+
+def _mutated_args(func: Any) -> list[int]:
+    return [
+        i
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+
+
+def _functional(func: Any) -> Any | None:
+    key = f"{func._schema.name.split('::')[1]}.{func._overloadname}"
+    target = _FUNCTIONAL.get(key)
+    if target is None:
+        name = func._schema.name.split("::")[1]
+        if not name.endswith("_"):
+            return None
+        target = f"{name[:-1]}.{func._overloadname}"
+    name, _, overload = target.partition(".")
+    packet = getattr(aten, name, None)
+    if packet is None or overload not in packet.overloads():
+        return None
+    return getattr(packet, overload)
+
+
+def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    name = func._schema.name.split("::")[1]
+    if func is aten._to_copy.default and _cpu_device(kwargs.get("device")) == _CPU \
+            and kwargs.get("device") is not None:
+        v = materialize(args[0], "to_cpu")
+        return aten._to_copy.default(v, **kwargs)
+    if func is aten.copy_.default or func is aten.copy.default:
+        pass  # CPU sources are allowed: they are copied in
+    else:
+        _check_devices(func, args, kwargs)
+    if func.is_view:
+        return _view(func, args, kwargs)
+    mutated = _mutated_args(func)
+    if mutated:
+        fn = _functional(func)
+        if fn is None or "out" in kwargs or func._overloadname.endswith("out"):
+            return _eager(func, args, kwargs, f"op:{name}")
+        return _inplace(func, fn, args, kwargs, mutated)
+    if name not in OPS and func in _DECOMPS:
+        out = _DECOMPS[func](*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    return _record(func, args, kwargs)
+
+
+def _view(func: Any, args: tuple, kwargs: dict) -> Any:
+    x = args[0]
+    out_meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+    if isinstance(out_meta, (list, tuple)):
+        links = split_links(func, args, kwargs, list(out_meta))
+        return [LazyTensor(m, x._st, x._chain + (ln,)) for m, ln in zip(out_meta, links)]
+    link = (func, tuple(args[1:]), tuple(kwargs.items()))
+    return LazyTensor(out_meta, x._st, x._chain + (link,))
+
+
+def _inplace(func: Any, fn: Any, args: tuple, kwargs: dict, mutated: list[int]) -> Any:
+    out = _record(fn, args, kwargs)
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    targets: list[LazyTensor] = []
+    for i in mutated:
+        a = args[i] if i < len(args) else kwargs[func._schema.arguments[i].name]
+        targets.extend(a if isinstance(a, (list, tuple)) else [a])
+    if len(targets) != len(outs):
+        raise RuntimeError(f"Kiln internal error: {func} mutates {len(targets)} tensors, "
+                           f"its functional form returns {len(outs)}")
+    for t, v in zip(targets, outs):
+        vn = read(v)
+        if v.dtype != t.dtype or v.shape != t.shape:
+            vn = _record_nodes(aten._to_copy.default, Ref(vn), dtype=t.dtype).id
+            if v.shape != t.shape:
+                vn = _record_nodes(aten.expand.default, Ref(vn), list(t.shape)).id
+        _write(t, vn)
+    return args[0] if func._schema.returns and len(targets) == 1 else None
+
+
+def _record(func: Any, args: tuple, kwargs: dict) -> Any:
+    tr = T.current()
+    meta_args = tree_map(_to_meta, args)
+    meta_kwargs = tree_map(_to_meta, kwargs)
+    try:
+        out_meta = func(*meta_args, **meta_kwargs)
+    except Exception:  # noqa: BLE001 - data-dependent shape or no meta kernel: run it for real
+        return _eager(func, args, kwargs, f"op:{func._schema.name.split('::')[1]}")
+    flat_out, _ = tree_flatten(out_meta)
+    if not any(isinstance(o, torch.Tensor) for o in flat_out):
+        if func._schema.returns and all(
+            str(r.type) in ("int", "bool", "float", "Scalar", "SymInt") for r in func._schema.returns
+        ) and not any(isinstance(a, LazyTensor) for a in tree_flatten(args)[0]):
+            return out_meta
+        return _eager(func, args, kwargs, f"op:{func._schema.name.split('::')[1]}")
+    lift = func._schema.name.split("::")[1] not in _STRUCTURAL_FLOATS
+
+    def ref_of(a: Any) -> Ref | None:
+        if isinstance(a, LazyTensor):
+            return Ref(read(a))
+        if isinstance(a, torch.Tensor):
+            return Ref(tr.import_tensor(a))
+        if lift and type(a) is float:
+            return Ref(tr.scalar(a))
+        return None
+
+    node = lower_call(func, args, tree_map(_cpu_device, kwargs), ref_of, T.out_types(out_meta))
+    if node.category is Category.RANDOM:
+        tr.seed()
+    nid = tr.add(node)
+    if isinstance(out_meta, torch.Tensor):
+        return _new_pending(out_meta, nid)
+    outs = []
+    for k, m in enumerate(out_meta):
+        if isinstance(m, torch.Tensor):
+            outs.append(_new_pending(m, tr.b.getitem(nid, k)))
+        else:
+            outs.append(m)
+    return type(out_meta)(outs) if isinstance(out_meta, tuple) else outs
+
+
+def _eager(func: Any, args: tuple, kwargs: dict, reason: str) -> Any:
+    """Run one op eagerly on materialized values (a forced sync), writing mutations back."""
+    metrics.fallback(func._schema.name.split("::")[1])
+
+    def conc(a: Any) -> Any:
+        if isinstance(a, LazyTensor):
+            return materialize(a, reason)
+        return _cpu_device(a)
+
+    # materialize pending work once, then take values (views alias storage data, so in-place
+    # eager ops write straight into the storages)
+    if any(isinstance(a, LazyTensor) and a._st.pending for a in tree_flatten((args, kwargs))[0]):
+        T.sync(reason)
+    cargs = tree_map(conc, args)
+    ckwargs = tree_map(conc, kwargs)
+    out = func(*cargs, **ckwargs)
+    mutated_ids = set()
+    for i in _mutated_args(func):
+        a = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
+        for t in a if isinstance(a, (list, tuple)) else [a]:
+            if isinstance(t, LazyTensor):
+                mutated_ids.add(id(t))
+
+    def wrap(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            for a in tree_flatten(cargs)[0]:
+                if o is a:  # in-place op returned its (mutated) argument
+                    idx = tree_flatten(cargs)[0].index(a)
+                    return tree_flatten(args)[0][idx]
+            return new_data(o)
+        return o
+
+    return tree_map(wrap, out)
+
+
+def factory(func: Any, *args: Any, **kwargs: Any) -> Any:
+    """Ops that make a kiln tensor from nothing (``torch.zeros(..., device=dev)``)."""
+    with T._lock:
+        out = _record(func, args, kwargs)
+        if config.eager:
+            T.sync("eager")
+        return out

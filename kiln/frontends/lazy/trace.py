@@ -1,0 +1,208 @@
+"""The pending graph of the lazy device, and cutting it (``mark_step``).
+
+Every op on a lazy tensor appends one node to the current :class:`Trace`.  A :class:`Storage` is the
+value behind a tensor and all its views: either concrete data (a CPU tensor) or a pending node of the
+trace.  ``sync`` cuts the trace: the outputs are the pending values of every storage still alive,
+the graph is pruned to what they need, compiled (looked up by structural hash, so a steady training
+loop compiles nothing after its first step), run, and every live storage gets its new data.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from kiln import metrics
+from kiln.config import config
+from kiln.ir.graph import Graph, GraphBuilder, Node, TensorType
+from kiln.runtime.compiler import compile_graph
+from kiln.runtime.interpreter import types_of
+
+
+class Storage:
+    """The value behind one lazy tensor and all of its views (its *base* value)."""
+
+    __slots__ = ("data", "node", "gen", "pending", "meta", "__weakref__")
+
+    def __init__(self, meta: torch.Tensor, data: torch.Tensor | None = None) -> None:
+        self.meta = meta  # meta tensor with the base's shape, strides and dtype
+        self.data = data  # concrete CPU value when materialized
+        self.node: int | None = None  # id in the trace of generation ``gen``
+        self.gen = -1
+        self.pending = False  # node is a computed value that ``data`` does not hold yet
+
+
+class Trace:
+    def __init__(self, gen: int) -> None:
+        self.gen = gen
+        self.b = GraphBuilder()
+        self.values: list[Any] = []  # concrete value of each graph input, by input index
+        self.pending: weakref.WeakSet[Storage] = weakref.WeakSet()
+        self.seed_node: int | None = None
+        self.scalar_nodes: dict[tuple, int] = {}
+        self.t0 = time.perf_counter()
+
+    def add(self, node: Node) -> int:
+        return self.b.add(node)
+
+    def import_storage(self, st: Storage) -> int:
+        """The node holding ``st``'s value in this trace (an input node on first use)."""
+        if st.gen == self.gen and st.node is not None:
+            return st.node
+        if st.data is None:
+            raise RuntimeError("Kiln internal error: lazy storage with neither data nor node")
+        st.node = self.b.input(TensorType(tuple(st.data.shape), st.data.dtype))
+        st.gen = self.gen
+        st.pending = False
+        self.values.append(st.data)
+        return st.node
+
+    def import_tensor(self, t: torch.Tensor) -> int:
+        """A CPU tensor used by the step (copied in: later changes to it are not seen)."""
+        i = self.b.input(TensorType(tuple(t.shape), t.dtype))
+        self.values.append(t.detach().clone())
+        return i
+
+    def scalar(self, value: float | int | bool) -> int:
+        py = type(value).__name__
+        i = self.b.scalar(py)
+        self.values.append(value)
+        return i
+
+    def seed(self) -> int:
+        """The graph input that seeds every random op of this step (drawn at the cut)."""
+        if self.seed_node is None:
+            self.seed_node = self.b.add(
+                Node(
+                    "scalar",
+                    kwargs=(("index", len(self.values)), ("role", "seed")),
+                    types=(TensorType((), None, "int"),),
+                )
+            )
+            self.b._n_inputs += 1
+            self.values.append(None)  # filled at the cut
+        return self.seed_node
+
+    def set_pending(self, st: Storage, node: int) -> None:
+        st.node = node
+        st.gen = self.gen
+        st.pending = True
+        self.pending.add(st)
+
+
+_lock = threading.RLock()
+_trace = Trace(0)
+_last_graph: dict[str, Graph] = {}
+
+
+def current() -> Trace:
+    return _trace
+
+
+def _site() -> str:
+    f = sys._getframe(1)
+    while f is not None and ("/kiln/" in f.f_code.co_filename or "torch/" in f.f_code.co_filename):
+        f = f.f_back
+    if f is None:
+        return "lazy:<unknown>"
+    return f"lazy:{f.f_code.co_filename}:{f.f_lineno}"
+
+
+def _prune(tr: Trace, outs: list[int]) -> tuple[Graph, list[Any]]:
+    """The part of the trace that the outputs need, renumbered, with its input values."""
+    nodes = tr.b.nodes
+    need = [False] * len(nodes)
+    stack = list(outs)
+    while stack:
+        i = stack.pop()
+        if need[i]:
+            continue
+        need[i] = True
+        stack.extend(nodes[i].inputs)
+    has_random = any(need[i] and nodes[i].category.value == "random" for i in range(len(nodes)))
+    if has_random and tr.seed_node is not None:
+        need[tr.seed_node] = True
+    remap: dict[int, int] = {}
+    new: list[Node] = []
+    values: list[Any] = []
+    for i, n in enumerate(nodes):
+        if not need[i]:
+            continue
+        if n.op in ("input", "scalar"):
+            values.append(tr.values[n.kwarg("index")])
+            kw = tuple((k, len(values) - 1 if k == "index" else v) for k, v in n.kwargs)
+            n = n.with_(kwargs=kw)
+        else:
+            n = n.with_(inputs=tuple(remap[j] for j in n.inputs))
+        remap[i] = len(new)
+        new.append(n)
+    g = Graph(tuple(new), tuple(remap[o] for o in outs), tuple(tr.b.constants))
+    return g, values
+
+
+def _recompile_reason(prev: Graph, g: Graph) -> str:
+    pi = [prev.nodes[i].types[0] for i in prev.inputs]
+    gi = [g.nodes[i].types[0] for i in g.inputs]
+    for k, (a, b) in enumerate(zip(pi, gi)):
+        if a != b:
+            return f"input {k} changed {a} -> {b}"
+    if len(pi) != len(gi):
+        return f"number of inputs changed {len(pi)} -> {len(gi)}"
+    return f"graph structure changed ({len(prev)} -> {len(g)} nodes)"
+
+
+def sync(reason: str | None = None) -> None:
+    """Cut the pending graph, compile it (cached), run it, and materialize live tensors.
+
+    ``reason`` None means an explicit ``mark_step``; anything else is counted as a forced sync.
+    """
+    global _trace
+    with _lock:
+        tr = _trace
+        live = [st for st in list(tr.pending) if st.gen == tr.gen and st.pending]
+        _trace = Trace(tr.gen + 1)
+        if reason is None:
+            metrics.incr("mark_steps")
+        if not live:
+            return
+        if reason is not None and reason != "eager":
+            metrics.forced_sync(reason)
+        live.sort(key=lambda s: s.node)
+        outs = [st.node for st in live]
+        g, values = _prune(tr, outs)
+        metrics.traced(time.perf_counter() - tr.t0)
+        if tr.seed_node is not None:
+            seed_idx = next(
+                (n.kwarg("index") for n in g.nodes if n.kwarg("role") == "seed"), None
+            )
+            if seed_idx is not None:
+                values[seed_idx] = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        site = _site() if reason is None else f"sync:{reason}"
+        before = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
+        exe = compile_graph(g)
+        after = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
+        prev = _last_graph.get(site)
+        if after > before and prev is not None and prev.hash != g.hash:
+            metrics.recompile(site, _recompile_reason(prev, g), config.recompile_warn)
+        _last_graph[site] = g
+        t0 = time.perf_counter()
+        results = exe(values)
+        metrics.executed(time.perf_counter() - t0)
+        seen: set[int] = {id(v) for v in values if isinstance(v, torch.Tensor)}
+        for st, val in zip(live, results):
+            if id(val) in seen:  # never let two storages share one buffer
+                val = val.clone()
+            seen.add(id(val))
+            st.data = val
+            st.pending = False
+            st.node = None
+            st.gen = -1
+
+
+def out_types(meta: Any) -> tuple[TensorType | None, ...]:
+    return types_of(meta)
