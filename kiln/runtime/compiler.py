@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import torch
+
 from kiln import metrics
 from kiln.config import config
 from kiln.ir.graph import Graph
@@ -79,9 +81,24 @@ def compile_graph(g: Graph) -> Executable:
     if config.log_enabled("graphs"):
         print(f"[kiln] compiled graph {g.hash} ({len(g)} nodes -> {len(opt)}) in {dt * 1e3:.1f} ms")
         print(opt)
+    seed_index = next((n.kwarg("index") for n in opt.nodes if n.kwarg("role") == "seed"), None)
+    if seed_index is not None:
+        run = _seeded(run, seed_index)
     exe = Executable(opt, run, g.hash, info)
     _memory.put(key, exe)
     return exe
+
+
+def _seeded(run: Callable, seed_index: int) -> Callable:
+    """Random ops of a lazy graph draw from a generator seeded by the graph's seed input, so a new
+    seed each step is a new input value, not a new graph."""
+
+    def seeded(inputs: Sequence[Any]) -> list[Any]:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(inputs[seed_index]))
+            return run(inputs)
+
+    return seeded
 
 
 def clear_memory_cache() -> None:
