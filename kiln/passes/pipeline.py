@@ -18,11 +18,24 @@ Pass = Callable[[Graph], Graph]
 
 def _passes() -> list[tuple[str, Pass]]:
     # Imported here so each pass module stays independent of the pipeline.
-    steps: list[tuple[str, Pass]] = []
+    from kiln.passes.constant_fold import constant_fold
+    from kiln.passes.cse import cse
+    from kiln.passes.dce import dce
+    from kiln.passes.layout import layout
+    from kiln.passes.simplify import simplify
+
+    steps: list[tuple[str, Pass]] = [
+        ("simplify", simplify),  # algebraic identities, view/permute chains, neutral copies
+        ("layout", layout),  # copies feeding matmuls, reshape of contiguous copies
+        ("constant_fold", constant_fold),  # small all-constant subgraphs
+        ("cse", cse),  # duplicate computations
+        ("dce", dce),  # whatever the steps above left unused
+    ]
+    # --- codegen passes go after this line (fusion engineer): ("fuse", ...), ("memory_plan", ...)
     return steps
 
 
-PIPELINE_NAMES: list[str] = []
+PIPELINE_NAMES: list[str] = ["simplify", "layout", "constant_fold", "cse", "dce"]
 
 
 def run_pipeline(g: Graph, trace: list | None = None) -> Graph:

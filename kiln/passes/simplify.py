@@ -1,0 +1,219 @@
+"""Algebraic simplification: a declarative table of local rewrite rules (tinygrad style).
+
+Needs: a well-formed graph.  Guarantees: the same outputs (same values, shapes and dtypes) for every
+input; a node is only ever replaced by a value of exactly the same type, graph inputs and outputs
+keep their order and ``index``; nodes that become unused are left for ``dce``.  Ops no rule names
+pass through untouched; symbolic sizes are compared as opaque strings, never evaluated.
+
+Deliberately *not* here: ``x * 0 -> 0`` (wrong for NaN and inf), ``pow(x, .5) -> sqrt`` (differs
+at -inf), ``1/(1/x) -> x`` (rounds).  ``x + 0 -> x`` turns ``-0.0 + 0`` into ``-0.0``; like every
+compiler we accept that.
+
+Example::
+
+    %1 = mul.Tensor(%0, 1)                  : f32[4]
+    %2 = neg.default(%1)                    : f32[4]
+    %3 = neg.default(%2)                    : f32[4]
+    %4 = permute.default(%3, [0])           : f32[4]
+    return (%4)
+  becomes  ``return (%0)`` (the mul and the first neg are now dead, ``dce`` drops them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.ir.graph import Graph, In, Node
+from kiln.passes._util import Rewriter
+from kiln.passes.rewrite import Rule, apply_rules
+
+PERM_OPS = ("permute.default", "transpose.int", "t.default")
+RESHAPES = ("view.default", "_unsafe_view.default", "reshape.default")
+NOOP_VIEWS = RESHAPES + (
+    "expand.default",
+    "alias.default",
+    "squeeze.default",
+    "squeeze.dim",
+    "squeeze.dims",
+    "slice.Tensor",
+    "narrow.default",
+)
+_FOLDABLE_CONSTANT_NUMEL = 4096
+
+
+# --- matching helpers -------------------------------------------------------------------------
+def src(n: Node) -> int:
+    """The tensor a view/unary node reads: its first argument, which must be ``In(0)``."""
+    if not n.args or n.args[0] != In(0):
+        raise ValueError(f"{n.op}: first argument is not a graph value")
+    return n.inputs[0]
+
+
+def number(rw: Rewriter, n: Node, pos: int) -> int | float | None:
+    """The number at argument ``pos``: a Python literal, or a small constant holding one value.
+
+    ``scalar`` graph inputs change every step and are never looked into.
+    """
+    if pos >= len(n.args):
+        return None
+    a = n.args[pos]
+    if isinstance(a, In):
+        t = rw.constant(n.inputs[a.k])
+        if t is None or t.numel() == 0 or t.numel() > _FOLDABLE_CONSTANT_NUMEL or t.is_complex():
+            return None
+        flat = t.reshape(-1)
+        if not bool((flat == flat[0]).all()):
+            return None
+        return flat[0].item()
+    if isinstance(a, (int, float)) and not isinstance(a, bool):
+        return a
+    return None
+
+
+def value_at(n: Node, pos: int) -> int | None:
+    a = n.args[pos]
+    return n.inputs[a.k] if isinstance(a, In) else None
+
+
+def drop_neutral(neutral: float, commutes: bool, alpha_scales_other: bool = False):
+    """``x op neutral -> x`` (and ``neutral op x -> x`` if the op commutes)."""
+
+    def fn(rw: Rewriter, n: Node) -> int | None:
+        if len(n.args) < 2:
+            return None
+        if n.kwarg("alpha", 1) != 1 and not alpha_scales_other:
+            return None
+        if number(rw, n, 1) == neutral and value_at(n, 0) is not None:
+            return value_at(n, 0)
+        alpha_ok = n.kwarg("alpha", 1) == 1
+        if commutes and alpha_ok and number(rw, n, 0) == neutral and value_at(n, 1) is not None:
+            return value_at(n, 1)
+        return None
+
+    return fn
+
+
+def square(rw: Rewriter, n: Node) -> Node | None:
+    x = src(n)
+    if number(rw, n, 1) != 2 or isinstance(n.args[1], In) or rw.type(x) is None:
+        return None
+    if rw.type(x).dtype != n.types[0].dtype:
+        return None
+    return Node("mul.Tensor", (x, x), (In(0), In(1)), (), n.types)
+
+
+def neg_neg(rw: Rewriter, n: Node) -> int | None:
+    inner = rw.node(src(n))
+    return src(inner) if inner.op == "neg.default" else None
+
+
+def perm(rw: Rewriter, n: Node) -> tuple[int, ...]:
+    """The dimension order a permute / transpose / t node produces."""
+    x = src(n)
+    if n.op == "permute.default":
+        dims = tuple(n.args[1])
+        r = len(dims)
+        return tuple(d % r for d in dims)
+    r = len(rw.type(x).shape)
+    order = list(range(r))
+    if n.op == "t.default":
+        if r == 2:
+            order = [1, 0]
+        return tuple(order)
+    d0, d1 = (n.args[1] % r, n.args[2] % r) if r else (0, 0)
+    if r:
+        order[d0], order[d1] = order[d1], order[d0]
+    return tuple(order)
+
+
+def perm_of_perm(rw: Rewriter, n: Node) -> int | Node | None:
+    inner = rw.node(src(n))
+    if inner.op not in PERM_OPS:
+        return None
+    p, q = perm(rw, inner), perm(rw, n)
+    combined = tuple(p[q[i]] for i in range(len(q)))
+    x = src(inner)
+    if combined == tuple(range(len(combined))):
+        return x
+    return Node("permute.default", (x,), (In(0), combined), (), n.types)
+
+
+def perm_identity(rw: Rewriter, n: Node) -> int | None:
+    p = perm(rw, n)
+    return src(n) if p == tuple(range(len(p))) else None
+
+
+def view_chain(rw: Rewriter, n: Node) -> Node | None:
+    inner = rw.node(src(n))
+    if inner.op not in RESHAPES:
+        return None
+    op = "reshape.default" if "reshape.default" in (inner.op, n.op) else n.op
+    return n.with_(op=op, inputs=(src(inner),) + n.inputs[1:])
+
+
+def noop_view(rw: Rewriter, n: Node) -> int | None:
+    x = src(n)
+    return x if len(n.types) == 1 and rw.type(x) == n.types[0] else None
+
+
+def _copy_may_go(rw: Rewriter, n: Node) -> bool:
+    return rw.type(src(n)) == n.type and rw.facts.aliases_safely(rw.current)
+
+
+def neutral_cast(rw: Rewriter, n: Node) -> int | None:
+    x = src(n)
+    t = rw.type(x)
+    if t is None or n.kwarg("dtype") not in (None, t.dtype):
+        return None
+    if n.kwarg("layout") not in (None, torch.strided) or n.kwarg("device") is not None:
+        return None
+    if n.kwarg("memory_format") not in (None, torch.preserve_format):
+        return None
+    if n.kwarg("pin_memory") not in (None, False) or len(n.args) != 1:
+        return None
+    return x if _copy_may_go(rw, n) else None
+
+
+def drop_clone(rw: Rewriter, n: Node) -> int | None:
+    if n.kwarg("memory_format") not in (None, torch.preserve_format) or len(n.args) != 1:
+        return None
+    return src(n) if _copy_may_go(rw, n) else None
+
+
+# --- the table: first matching rule wins ----------------------------------------------------
+RULES: tuple[Rule, ...] = (
+    # x * 1 -> x,  1 * x -> x
+    Rule("mul_one", ("mul.Tensor", "mul.Scalar"), drop_neutral(1, commutes=True)),
+    # x + 0 -> x,  0 + x -> x   (x + alpha*0 -> x for any alpha)
+    Rule("add_zero", ("add.Tensor", "add.Scalar"),
+         drop_neutral(0, commutes=True, alpha_scales_other=True)),
+    # x - 0 -> x   (x - alpha*0 -> x for any alpha)
+    Rule("sub_zero", ("sub.Tensor", "sub.Scalar"),
+         drop_neutral(0, commutes=False, alpha_scales_other=True)),
+    # x / 1 -> x   (true division only: div with a rounding mode is a different op)
+    Rule("div_one", ("div.Tensor", "div.Scalar"), drop_neutral(1, commutes=False)),
+    # x ** 1 -> x
+    Rule("pow_one", ("pow.Tensor_Scalar",), drop_neutral(1, commutes=False)),
+    # x ** 2 -> x * x   (same dtype only: an int tensor ** 2.0 is a float)
+    Rule("pow_two", ("pow.Tensor_Scalar",), square),
+    # -(-x) -> x
+    Rule("neg_neg", ("neg.default",), neg_neg),
+    # permute/transpose/t of permute/transpose/t -> one permute, or x when they cancel
+    Rule("perm_perm", PERM_OPS, perm_of_perm),
+    # permute in the identity order, transpose(x, d, d), t of a vector -> x
+    Rule("perm_identity", PERM_OPS, perm_identity),
+    # view/reshape of view/reshape -> one view (reshape if either was one) of the source
+    Rule("view_chain", RESHAPES, view_chain),
+    # view/reshape/expand/squeeze/slice/narrow/alias that keeps the shape -> x
+    Rule("noop_view", NOOP_VIEWS, noop_view),
+    # _to_copy to the same dtype, no device/layout/memory-format change -> x, when the copy
+    # is not needed as a fresh tensor (no output, no mutation, nothing reads its strides)
+    Rule("neutral_cast", ("_to_copy.default",), neutral_cast),
+    # clone(x) -> x under the same conditions
+    Rule("clone", ("clone.default",), drop_clone),
+)
+
+
+def simplify(g: Graph) -> Graph:
+    """Apply :data:`RULES` until nothing changes (at most ``rewrite.MAX_ITERS`` sweeps)."""
+    return apply_rules(g, RULES)
