@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import re
+from typing import Any
 
 from kiln.cluster import _ecs_model
 from kiln.cluster.errors import ClientException, InvalidParameterException
@@ -36,6 +37,13 @@ _MEMORY = re.compile(r"(?i)\s*(\d+(?:\.\d+)?)\s*(gb|mib|mb)?\s*")
 
 def _fail(where: str, problem: str) -> ClientException:
     return ClientException(f"{where}: {problem}")
+
+
+def _default(obj: dict, key: str, value: Any) -> Any:
+    """Like dict.setdefault, but a JSON null counts as absent."""
+    if obj.get(key) is None:
+        obj[key] = value
+    return obj[key]
 
 
 def validate_task_definition(request: dict) -> dict:
@@ -90,10 +98,10 @@ def validate_task_definition(request: dict) -> dict:
             "at least one container must be essential; set 'essential': true on one of them",
         )
     _check_accelerator_consistency(containers)
-    task["placementConstraints"] = task.get("placementConstraints") or []
-    validate_constraints(task["placementConstraints"], for_task_definition=True)
+    constraints = _default(task, "placementConstraints", [])
+    validate_constraints(constraints, for_task_definition=True)
     for field in ("requiresCompatibilities", "tags", "volumes"):
-        task.setdefault(field, [])
+        _default(task, field, [])
     return task
 
 
@@ -145,9 +153,9 @@ def _check_container(where: str, container: dict, task_memory: str | None) -> No
             "a container needs a 'command' (run as a process on the instance) or an 'image';"
             " add a command such as ['python', 'train.py']",
         )
-    container.setdefault("essential", True)
+    _default(container, "essential", True)
     for field in ("environment", "resourceRequirements"):
-        container.setdefault(field, [])
+        _default(container, field, [])
     _check_sizes(where, container, task_memory)
     for index, variable in enumerate(container["environment"]):
         if not variable.get("name"):
@@ -241,13 +249,13 @@ def _check_devices(where: str, linux: dict) -> None:
                 " map each host device once",
             )
         seen[host_path] = index
-        container_path = device.setdefault("containerPath", host_path)
+        container_path = _default(device, "containerPath", host_path)
         if not container_path.startswith("/"):
             raise _fail(
                 f"{path}.containerPath",
                 f"must be an absolute path (got {container_path!r}); omit it to use the host path",
             )
-        permissions = device.setdefault("permissions", list(PERMISSIONS))
+        permissions = _default(device, "permissions", list(PERMISSIONS))
         for position, permission in enumerate(permissions):
             if permission not in PERMISSIONS:
                 raise _fail(

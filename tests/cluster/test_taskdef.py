@@ -657,3 +657,31 @@ def test_task_device_requests_in_container_order() -> None:
         )
     )
     assert [r["gpu"] for r in task_device_requests(task)] == [2, 1]
+
+
+def test_json_nulls_count_as_absent() -> None:
+    task = validate_task_definition(
+        {
+            "family": "f",
+            "placementConstraints": None,
+            "containerDefinitions": [
+                container(
+                    essential=None,
+                    environment=None,
+                    linuxParameters={
+                        "devices": [
+                            {"hostPath": "/dev/neuron0", "containerPath": None, "permissions": None}
+                        ]
+                    },
+                )
+            ],
+        }
+    )
+    main = task["containerDefinitions"][0]
+    assert main["essential"] is True and main["environment"] == []
+    assert main["linuxParameters"]["devices"][0] == {
+        "hostPath": "/dev/neuron0",
+        "containerPath": "/dev/neuron0",
+        "permissions": ["read", "write", "mknod"],
+    }
+    assert task["placementConstraints"] == []
