@@ -54,6 +54,20 @@ def validate_task_definition(request: dict) -> dict:
     plain unit strings ("1 vCPU" -> "1024", "2 GB" -> "2048"); missing lists become [].
     Raises ClientException, or InvalidParameterException for placement constraints.
     """
+    if not _ecs_model.AVAILABLE:
+        # Without botocore's model the field types are unchecked; report malformed input as a
+        # client error instead of crashing on it.
+        try:
+            return _validate(request)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise ClientException(
+                f"request: malformed task definition ({type(exc).__name__}: {exc}); install"
+                " botocore for field-by-field validation"
+            ) from exc
+    return _validate(request)
+
+
+def _validate(request: Any) -> dict:
     if not isinstance(request, dict):
         raise ClientException(
             f"request: expected a JSON object, got {type(request).__name__}; send the"

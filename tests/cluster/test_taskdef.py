@@ -685,3 +685,20 @@ def test_json_nulls_count_as_absent() -> None:
         "permissions": ["read", "write", "mknod"],
     }
     assert task["placementConstraints"] == []
+
+
+def test_without_service_model_malformed_input_is_a_client_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kiln.cluster import _ecs_model
+
+    monkeypatch.setattr(_ecs_model, "SHAPES", {})
+    monkeypatch.setattr(_ecs_model, "AVAILABLE", False)
+    good = validate_task_definition(with_containers(container(resourceRequirements=neuron())))
+    assert good["containerDefinitions"][0]["essential"] is True
+    with pytest.raises(ClientException) as caught:
+        validate_task_definition(with_containers(container(resourceRequirements=[{"value": "1"}])))
+    assert caught.value.message == (
+        "request: malformed task definition (KeyError: 'type'); install botocore for"
+        " field-by-field validation"
+    )
