@@ -125,7 +125,7 @@ class TaskActions:
                 strategies=strategies,
                 required_attributes=list(td.get("requiresAttributes") or []),
             )
-            cands = self.candidates(tx, cluster)
+            cands = self.candidates(tx, cluster, statuses=("ACTIVE", "DRAINING"))
             if not cands:
                 raise InvalidParameterException("No Container Instances were found in your cluster.")
             placed, failures = placement.place(cands, needs, count, self.rng)
