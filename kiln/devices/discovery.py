@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,7 +146,8 @@ def discover(root: str = "/") -> list[Device]:
 def simulated_devices(instance_type: str) -> list[Device]:
     """The accelerators of a catalog instance type (16 Trainium chips for trn1.32xlarge).
 
-    Simulated GPUs get stable made-up UUIDs ("GPU-<uuid5>") so they can be told apart.
+    Simulated GPUs have no UUID (None), so consumers fall back to the index, which is what
+    NVIDIA_VISIBLE_DEVICES needs if the host has real GPUs after all.
     Raises InvalidParameterException for an unknown type.
     """
     from kiln.cluster.catalog import get_instance_type
@@ -162,14 +162,9 @@ def simulated_devices(instance_type: str) -> list[Device]:
         ]
     if itype.accelerator_kind == "gpu":
         return [
-            Device("gpu", index, None, 0, memory, name, _simulated_uuid(itype.name, index))
-            for index in range(itype.accelerator_count)
+            Device("gpu", index, None, 0, memory, name) for index in range(itype.accelerator_count)
         ]
     return []
-
-
-def _simulated_uuid(instance_type: str, index: int) -> str:
-    return f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'kiln-simulated/{instance_type}/{index}')}"
 
 
 def neuron_core_ranges(devices: list[Device]) -> str:
