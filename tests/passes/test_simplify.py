@@ -1,0 +1,176 @@
+"""Golden and numerical tests for the algebraic simplifier (kiln/passes/simplify.py)."""
+
+from __future__ import annotations
+
+import torch
+from _passes_testlib import V, call, capture, check_pass, f32, same_results
+
+from kiln.ir import GraphBuilder, TensorType, verify
+from kiln.passes.dce import dce
+from kiln.passes.simplify import simplify
+
+
+def test_neutral_elements_disappear():
+    g = capture(lambda x: (((x * 1 + 0 - 0) / 1) ** 1).exp(), torch.randn(4))
+    check_pass(simplify, g, """
+        graph(%0: f32[4]) {
+          %1 = exp.default(%0) : f32[4]
+          return (%1)
+        }""")
+
+
+def test_square_and_double_negation():
+    g = capture(lambda x: (x**2).neg().neg().sin(), torch.randn(4))
+    out = check_pass(simplify, g, """
+        graph(%0: f32[4]) {
+          %1 = mul.Tensor(%0, %0) : f32[4]
+          %2 = neg.default(%1) : f32[4]
+          %3 = sin.default(%1) : f32[4]
+          return (%3)
+        }""")
+    assert len(dce(out)) == 3  # the outer neg's input is dead now
+
+
+def test_double_transpose_cancels_but_matmul_operand_stays():
+    g = capture(lambda x, w: x.t().t() @ w.t(), torch.randn(4, 3), torch.randn(5, 3))
+    check_pass(simplify, g, """
+        graph(%0: f32[4,3], %1: f32[5,3]) {
+          %2 = permute.default(%0, [1, 0]) : f32[3,4]
+          %3 = permute.default(%1, [1, 0]) : f32[3,5]
+          %4 = mm.default(%0, %3) : f32[4,5]
+          return (%4)
+        }""")
+
+
+def test_permute_chains_compose():
+    g = capture(
+        lambda x: (x.permute(1, 2, 0).permute(2, 0, 1).exp(), x.permute(2, 0, 1).transpose(0, 1)),
+        torch.randn(2, 3, 4),
+    )
+    check_pass(simplify, g, """
+        graph(%0: f32[2,3,4]) {
+          %1 = permute.default(%0, [1, 2, 0]) : f32[3,4,2]
+          %2 = exp.default(%0) : f32[2,3,4]
+          %3 = permute.default(%0, [2, 0, 1]) : f32[4,2,3]
+          %4 = permute.default(%0, [0, 2, 1]) : f32[2,4,3]
+          return (%2, %4)
+        }""")
+
+
+def test_view_chains_and_noop_views():
+    g = capture(
+        lambda x: x.reshape(-1).view(2, -1).exp() + x.view(4, 3).expand(4, 3).view(2, 6).exp(),
+        torch.randn(4, 3),
+    )
+    check_pass(simplify, g, """
+        graph(%0: f32[4,3]) {
+          %1 = view.default(%0, [-1]) : f32[12]
+          %2 = view.default(%0, [2, -1]) : f32[2,6]
+          %3 = exp.default(%2) : f32[2,6]
+          %4 = view.default(%0, [2, 6]) : f32[2,6]
+          %5 = exp.default(%4) : f32[2,6]
+          %6 = add.Tensor(%3, %5) : f32[2,6]
+          return (%6)
+        }""")
+
+
+def test_unsafe_rewrites_are_not_done():
+    # x * 0 is NaN for x = inf/NaN; int * 1.0 is a float: neither may become x.
+    def f(x):
+        return (x * 0).exp(), x.int() * 1.0
+
+    g = capture(f, torch.randn(4))
+    out = check_pass(simplify, g, str(g))
+    x = torch.tensor([float("inf"), float("nan"), 1.0, -2.0])
+    from kiln.runtime.interpreter import Interpreter
+
+    torch.testing.assert_close(Interpreter(out)([x])[0], f(x)[0], equal_nan=True)
+
+
+def test_neutral_cast_and_clone():
+    b = GraphBuilder()
+    x = b.input(f32(4, 3))
+    same = call(b, "_to_copy.default", [V(x)], f32(4, 3), dtype=torch.float32)
+    e1 = call(b, "exp.default", [V(same)], f32(4, 3))
+    wider = call(b, "_to_copy.default", [V(x)], TensorType((4, 3), torch.float64),
+                 dtype=torch.float64)
+    c = call(b, "clone.default", [V(e1)], f32(4, 3))
+    s = call(b, "add.Tensor", [V(c), V(wider)], TensorType((4, 3), torch.float64))
+    out_copy = call(b, "clone.default", [V(x)], f32(4, 3))  # a graph output: must stay a copy
+    g = b.build([s, out_copy])
+    check_pass(simplify, g, """
+        graph(%0: f32[4,3]) {
+          %1 = exp.default(%0) : f32[4,3]
+          %2 = _to_copy.default(%0, dtype=torch.float64) : f64[4,3]
+          %3 = add.Tensor(%1, %2) : f64[4,3]
+          %4 = clone.default(%0) : f32[4,3]
+          return (%3, %4)
+        }""")
+
+
+def test_copy_read_through_strides_stays():
+    # expand(x) is not dense; clone makes it dense, and the view needs that.
+    b = GraphBuilder()
+    x = b.input(f32(1, 3))
+    e = call(b, "expand.default", [V(x), (4, 3)], f32(4, 3))
+    c = call(b, "clone.default", [V(e)], f32(4, 3))
+    v = call(b, "view.default", [V(c), (12,)], f32(12))
+    g = b.build([v])
+    check_pass(simplify, g, str(g))
+
+
+def test_copy_stays_when_an_opaque_op_mutates():
+    b = GraphBuilder()
+    x = b.input(f32(4))
+    c = call(b, "clone.default", [V(x)], f32(4))
+    m = call(b, "opaque.aten::mul_.Tensor", [V(x), 2.0], f32(4))
+    s = call(b, "add.Tensor", [V(c), V(m)], f32(4))
+    g = b.build([s])
+    check_pass(simplify, g, str(g))
+
+
+def test_symbolic_shapes_are_opaque_values():
+    b = GraphBuilder()
+    x = b.input(TensorType(("s0", 4), torch.float32))
+    v = call(b, "view.default", [V(x), ("s0", 4)], TensorType(("s0", 4), torch.float32))
+    p = call(b, "permute.default", [V(v), (1, 0)], TensorType((4, "s0"), torch.float32))
+    q = call(b, "permute.default", [V(p), (1, 0)], TensorType(("s0", 4), torch.float32))
+    e = call(b, "exp.default", [V(q)], TensorType(("s0", 4), torch.float32))
+    g = b.build([e])
+    out = verify(simplify(g))
+    assert str(out) == (
+        "graph(%0: f32[s0,4]) {\n"
+        "  %1 = permute.default(%0, [1, 0]) : f32[4,s0]\n"
+        "  %2 = exp.default(%0) : f32[s0,4]\n"
+        "  return (%2)\n"
+        "}"
+    )
+
+
+def test_outputs_never_become_inputs():
+    # x * 1 as the only output: replacing it by the input would hand the caller its own tensor.
+    g = capture(lambda x: x * 1, torch.randn(3))
+    check_pass(simplify, g, str(g))
+
+
+def test_random_and_opaque_ops_pass_through():
+    b = GraphBuilder()
+    x = b.input(f32(8))
+    d = call(b, "native_dropout.default", [V(x), 0.5, True], [f32(8), TensorType((8,), torch.bool)])
+    y = b.getitem(d, 0)
+    nz = call(b, "opaque.aten::nonzero.default", [V(x)], TensorType(("u0", 1), torch.int64))
+    g = b.build([y, nz])
+    out = verify(simplify(g))
+    assert str(out) == str(g)
+
+
+def test_simplify_is_idempotent_on_a_captured_mlp():
+    def mlp(x, w1, b1, w2, b2):
+        F = torch.nn.functional
+        return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+
+    ws = torch.randn(16, 8), torch.randn(16), torch.randn(4, 16), torch.randn(4)
+    g = capture(mlp, torch.randn(3, 8), *ws)
+    once = verify(simplify(g))
+    same_results(g, once)
+    assert str(simplify(once)) == str(once)
