@@ -32,10 +32,13 @@ def _passes() -> list[tuple[str, Pass]]:
         ("dce", dce),  # whatever the steps above left unused
     ]
     # --- codegen passes go after this line (fusion engineer): ("fuse", ...), ("memory_plan", ...)
+    from kiln.passes.fuse import fuse
+
+    steps.append(("fuse", fuse))  # pointwise chains and reductions -> generated kernels
     return steps
 
 
-PIPELINE_NAMES: list[str] = ["simplify", "layout", "constant_fold", "cse", "dce"]
+PIPELINE_NAMES: list[str] = ["simplify", "layout", "constant_fold", "cse", "dce", "fuse"]
 
 
 def run_pipeline(g: Graph, trace: list | None = None) -> Graph:
