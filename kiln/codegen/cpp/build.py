@@ -1,0 +1,147 @@
+"""Compile generated C++ with the system g++ and load it with ctypes, through a build cache.
+
+Cache entries live under ``<config.cache_dir>/kernels/<key>.so``; the key covers the source, the
+flags, the compiler version (``g++ --version``) and the CPU's feature flags, never concrete tensor
+sizes (kernels take sizes as arguments).  Each ``.so`` has a ``.sha256`` sidecar: an entry whose
+bytes do not match it (a torn or corrupted file) is rebuilt.  Builds run under a per-key file lock
+and land by ``os.replace`` of a temporary file, so processes can share one cache.  Several
+translation units are compiled in parallel (one g++ process each).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from filelock import FileLock
+
+from kiln import metrics
+from kiln.config import config
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
+         "-std=c++17", "-w"]
+CXX = os.environ.get("CXX", "g++")
+
+_loaded: dict[str, ctypes.CDLL] = {}
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+@lru_cache(maxsize=1)
+def _toolchain_id() -> str:
+    try:
+        ver = subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise BuildError(f"no working C++ compiler ({CXX}): {e}") from None
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                cpu = line
+                break
+    except OSError:
+        pass
+    return hashlib.sha256((ver + "|" + cpu).encode()).hexdigest()
+
+
+def cache_key(source: str) -> str:
+    raw = "\n".join([source, " ".join(FLAGS), _toolchain_id()])
+    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+def kernel_dir() -> Path:
+    d = Path(config.cache_dir) / "kernels"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _valid(so: Path) -> bool:
+    side = so.with_suffix(".sha256")
+    try:
+        want = side.read_text().strip()
+        have = hashlib.sha256(so.read_bytes()).hexdigest()
+    except OSError:
+        return False
+    return want == have
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _start_compile(source: str, key: str, d: Path) -> tuple[subprocess.Popen, Path, Path]:
+    cpp = d / f".{key}.{os.getpid()}.cpp"
+    cpp.write_text(source)
+    tmp_so = d / f".{key}.{os.getpid()}.so.tmp"
+    proc = subprocess.Popen([CXX, *FLAGS, str(cpp), "-o", str(tmp_so)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, cpp, tmp_so
+
+
+def build_many(sources: list[str]) -> list[ctypes.CDLL]:
+    """Compile (or fetch from the cache) each translation unit, in parallel; load them all."""
+    d = kernel_dir()
+    keys = [cache_key(s) for s in sources]
+    libs: list[ctypes.CDLL | None] = [_loaded.get(k) for k in keys]
+    pending = []
+    locks = []
+    try:
+        for idx, (src, key) in enumerate(zip(sources, keys)):
+            if libs[idx] is not None:
+                continue
+            so = d / f"{key}.so"
+            if _valid(so):
+                metrics.incr("kernel_cache_hits")
+                continue
+            lock = FileLock(str(d / f"{key}.lock"), timeout=600)
+            lock.acquire()
+            locks.append(lock)
+            if _valid(so):  # built by another process while we waited
+                metrics.incr("kernel_cache_hits")
+                continue
+            pending.append((key, so, *_start_compile(src, key, d)))
+        for key, so, proc, cpp, tmp_so in pending:
+            _, err = proc.communicate()
+            try:
+                if proc.returncode != 0:
+                    raise BuildError(f"g++ failed for kernel unit {key}:\n{err[-4000:]}")
+                data = tmp_so.read_bytes()
+                _write_atomic(so, data)
+                _write_atomic(so.with_suffix(".sha256"),
+                              hashlib.sha256(data).hexdigest().encode())
+                metrics.incr("kernel_builds")
+            finally:
+                for p in (cpp, tmp_so):
+                    if p.exists():
+                        p.unlink()
+    finally:
+        for lock in locks:
+            lock.release()
+    out = []
+    for idx, key in enumerate(keys):
+        lib = libs[idx]
+        if lib is None:
+            lib = ctypes.CDLL(str(d / f"{key}.so"))
+            _loaded[key] = lib
+        out.append(lib)
+    return out
+
+
+def forget_loaded() -> None:
+    """Drop the in-process table of loaded libraries (tests use it to force a cache lookup)."""
+    _loaded.clear()

@@ -1,0 +1,328 @@
+"""C++ source for fused nodes.
+
+One function per fused node, ``extern "C" void <name>(void** P, const int64_t* I, const double* D)``:
+
+  P  data pointers: the node's tensor inputs (in order), then its outputs
+  I  the iteration shape (one int64 per dim), then, for each broadcast input, one stride per dim
+     (0 where the input is broadcast)
+  D  the node's Python-number inputs (``scalar`` graph inputs)
+
+Sizes are run-time arguments, so one compiled kernel serves every batch size / sequence length;
+only the rank, the dtypes and which inputs broadcast are compiled in.  The :class:`KernelSpec`
+returned next to the source tells the executor how to marshal the arguments.
+
+Kernel shapes:
+  pointwise  a flat ``parallel for simd`` loop, or rows x last-dim loops when an input broadcasts
+  rows       per row (parallel): the pointwise prologue, then sums/means/amaxes over the last dim
+             (vectorized reductions), or one softmax / log_softmax computed in the output row
+  cols       sums over all leading dims: per-thread double partials over a row range, combined
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.codegen.cpp.ops import CTYPE, FORMULAS, Operand, literal
+from kiln.ir.graph import In, Node
+
+PARALLEL_MIN = 32768  # elements: below this a kernel runs on one thread (fork/join costs more)
+
+_ABBR_CT = {"f32": "float", "b8": "bool", "i64": "int64_t"}
+_DTYPE = {"f32": torch.float32, "b8": torch.bool, "i64": torch.int64}
+
+
+@dataclass
+class KernelSpec:
+    """What the executor needs to call one generated kernel."""
+
+    name: str
+    kind: str
+    rank: int
+    static_shape: tuple
+    tensor_inputs: list[int]  # positions (in the fused node's inputs) of tensor inputs
+    input_modes: list[str]  # per tensor input: "full" | "one" | "bcast" | "bcast_inner"
+    scalar_inputs: list[int]  # positions of Python-number inputs
+    out_kinds: list[str]  # per output: "full" | "row" | "rowk" | "col" | "colk"
+    out_dtypes: list[torch.dtype] = field(default_factory=list)
+    members: tuple = ()
+    source: str = ""
+
+
+def _mode(shape: tuple, it: tuple) -> str:
+    if tuple(shape) == tuple(it):
+        return "full"
+    if all(s == 1 for s in shape):
+        return "one"
+    if len(shape) and shape[-1] != 1:
+        return "bcast_inner"  # last dim present: contiguous along it (stride 1)
+    return "bcast"  # last dim broadcast: one value per row
+
+
+def emit_kernel(name: str, node: Node, in_types: list) -> tuple[str, KernelSpec]:
+    """C++ source and call spec for one ``fused`` node; ``in_types`` = its inputs' types."""
+    kind = node.kwarg("kind")
+    shape = tuple(node.kwarg("shape"))
+    body = node.kwarg("body")
+    outs = node.kwarg("outputs")
+    rank = len(shape)
+    tensor_inputs, modes, scalars = [], [], []
+    for k, t in enumerate(in_types):
+        if t.dtype is None:
+            scalars.append(k)
+        else:
+            tensor_inputs.append(k)
+            modes.append(_mode(t.shape, shape))
+    spec = KernelSpec(name, kind, rank, shape, tensor_inputs, modes, scalars, [],
+                      members=node.kwarg("members"))
+    e = _Emitter(spec, node, in_types, body, outs)
+    src = e.source()
+    spec.source = src
+    return src, spec
+
+
+class _Emitter:
+    def __init__(self, spec: KernelSpec, node: Node, in_types, body, outs) -> None:
+        self.spec, self.node, self.in_types, self.body, self.outs = spec, node, in_types, body, outs
+        self.R = spec.rank
+        self.pos = {k: p for p, k in enumerate(spec.tensor_inputs)}
+        self.spos = {k: p for p, k in enumerate(spec.scalar_inputs)}
+        self.lines: list[str] = []
+
+    # ---- helpers -------------------------------------------------------------------------
+    def w(self, s: str) -> None:
+        self.lines.append(s)
+
+    def ctype_of_input(self, k: int) -> str:
+        t = self.in_types[k]
+        if t.dtype is None:
+            return "double"
+        return CTYPE[t.dtype]
+
+    def load(self, k: int) -> str:
+        if k in self.spos:
+            return f"d{k}"
+        mode = self.spec.input_modes[self.pos[k]]
+        if mode == "full":
+            return f"in{k}[i]"
+        if mode == "one":
+            return f"in{k}[0]"
+        if mode == "bcast_inner":
+            return f"in{k}[off{k} + j]"
+        return f"in{k}[off{k}]"
+
+    def operand(self, v: Any, vals: dict[int, tuple[str, str]]) -> Operand:
+        if isinstance(v, In):
+            return Operand(self.load(v.k), self.ctype_of_input(v.k))
+        if type(v).__name__ == "Val":
+            expr, ct = vals[v.i]
+            return Operand(expr, ct)
+        if type(v).__name__ == "Lit":
+            ct = _ABBR_CT[v.dtype]
+            return Operand(f"(({ct}){literal(v.value)})", ct)
+        if v is None:
+            return Operand("0", None, None)
+        return Operand(literal(v), None, v)
+
+    def pointwise(self, vals: dict[int, tuple[str, str]], indent: str) -> None:
+        """Statements computing every pointwise body entry (reductions are skipped)."""
+        for idx, (op, args, kwargs, dt) in enumerate(self.body):
+            if op not in FORMULAS:
+                continue
+            ct = _ABBR_CT[dt]
+            ops = [self.operand(a, vals) for a in args]
+            kw = dict(kwargs)
+            if op in ("clamp_min.default", "clamp_max.default"):
+                pass
+            expr = FORMULAS[op](ops, kw, ct)
+            self.w(f"{indent}const {ct} v{idx} = ({ct})({expr});")
+            vals[idx] = (f"v{idx}", ct)
+
+    def prologue(self) -> None:
+        nm = self.spec.name
+        self.w(f'extern "C" void {nm}(void** P, const int64_t* I, const double* D) {{')
+        for p, k in enumerate(self.spec.tensor_inputs):
+            self.w(f"  const {self.ctype_of_input(k)}* in{k} = "
+                   f"(const {self.ctype_of_input(k)}*)P[{p}];")
+        nin = len(self.spec.tensor_inputs)
+        for o, b in enumerate(self.outs):
+            ct = _ABBR_CT[self.body[b][3]]
+            self.w(f"  {ct}* out{o} = ({ct}*)P[{nin + o}];")
+            self.spec.out_dtypes.append(_DTYPE[self.body[b][3]])
+        for p, k in enumerate(self.spec.scalar_inputs):
+            self.w(f"  const double d{k} = D[{p}];")
+        for d in range(self.R):
+            self.w(f"  const int64_t s{d} = I[{d}];")
+        n = " * ".join(f"s{d}" for d in range(self.R)) or "1"
+        self.w(f"  const int64_t N = {n};")
+        self.w("  if (N == 0) return;")
+        slot = self.R
+        self.bcast = [k for p, k in enumerate(self.spec.tensor_inputs)
+                      if self.spec.input_modes[p] in ("bcast", "bcast_inner")]
+        for k in self.bcast:
+            for d in range(self.R - 1):
+                self.w(f"  const int64_t st{k}_{d} = I[{slot + d}];")
+            slot += self.R
+        if self.R:
+            self.w(f"  const int64_t L = s{self.R - 1};")
+            self.w("  const int64_t rows = N / L;")
+
+    def row_offsets(self, indent: str) -> None:
+        if not self.bcast:
+            return
+        self.w(f"{indent}int64_t rem = r;")
+        for k in self.bcast:
+            self.w(f"{indent}int64_t off{k} = 0;")
+        for d in range(self.R - 2, -1, -1):
+            self.w(f"{indent}{{ const int64_t id = rem % s{d}; rem /= s{d};")
+            for k in self.bcast:
+                self.w(f"{indent}  off{k} += id * st{k}_{d};")
+            self.w(f"{indent}}}")
+
+    def store_full(self, vals, indent: str) -> None:
+        for o, b in enumerate(self.outs):
+            if self.body[b][0] in FORMULAS:
+                self.w(f"{indent}out{o}[i] = {vals[b][0]};")
+
+    # ---- kernels -------------------------------------------------------------------------
+    def source(self) -> str:
+        self.prologue()
+        kind = self.spec.kind
+        for b in self.outs:
+            op = self.body[b][0]
+            if op in FORMULAS or op in ("_softmax.default", "_log_softmax.default"):
+                self.spec.out_kinds.append("full")
+            else:
+                keep = bool(dict(self.body[b][2]).get("keepdim", False)) or (
+                    len(self.body[b][1]) > 2 and bool(self.body[b][1][2]))
+                base = "row" if kind == "rows" else "col"
+                self.spec.out_kinds.append(base + ("k" if keep else ""))
+        if kind == "pointwise":
+            self.k_pointwise()
+        elif kind == "rows":
+            self.k_rows()
+        else:
+            self.k_cols()
+        self.w("}")
+        return "\n".join(self.lines) + "\n"
+
+    def k_pointwise(self) -> None:
+        if not self.bcast:
+            self.w(f"  #pragma omp parallel for simd if(N >= {PARALLEL_MIN})")
+            self.w("  for (int64_t i = 0; i < N; ++i) {")
+            vals: dict = {}
+            self.pointwise(vals, "    ")
+            self.store_full(vals, "    ")
+            self.w("  }")
+            return
+        self.w(f"  #pragma omp parallel for if(N >= {PARALLEL_MIN})")
+        self.w("  for (int64_t r = 0; r < rows; ++r) {")
+        self.row_offsets("    ")
+        self.w("    #pragma omp simd")
+        self.w("    for (int64_t j = 0; j < L; ++j) {")
+        self.w("      const int64_t i = r * L + j;")
+        vals = {}
+        self.pointwise(vals, "      ")
+        self.store_full(vals, "      ")
+        self.w("    }")
+        self.w("  }")
+
+    def _reduce_operand(self, b: int, vals) -> str:
+        return self.operand(self.body[b][1][0], vals).expr
+
+    def k_rows(self) -> None:
+        reds = [(b, e) for b, e in enumerate(self.body) if e[0] not in FORMULAS]
+        out_of = {b: o for o, b in enumerate(self.outs)}
+        self.w(f"  #pragma omp parallel for if(N >= {PARALLEL_MIN})")
+        self.w("  for (int64_t r = 0; r < rows; ++r) {")
+        self.row_offsets("    ")
+        special = [(b, e) for b, e in reds if e[0] in ("_softmax.default", "_log_softmax.default")]
+        if special:
+            b, e = special[0]
+            o = out_of[b]
+            self.w(f"    float* y = out{o} + r * L;")
+            self.w("    float mx = -INFINITY;")
+            self.w("    #pragma omp simd reduction(max:mx)")
+            self.w("    for (int64_t j = 0; j < L; ++j) {")
+            self.w("      const int64_t i = r * L + j;")
+            vals: dict = {}
+            self.pointwise(vals, "      ")
+            self.store_full(vals, "      ")
+            x = self.operand(e[1][0], vals)
+            self.w(f"      const float x = (float)({x.expr});")
+            self.w("      y[j] = x;")
+            self.w("      mx = x > mx ? x : mx;")
+            self.w("    }")
+            self.w("    if (mx == -INFINITY) mx = 0.0f;")
+            self.w("    float s = 0.0f;")
+            if e[0] == "_softmax.default":
+                self.w("    #pragma omp simd reduction(+:s)")
+                self.w("    for (int64_t j = 0; j < L; ++j) { const float t = std::exp(y[j] - mx); "
+                       "y[j] = t; s += t; }")
+                self.w("    const float inv = 1.0f / s;")
+                self.w("    #pragma omp simd")
+                self.w("    for (int64_t j = 0; j < L; ++j) y[j] *= inv;")
+            else:
+                self.w("    #pragma omp simd reduction(+:s)")
+                self.w("    for (int64_t j = 0; j < L; ++j) s += std::exp(y[j] - mx);")
+                self.w("    const float sh = mx + std::log(s);")
+                self.w("    #pragma omp simd")
+                self.w("    for (int64_t j = 0; j < L; ++j) y[j] -= sh;")
+            self.w("  }")
+            return
+        clauses = []
+        for b, e in reds:
+            init = "-INFINITY" if e[0] == "amax.default" else "0.0f"
+            self.w(f"    float acc{b} = {init};")
+            clauses.append(f"reduction({'max' if e[0] == 'amax.default' else '+'}:acc{b})")
+        self.w(f"    #pragma omp simd {' '.join(clauses)}")
+        self.w("    for (int64_t j = 0; j < L; ++j) {")
+        self.w("      const int64_t i = r * L + j;")
+        vals = {}
+        self.pointwise(vals, "      ")
+        self.store_full(vals, "      ")
+        for b, e in reds:
+            x = self._reduce_operand(b, vals)
+            if e[0] == "amax.default":
+                self.w(f"      {{ const float t = (float)({x}); acc{b} = t > acc{b} ? t : acc{b}; }}")
+            else:
+                self.w(f"      acc{b} += (float)({x});")
+        self.w("    }")
+        for b, e in reds:
+            val = f"acc{b} / (float)L" if e[0] == "mean.dim" else f"acc{b}"
+            self.w(f"    out{out_of[b]}[r] = {val};")
+        self.w("  }")
+
+    def k_cols(self) -> None:
+        reds = [b for b, e in enumerate(self.body) if e[0] not in FORMULAS]
+        out_of = {b: o for o, b in enumerate(self.outs)}
+        for b in reds:
+            self.w(f"  std::vector<double> tot{b}(L, 0.0);")
+        self.w(f"  #pragma omp parallel if(N >= {PARALLEL_MIN})")
+        self.w("  {")
+        for b in reds:
+            self.w(f"    std::vector<double> part{b}(L, 0.0);")
+            self.w(f"    double* p{b} = part{b}.data();")
+        self.w("    #pragma omp for schedule(static)")
+        self.w("    for (int64_t r = 0; r < rows; ++r) {")
+        self.row_offsets("      ")
+        self.w("      #pragma omp simd")
+        self.w("      for (int64_t j = 0; j < L; ++j) {")
+        self.w("        const int64_t i = r * L + j;")
+        vals: dict = {}
+        self.pointwise(vals, "        ")
+        self.store_full(vals, "        ")
+        for b in reds:
+            self.w(f"        p{b}[j] += (double)({self._reduce_operand(b, vals)});")
+        self.w("      }")
+        self.w("    }")
+        self.w("    #pragma omp critical")
+        self.w("    {")
+        for b in reds:
+            self.w(f"      for (int64_t j = 0; j < L; ++j) tot{b}[j] += p{b}[j];")
+        self.w("    }")
+        self.w("  }")
+        for b in reds:
+            self.w(f"  for (int64_t j = 0; j < L; ++j) out{out_of[b]}[j] = (float)tot{b}[j];")

@@ -1,0 +1,276 @@
+"""C++ formulas for the pointwise ATen ops the fuser may put into a generated kernel.
+
+Each entry turns one ATen call (its operands already as C++ expressions of known C types) into one
+C++ expression.  The formulas follow ATen's CPU kernels (e.g. GELU's erf form vs tanh form per
+``approximate``, ``pow`` special cases), computing in float for float32 results.
+
+``supported(op, args, kwargs)`` is what the fusion pass asks before it takes a node.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+CTYPE = {torch.float32: "float", torch.bool: "bool", torch.int64: "int64_t"}
+
+
+@dataclass(frozen=True)
+class Operand:
+    """An operand of a body op: a C++ expression and its C type (or a Python literal)."""
+
+    expr: str
+    ctype: str | None  # None: a Python literal (expr holds its C++ spelling)
+    literal: Any = None
+
+
+def literal(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return f"{v}LL"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "NAN"
+        if math.isinf(v):
+            return "INFINITY" if v > 0 else "(-INFINITY)"
+        return repr(v)
+    raise TypeError(f"no C++ literal for {v!r}")
+
+
+def _cast(o: Operand, t: str) -> str:
+    if o.ctype == t:
+        return o.expr
+    return f"(({t})({o.expr}))"
+
+
+def _compute_type(ops: list[Operand]) -> str:
+    """ATen promotion, restricted to what the fuser accepts: float wins, then int64, then bool."""
+    if any(o.ctype == "float" for o in ops):
+        return "float"
+    if any(o.ctype is None and isinstance(o.literal, float) for o in ops):
+        return "float"
+    if any(o.ctype == "double" for o in ops):
+        return "float"
+    if any(o.ctype == "int64_t" or (o.ctype is None and isinstance(o.literal, int)
+                                    and not isinstance(o.literal, bool)) for o in ops):
+        return "int64_t"
+    return "bool"
+
+
+Formula = Callable[[list[Operand], dict, str], str]
+
+
+def _binary(sym: str) -> Formula:
+    def f(a: list[Operand], kw: dict, out: str) -> str:
+        t = out if out != "bool" else _compute_type(a[:2])
+        return f"({_cast(a[0], t)} {sym} {_cast(a[1], t)})"
+
+    return f
+
+
+def _alpha(sym: str) -> Formula:
+    def f(a: list[Operand], kw: dict, out: str) -> str:
+        alpha = kw.get("alpha", 1)
+        x, y = _cast(a[0], out), _cast(a[1], out)
+        if alpha != 1:
+            y = f"(({out}){literal(alpha)} * {y})"
+        return f"({x} {sym} {y})"
+
+    return f
+
+
+def _compare(sym: str) -> Formula:
+    def f(a: list[Operand], kw: dict, out: str) -> str:
+        t = _compute_type(a[:2])
+        return f"({_cast(a[0], t)} {sym} {_cast(a[1], t)})"
+
+    return f
+
+
+def _unary(tmpl: str) -> Formula:
+    def f(a: list[Operand], kw: dict, out: str) -> str:
+        return tmpl.format(x=_cast(a[0], out), t=out)
+
+    return f
+
+
+def _pow_tensor_scalar(a: list[Operand], kw: dict, out: str) -> str:
+    x, e = _cast(a[0], out), a[1].literal
+    special = {2: f"({x} * {x})", 3: f"({x} * {x} * {x})", 0.5: f"std::sqrt({x})",
+               -0.5: f"((({out})1) / std::sqrt({x}))", -1: f"((({out})1) / {x})",
+               -2: f"((({out})1) / ({x} * {x}))", 1: x}
+    if a[1].ctype is None and e in special:
+        return special[e]
+    return f"std::pow({x}, {_cast(a[1], out)})"
+
+
+def _gelu(a: list[Operand], kw: dict, out: str) -> str:
+    x = _cast(a[0], out)
+    if kw.get("approximate", "none") == "tanh":
+        return (f"(0.5f * {x} * (1.0f + std::tanh(0.7978845608028654f * "
+                f"({x} + 0.044715f * {x} * {x} * {x}))))")
+    return f"({x} * 0.5f * (1.0f + std::erf({x} * 0.7071067811865476f)))"
+
+
+def _gelu_backward(a: list[Operand], kw: dict, out: str) -> str:
+    g, x = _cast(a[0], out), _cast(a[1], out)
+    if kw.get("approximate", "none") == "tanh":
+        return (f"kiln_gelu_tanh_bwd({g}, {x})")
+    return f"kiln_gelu_bwd({g}, {x})"
+
+
+def _where(a: list[Operand], kw: dict, out: str) -> str:
+    return f"({_cast(a[0], 'bool')} ? {_cast(a[1], out)} : {_cast(a[2], out)})"
+
+
+def _masked_fill(a: list[Operand], kw: dict, out: str) -> str:
+    return f"({_cast(a[1], 'bool')} ? {_cast(a[2], out)} : {_cast(a[0], out)})"
+
+
+def _clamp(a: list[Operand], kw: dict, out: str) -> str:
+    x = _cast(a[0], out)
+    lo = a[1] if len(a) > 1 else None
+    hi = a[2] if len(a) > 2 else None
+    if lo is not None and not (lo.ctype is None and lo.literal is None):
+        x = f"kiln_max({x}, {_cast(lo, out)})"
+    if hi is not None and not (hi.ctype is None and hi.literal is None):
+        x = f"kiln_min({x}, {_cast(hi, out)})"
+    return x
+
+
+def _fma(a: list[Operand], kw: dict, out: str) -> str:
+    return f"std::fma({_cast(a[0], out)}, {_cast(a[1], out)}, {_cast(a[2], out)})"
+
+
+def _copy(a: list[Operand], kw: dict, out: str) -> str:
+    return _cast(a[1], out)
+
+
+def _ident(a: list[Operand], kw: dict, out: str) -> str:
+    return _cast(a[0], out)
+
+
+FORMULAS: dict[str, Formula] = {
+    "add.Tensor": _alpha("+"), "add.Scalar": _alpha("+"),
+    "sub.Tensor": _alpha("-"), "sub.Scalar": _alpha("-"),
+    "mul.Tensor": _binary("*"), "mul.Scalar": _binary("*"),
+    "div.Tensor": _binary("/"), "div.Scalar": _binary("/"),
+    "eq.Tensor": _compare("=="), "eq.Scalar": _compare("=="),
+    "ne.Tensor": _compare("!="), "ne.Scalar": _compare("!="),
+    "lt.Tensor": _compare("<"), "lt.Scalar": _compare("<"),
+    "le.Tensor": _compare("<="), "le.Scalar": _compare("<="),
+    "gt.Tensor": _compare(">"), "gt.Scalar": _compare(">"),
+    "ge.Tensor": _compare(">="), "ge.Scalar": _compare(">="),
+    "logical_and.default": lambda a, kw, o: f"({_cast(a[0], 'bool')} && {_cast(a[1], 'bool')})",
+    "logical_or.default": lambda a, kw, o: f"({_cast(a[0], 'bool')} || {_cast(a[1], 'bool')})",
+    "logical_not.default": lambda a, kw, o: f"(!{_cast(a[0], 'bool')})",
+    "bitwise_not.default": lambda a, kw, o: (
+        f"(!{a[0].expr})" if o == "bool" else f"(~{_cast(a[0], o)})"),
+    "neg.default": _unary("(-{x})"),
+    "abs.default": _unary("std::abs({x})"),
+    "exp.default": _unary("std::exp({x})"),
+    "expm1.default": _unary("std::expm1({x})"),
+    "log.default": _unary("std::log({x})"),
+    "log1p.default": _unary("std::log1p({x})"),
+    "log2.default": _unary("std::log2({x})"),
+    "sqrt.default": _unary("std::sqrt({x})"),
+    "rsqrt.default": _unary("((({t})1) / std::sqrt({x}))"),
+    "reciprocal.default": _unary("((({t})1) / {x})"),
+    "sin.default": _unary("std::sin({x})"),
+    "cos.default": _unary("std::cos({x})"),
+    "tanh.default": _unary("std::tanh({x})"),
+    "erf.default": _unary("std::erf({x})"),
+    "sigmoid.default": _unary("((({t})1) / ((({t})1) + std::exp(-{x})))"),
+    "silu.default": _unary("({x} / ((({t})1) + std::exp(-{x})))"),
+    "relu.default": _unary("kiln_max({x}, ({t})0)"),
+    "square.default": _unary("({x} * {x})"),
+    "sign.default": _unary("(({t})(({x} > 0) - ({x} < 0)))"),
+    "pow.Tensor_Scalar": _pow_tensor_scalar,
+    "pow.Scalar": lambda a, kw, o: f"std::pow({_cast(a[0], o)}, {_cast(a[1], o)})",
+    "pow.Tensor_Tensor": lambda a, kw, o: f"std::pow({_cast(a[0], o)}, {_cast(a[1], o)})",
+    "maximum.default": lambda a, kw, o: f"kiln_max({_cast(a[0], o)}, {_cast(a[1], o)})",
+    "minimum.default": lambda a, kw, o: f"kiln_min({_cast(a[0], o)}, {_cast(a[1], o)})",
+    "clamp_min.default": lambda a, kw, o: f"kiln_max({_cast(a[0], o)}, {_cast(a[1], o)})",
+    "clamp_max.default": lambda a, kw, o: f"kiln_min({_cast(a[0], o)}, {_cast(a[1], o)})",
+    "clamp.default": _clamp,
+    "gelu.default": _gelu,
+    "gelu_backward.default": _gelu_backward,
+    "where.self": _where,
+    "masked_fill.Scalar": _masked_fill,
+    "masked_fill.Tensor": _masked_fill,
+    "sigmoid_backward.default": lambda a, kw, o: (
+        f"({_cast(a[0], o)} * ((({o})1) - {_cast(a[1], o)}) * {_cast(a[1], o)})"),
+    "tanh_backward.default": lambda a, kw, o: (
+        f"({_cast(a[0], o)} * ((({o})1) - {_cast(a[1], o)} * {_cast(a[1], o)}))"),
+    "threshold_backward.default": lambda a, kw, o: (
+        f"(({_cast(a[1], 'float')} <= {_cast(a[2], 'float')}) ? ({o})0 : {_cast(a[0], o)})"),
+    "silu_backward.default": lambda a, kw, o: f"kiln_silu_bwd({_cast(a[0], o)}, {_cast(a[1], o)})",
+    "opaque.prims::fma.default": _fma,
+    "copy.default": _copy,
+    "clone.default": _ident,
+    "_to_copy.default": _ident,
+    "alias.default": _ident,
+}
+
+# Helpers every generated translation unit starts with.
+PRELUDE = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <vector>
+#include <omp.h>
+template <typename T> static inline T kiln_max(T a, T b) { return (a != a) ? a : (a > b ? a : b); }
+template <typename T> static inline T kiln_min(T a, T b) { return (a != a) ? a : (a < b ? a : b); }
+static inline float kiln_gelu_bwd(float g, float x) {
+  const float cdf = 0.5f * (1.0f + std::erf(x * 0.7071067811865476f));
+  const float pdf = std::exp(-0.5f * x * x) * 0.3989422804014327f;
+  return g * (cdf + x * pdf);
+}
+static inline float kiln_gelu_tanh_bwd(float g, float x) {
+  const float k = 0.7978845608028654f, c = 0.044715f;
+  const float x2 = x * x, inner = k * (x + c * x2 * x);
+  const float t = std::tanh(inner);
+  const float left = 0.5f * x, right = 1.0f + t;
+  const float dinner = k * (1.0f + 3.0f * c * x2);
+  return g * (0.5f * right + left * (1.0f - t * t) * dinner);
+}
+static inline float kiln_silu_bwd(float g, float x) {
+  const float s = 1.0f / (1.0f + std::exp(-x));
+  return g * s * (1.0f + x * (1.0f - s));
+}
+"""
+
+
+def _literal_ok(v: Any) -> bool:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    return False
+
+
+def supported(op: str, args: tuple, kwargs: dict) -> bool:
+    """Whether the fuser may take this call (op known, no tensor-list or odd arguments)."""
+    if op not in FORMULAS:
+        return False
+    if op == "_to_copy.default":
+        allowed = {"dtype", "layout", "device", "pin_memory"}
+        if set(kwargs) - allowed or kwargs.get("dtype") not in CTYPE:
+            return False
+        if kwargs.get("layout") not in (None, torch.strided):
+            return False
+    if op == "clone.default" and kwargs.get("memory_format") not in (None, torch.contiguous_format,
+                                                                    torch.preserve_format):
+        return False
+    if op in ("gelu.default", "gelu_backward.default"):
+        if kwargs.get("approximate", "none") not in ("none", "tanh"):
+            return False
+        return True
+    for v in kwargs.values():
+        if not _literal_ok(v) and type(v).__name__ != "In":
+            if op not in ("_to_copy.default",):
+                return False
+    return True

@@ -1,0 +1,373 @@
+"""Fusion: group pointwise nodes (and last-dim / leading-dim reductions) into ``fused`` nodes.
+
+Needs: a typed graph in topological order.  Guarantees: every node the C++ code generator can
+express (see :mod:`kiln.codegen.cpp.ops`) that shares its iteration shape with a neighbour is
+folded into one ``fused`` node; the graph computes the same values; nodes the fuser does not
+understand are left exactly as they were.  A fused node's kwargs carry a hashable description of
+its subgraph:
+
+  kind     "pointwise" | "rows" (reductions over the last dim) | "cols" (sum over leading dims)
+  shape    the iteration shape (symbolic sizes allowed)
+  body     one entry per member: (op, args, kwargs, dtype) with In(k) = fused input k,
+           Val(i) = body entry i, Lit(v, dtype) = an inlined one-element constant
+  outputs  body entries the node returns, in order (one node output each)
+  members  ids of the nodes fused (in the input graph), for ``kiln explain``
+
+Example (x: f32[8,16], b: f32[16])::
+
+    %2 = add.Tensor(%0, %1)        ->   %2 = fused[pointwise](%0, %1)
+    %3 = relu.default(%2)                     body: add.Tensor(In(0), In(1)); relu(Val(0))
+    %4 = mm.default(%3, %w)             %3 = mm.default(%2, %w)
+
+Groups may also join independent nodes of the same shape (horizontal fusion), which turns e.g.
+the per-parameter AdamW updates of equal-shaped tensors into one kernel.  A group never becomes
+part of a cycle: a node joins a group only if none of its other inputs depends on that group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kiln.codegen.cpp.ops import CTYPE, supported
+from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType, dtype_abbr
+
+MAX_GROUP = 256  # members per kernel: keeps generated functions small enough to compile fast
+HORIZONTAL_WINDOW = 6  # how many open groups of the same shape a node may join horizontally
+
+
+@dataclass(frozen=True)
+class Val:
+    """Body reference to the value of body entry ``i``."""
+
+    i: int
+
+    def __repr__(self) -> str:
+        return f"Val({self.i})"
+
+
+@dataclass(frozen=True)
+class Lit:
+    """An inlined one-element constant tensor (value and dtype abbreviation)."""
+
+    value: Any
+    dtype: str
+
+    def __repr__(self) -> str:
+        return f"Lit({self.value!r},{self.dtype})"
+
+
+_ROW_REDUCE = {"sum.dim_IntList", "mean.dim", "amax.default"}
+_ROW_OPS = _ROW_REDUCE | {"_softmax.default", "_log_softmax.default"}
+
+
+def _tensor_type(n: Node) -> TensorType | None:
+    if len(n.types) != 1 or n.types[0] is None or n.types[0].dtype is None:
+        return None
+    return n.types[0]
+
+
+def _broadcastable(src: tuple, dst: tuple) -> bool:
+    if len(src) > len(dst):
+        return False
+    for a, b in zip(reversed(src), reversed(dst)):
+        if a != b and a != 1:
+            return False
+    return True
+
+
+def inline_literal(n: Node) -> Lit | None:
+    """``full([], v)`` / ``scalar_tensor(v)`` of one element: folded into the kernel as a literal."""
+    t = _tensor_type(n)
+    if t is None or t.dtype not in CTYPE or n.inputs:
+        return None
+    if n.op == "full.default" and all(s == 1 for s in t.shape):
+        v = n.args[1]
+    elif n.op == "scalar_tensor.default" and t.shape == ():
+        v = n.args[0]
+    else:
+        return None
+    if not isinstance(v, (bool, int, float)):
+        return None
+    if t.dtype == torch.float32:
+        v = float(v)
+    elif t.dtype == torch.int64:
+        v = int(v)
+    else:
+        v = bool(v)
+    return Lit(v, dtype_abbr(t.dtype))
+
+
+def _pointwise_ok(g: Graph, n: Node) -> bool:
+    t = _tensor_type(n)
+    if t is None or t.dtype not in CTYPE:
+        return False
+    if not supported(n.op, n.args, dict(n.kwargs)):
+        return False
+    for j in n.inputs:
+        src = g.nodes[j]
+        if src.op == "scalar":
+            continue
+        st = _tensor_type(src)
+        if st is None or st.dtype not in CTYPE or not _broadcastable(st.shape, t.shape):
+            return False
+    return True
+
+
+def _row_reduction(g: Graph, n: Node) -> tuple | None:
+    """(input shape) when ``n`` reduces the last dim of a float32 tensor in a way we generate."""
+    if n.op not in _ROW_OPS or len(n.inputs) != 1:
+        return None
+    src = _tensor_type(g.nodes[n.inputs[0]])
+    t = _tensor_type(n)
+    if src is None or t is None or src.dtype != torch.float32 or t.dtype != torch.float32:
+        return None
+    rank = len(src.shape)
+    if rank == 0:
+        return None
+    if n.op in _ROW_REDUCE:
+        dims = n.args[1] if len(n.args) > 1 else None
+        if dims is None or len(dims) != 1 or dims[0] not in (-1, rank - 1):
+            return None
+        if n.kwarg("dtype") is not None:
+            return None
+    else:
+        if n.args[1] not in (-1, rank - 1) or n.args[2]:
+            return None
+    return src.shape
+
+
+def _col_reduction(g: Graph, n: Node) -> tuple | None:
+    """(input shape) when ``n`` sums a float32 tensor over all dims but the last."""
+    if n.op != "sum.dim_IntList" or len(n.inputs) != 1 or n.kwarg("dtype") is not None:
+        return None
+    src = _tensor_type(g.nodes[n.inputs[0]])
+    t = _tensor_type(n)
+    if src is None or t is None or src.dtype != torch.float32 or len(src.shape) < 2:
+        return None
+    rank = len(src.shape)
+    dims = sorted(d % rank for d in n.args[1])
+    if dims != list(range(rank - 1)):
+        return None
+    return src.shape
+
+
+@dataclass
+class _Group:
+    kind: str
+    shape: tuple
+    members: list[int]
+    closed: bool = False  # a reduction was added: no more pointwise members after it
+
+
+def fuse(g: Graph) -> Graph:
+    """Group fusible nodes into ``fused`` nodes (see the module docstring)."""
+    groups: list[_Group] = []
+    group_of: dict[int, int] = {}
+    deps: list[frozenset[int]] = []
+    lits: dict[int, Lit] = {}
+    for i, n in enumerate(g.nodes):
+        lit = inline_literal(n)
+        if lit is not None:
+            lits[i] = lit
+        d: set[int] = set()
+        for j in n.inputs:
+            d |= deps[j]
+            if j in group_of:
+                d.add(group_of[j])
+        deps.append(frozenset(d))
+        gid = _place(g, i, n, groups, group_of, deps, lits)
+        if gid is not None:
+            group_of[i] = gid
+            groups[gid].members.append(i)
+    groups_kept = [gr for gr in groups if _worth_it(g, gr, lits)]
+    if not groups_kept:
+        return g
+    return _rebuild(g, groups_kept, lits)
+
+
+def _can_join(gid: int, n: Node, group_of: dict[int, int], deps: list[frozenset[int]]) -> bool:
+    for j in n.inputs:
+        if group_of.get(j) != gid and gid in deps[j]:
+            return False
+    return True
+
+
+def _place(g, i, n, groups, group_of, deps, lits) -> int | None:
+    if i in lits:
+        return None  # inlined where used
+    t = _tensor_type(n)
+    row = _row_reduction(g, n)
+    col = _col_reduction(g, n) if row is None else None
+    if row is not None or col is not None:
+        kind, shape = ("rows", row) if row is not None else ("cols", col)
+        src = n.inputs[0]
+        gid = group_of.get(src)
+        if gid is not None and g.nodes[src].op not in _ROW_OPS:
+            gr = groups[gid]
+            if (gr.kind in ("pointwise", kind) and gr.shape == shape and not
+                    (gr.kind == "rows" and n.op not in _ROW_REDUCE)
+                    and len(gr.members) < MAX_GROUP and _can_join(gid, n, group_of, deps)
+                    and not (kind == "rows" and _has_special(g, gr))):
+                gr.kind, gr.closed = kind, True
+                return gid
+        groups.append(_Group(kind, shape, [], closed=True))
+        return len(groups) - 1
+    if not _pointwise_ok(g, n):
+        return None
+    shape = t.shape
+    cands = [group_of[j] for j in n.inputs if j in group_of]
+    for gid in cands:
+        gr = groups[gid]
+        if (gr.kind == "pointwise" and gr.shape == shape and len(gr.members) < MAX_GROUP
+                and _can_join(gid, n, group_of, deps)):
+            return gid
+    seen = 0
+    for gid in range(len(groups) - 1, -1, -1):
+        gr = groups[gid]
+        if gr.kind != "pointwise" or gr.shape != shape:
+            continue
+        seen += 1
+        if seen > HORIZONTAL_WINDOW:
+            break
+        if len(gr.members) < MAX_GROUP and _can_join(gid, n, group_of, deps):
+            return gid
+    groups.append(_Group("pointwise", shape, []))
+    return len(groups) - 1
+
+
+def _has_special(g: Graph, gr: _Group) -> bool:
+    """A rows group holds at most one softmax-like member and then no plain reductions."""
+    return any(g.nodes[m].op in _ROW_OPS - _ROW_REDUCE for m in gr.members)
+
+
+def _worth_it(g: Graph, gr: _Group, lits: dict[int, Lit]) -> bool:
+    if not gr.members:
+        return False
+    if gr.kind != "pointwise":
+        return True
+    # A lone copy/clone/alias is better left to ATen (it may be a no-op or memcpy).
+    ops = {g.nodes[m].op for m in gr.members}
+    return not ops <= {"clone.default", "alias.default", "copy.default", "_to_copy.default"}
+
+
+def _rebuild(g: Graph, groups: list[_Group], lits: dict[int, Lit]) -> Graph:
+    users = g.users
+    outs = set(g.outputs)
+    member_of: dict[int, int] = {}
+    for gi, gr in enumerate(groups):
+        for m in gr.members:
+            member_of[m] = gi
+    # Outputs of each group: members read outside it (or graph outputs).
+    group_outs: list[list[int]] = []
+    for gi, gr in enumerate(groups):
+        ms = set(gr.members)
+        group_outs.append([m for m in gr.members
+                           if m in outs or any(u not in ms for u in users[m])
+                           or g.nodes[m].op in _ROW_OPS])
+    # Which original nodes are still needed: members are replaced; inlined literals only if some
+    # non-member still reads them.
+    needed_lit = {j for j in lits if j in outs or any(member_of.get(u) is None for u in users[j])}
+
+    order = _unit_order(g, groups, member_of)
+    b = GraphBuilder()
+    b.constants = list(g.constants)
+    new_id: dict[int, int] = {}  # original value id -> new id
+    for unit in order:
+        if isinstance(unit, int):
+            n = g.nodes[unit]
+            if unit in lits and unit not in needed_lit:
+                continue
+            new_id[unit] = b.add(n.with_(inputs=tuple(new_id[j] for j in n.inputs)))
+            continue
+        gr = groups[unit[1]]
+        node, ext = _fused_node(g, gr, group_outs[unit[1]], lits)
+        fid = b.add(node.with_(inputs=tuple(new_id[j] for j in ext)))
+        outs_g = group_outs[unit[1]]
+        if len(outs_g) == 1:
+            new_id[outs_g[0]] = fid
+        else:
+            for p, m in enumerate(outs_g):
+                new_id[m] = b.getitem(fid, p)
+    b._n_inputs = len(g.inputs)
+    return b.build(new_id[o] for o in g.outputs)
+
+
+def _unit_order(g: Graph, groups: list[_Group], member_of: dict[int, int]) -> list:
+    """Units (node ids, or ("g", group index)) in a topological order of the quotient graph."""
+    def unit(i: int):
+        gi = member_of.get(i)
+        return i if gi is None else ("g", gi)
+
+    def unit_inputs(u) -> list:
+        nodes = [u] if isinstance(u, int) else groups[u[1]].members
+        res = []
+        for m in nodes:
+            for j in g.nodes[m].inputs:
+                uj = unit(j)
+                if uj != u:
+                    res.append(uj)
+        return res
+
+    keys: list = []
+    for i in range(len(g.nodes)):
+        u = unit(i)
+        if isinstance(u, int) or groups[u[1]].members[-1] == i:
+            keys.append(u)
+    done: set = set()
+    order: list = []
+    for root in keys:
+        if root in done:
+            continue
+        stack = [(root, iter(unit_inputs(root)))]
+        while stack:
+            u, it = stack[-1]
+            nxt = next((v for v in it if v not in done), None)
+            if nxt is None:
+                stack.pop()
+                if u not in done:
+                    done.add(u)
+                    order.append(u)
+            else:
+                stack.append((nxt, iter(unit_inputs(nxt))))
+    return order
+
+
+def _fused_node(g: Graph, gr: _Group, outs: list[int], lits: dict[int, Lit]):
+    local = {m: k for k, m in enumerate(gr.members)}
+    ext: list[int] = []
+    ext_idx: dict[int, int] = {}
+
+    def ref(j: int):
+        if j in local:
+            return Val(local[j])
+        if j in lits:
+            return lits[j]
+        if j not in ext_idx:
+            ext_idx[j] = len(ext)
+            ext.append(j)
+        return In(ext_idx[j])
+
+    def sub(v: Any, n: Node) -> Any:
+        if isinstance(v, In):
+            return ref(n.inputs[v.k])
+        if isinstance(v, (tuple, list)):
+            return tuple(sub(x, n) for x in v)
+        return v
+
+    body = []
+    for m in gr.members:
+        n = g.nodes[m]
+        body.append((n.op, sub(n.args, n), tuple((k, sub(v, n)) for k, v in n.kwargs),
+                     dtype_abbr(n.types[0].dtype)))
+    kwargs = (
+        ("kind", gr.kind),
+        ("shape", tuple(gr.shape)),
+        ("body", tuple(body)),
+        ("outputs", tuple(local[m] for m in outs)),
+        ("members", tuple(gr.members)),
+    )
+    types = tuple(g.nodes[m].types[0] for m in outs)
+    return Node("fused", (), (), kwargs, types), ext
