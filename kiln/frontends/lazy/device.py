@@ -67,6 +67,34 @@ class _KilnModule:
         sync()
 
 
+_COMPOSITE_FACTORIES = [
+    "arange",
+    "arange.start",
+    "arange.start_step",
+    "full",
+    "zeros",
+    "ones",
+    "rand",
+    "randn",
+    "randint",
+    "randint.low",
+    "linspace",
+    "eye",
+    "eye.m",
+    "scalar_tensor",
+    "randperm",
+]
+
+
+def _factory_kernel(op: Any) -> Any:
+    from kiln.frontends.lazy.tensor import factory
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return factory(op, *args, **kwargs)
+
+    return kernel
+
+
 def _register() -> None:
     global _registered
     with _reg_lock:
@@ -89,7 +117,14 @@ def _register() -> None:
             dispatch_key="PrivateUse1",
             with_keyset=True,
         )
-        _register.lib = lib  # type: ignore[attr-defined]  # keep the registration alive
+        # Composite factories (arange = empty + arange.out, ...) would otherwise resize a tensor
+        # in place; give them a kiln kernel so they are recorded as one node.
+        impl = torch.library.Library("aten", "IMPL")
+        for name in _COMPOSITE_FACTORIES:
+            packet, _, overload = name.partition(".")
+            op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+            impl.impl(name, _factory_kernel(op), "PrivateUse1")
+        _register.lib = (lib, impl)  # type: ignore[attr-defined]  # keep registrations alive
         _registered = True
 
 

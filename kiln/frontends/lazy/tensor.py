@@ -226,7 +226,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         v = materialize(args[0], "to_cpu")
         return aten._to_copy.default(v, **kwargs)
     if func is aten.copy_.default or func is aten.copy.default:
-        pass  # CPU sources are allowed: they are copied in
+        if func is aten.copy_.default and _upload(args[0], args[1]):
+            return args[0]
     else:
         _check_devices(func, args, kwargs)
     if func.is_view:
@@ -242,6 +243,23 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         if out is not NotImplemented:
             return out
     return _record(func, args, kwargs)
+
+
+def _upload(dst: Any, src: Any) -> bool:
+    """``dst.copy_(cpu_tensor)`` over a whole storage (what ``.to(dev)`` does): the storage takes
+    the data directly, with no graph node, so per-step data is a graph input, not a graph."""
+    if not isinstance(dst, LazyTensor) or isinstance(src, LazyTensor):
+        return False
+    if not isinstance(src, torch.Tensor) or dst._chain or src.dtype != dst.dtype:
+        return False
+    if tuple(src.shape) != tuple(dst._st.meta.shape):
+        return False
+    meta = dst._st.meta
+    data = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype)
+    data.copy_(src)
+    st = dst._st
+    st.data, st.pending, st.node, st.gen = data, False, None, -1
+    return True
 
 
 def _view(func: Any, args: tuple, kwargs: dict) -> Any:

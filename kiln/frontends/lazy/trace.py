@@ -182,7 +182,7 @@ def sync(reason: str | None = None) -> None:
             )
             if seed_idx is not None:
                 values[seed_idx] = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-        site = _site() if reason is None else f"sync:{reason}"
+        site = _site()
         before = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
         exe = compile_graph(g)
         after = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
