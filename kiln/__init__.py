@@ -23,12 +23,12 @@ from kiln.frontends.compile.backend import compile
 
 _register_backend()
 
-try:  # the lazy device
-    from kiln.frontends.lazy import device, mark_step, optimizer_step, sync
+from kiln.frontends.lazy import device, mark_step, optimizer_step, sync
+from kiln.frontends.lazy.device import _register as _register_device
 
-    _LAZY = ["device", "mark_step", "optimizer_step", "sync"]
-except ImportError:  # pragma: no cover - while the lazy frontend is being built
-    _LAZY = []
+# Registered at import: PyTorch's autograd engine sizes its per-device queues on the first
+# backward pass, so the kiln device must exist before any backward runs in the process.
+_register_device()
 
 __all__ = [
     "Config",
@@ -37,5 +37,8 @@ __all__ = [
     "compile",
     "config",
     "metrics",
-    *_LAZY,
+    "device",
+    "mark_step",
+    "optimizer_step",
+    "sync",
 ]

@@ -18,6 +18,7 @@ import torch
 from functorch.compile import make_boxed_func
 from torch._decomp import core_aten_decompositions
 from torch._dynamo.backends.common import aot_autograd
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from kiln import metrics
 from kiln.config import config
@@ -65,7 +66,10 @@ def _kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     except UnsupportedGraph as e:
         metrics.fallback(f"graph:{e}")
         return make_boxed_func(gm.forward)
-    exe = compile_graph(g)
+    # AOTAutograd may call us inside an active FakeTensorMode; Kiln compiles (constant folding,
+    # kernel checks) on real tensors.
+    with unset_fake_temporarily():
+        exe = compile_graph(g)
     kinds = [k for k, _ in out_spec]
     idx = [v for _, v in out_spec]
 
