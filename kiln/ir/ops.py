@@ -58,7 +58,7 @@ _TABLE: dict[Category, str] = {
     threshold_backward trunc where _to_copy to_copy heaviside hypot nextafter igamma igammac
     logit xlogy special_xlog1py copysign fmax fmin sgn softplus softplus_backward
     elu_backward leaky_relu_backward hardtanh_backward silu_backward mish_backward
-    hardswish_backward hardsigmoid_backward square i0 polygamma log_sigmoid_forward zero fma
+    hardswish_backward hardsigmoid_backward square i0 polygamma log_sigmoid_forward zero
     _foreach_add _foreach_sub _foreach_mul _foreach_div _foreach_addcdiv _foreach_addcmul
     _foreach_lerp _foreach_sqrt _foreach_neg _foreach_abs _foreach_exp _foreach_reciprocal
     _foreach_copy _foreach_maximum _foreach_minimum _foreach_clamp_min _foreach_clamp_max
