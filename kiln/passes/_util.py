@@ -15,15 +15,15 @@ Rules may also add helper nodes with :meth:`Rewriter.add` before returning.  Inp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cached_property
-from typing import Callable, Union
 
 import torch
 
 from kiln.ir.graph import Graph, GraphBuilder, Node, TensorType
 from kiln.ir.ops import SIDE_EFFECTS, Category, category
 
-RuleResult = Union[int, Node, None]
+RuleResult = int | Node | None
 RuleFn = Callable[["Rewriter", Node], RuleResult]
 
 # Ops whose result depends on the *strides* or storage of their input, not only its values: a copy
@@ -62,7 +62,7 @@ def _is_mutating_opaque(op: str) -> bool:
     if cat_of(op) is not Category.OPAQUE:
         return False
     try:
-        from kiln.runtime.interpreter import resolve  # noqa: PLC0415
+        from kiln.runtime.interpreter import resolve
 
         return bool(resolve(op)._schema.is_mutable)
     except Exception:  # noqa: BLE001 - unresolvable: assume the worst
@@ -196,6 +196,4 @@ class Rewriter:
         own tensor back, or one it could mutate for every later run)."""
         if tuple(self.node(value).types) != tuple(cand.types) or len(cand.types) != 1:
             return False
-        if self.is_output and self.node(value).op in META_VALUES:
-            return False
-        return True
+        return not (self.is_output and self.node(value).op in META_VALUES)

@@ -21,7 +21,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 from kiln.ir.graph import Graph, GraphBuilder, Node, _tensor_digest
 from kiln.ir.ops import SIDE_EFFECTS, Category

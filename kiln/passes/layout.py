@@ -41,9 +41,7 @@ _CONTIGUOUS_FORMATS = (None, torch.contiguous_format, torch.preserve_format)
 def copy_source(rw: Rewriter, v: int) -> int | None:
     """If value ``v`` is a same-dtype (contiguous) copy of another value, that value."""
     n = rw.node(v)
-    if n.op == "clone.default" and n.kwarg("memory_format") in _CONTIGUOUS_FORMATS:
-        x = src(n)
-    elif n.op in ("contiguous.default", "contiguous.memory_format"):
+    if n.op == "clone.default" and n.kwarg("memory_format") in _CONTIGUOUS_FORMATS or n.op in ("contiguous.default", "contiguous.memory_format"):
         x = src(n)
     elif n.op == "_to_copy.default":
         x = src(n)

@@ -14,8 +14,8 @@ undo each other.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from kiln.ir.graph import Graph, Node
 from kiln.passes._util import Rewriter, RuleFn, RuleResult

@@ -4,7 +4,8 @@ pass against a golden printout and against the reference interpreter."""
 from __future__ import annotations
 
 import textwrap
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch._decomp import core_aten_decompositions
