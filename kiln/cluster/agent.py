@@ -107,8 +107,12 @@ def device_environment(devices: list[dict[str, Any]]) -> dict[str, str]:
         env["NEURON_RT_VISIBLE_CORES"] = discovery.neuron_core_ranges(
             [
                 discovery.Device(
-                    kind="neuron", index=d["idx"], path=d["path"], cores=d["cores"],
-                    memory_mib=d.get("memory_mib") or 0, name=d.get("name") or "neuron",
+                    kind="neuron",
+                    index=d["idx"],
+                    path=d["path"],
+                    cores=d["cores"],
+                    memory_mib=d.get("memory_mib") or 0,
+                    name=d.get("name") or "neuron",
                     uuid=d.get("uuid"),
                 )
                 for d in neuron
@@ -254,7 +258,9 @@ class Agent:
                 for p in procs:
                     p.signal(signal.SIGKILL)
                 self.service.mark_stopped(
-                    arn, None, f"CannotStartContainerError: container {c['name']} has no command",
+                    arn,
+                    None,
+                    f"CannotStartContainerError: container {c['name']} has no command",
                     "TaskFailedToStart",
                 )
                 return
@@ -268,8 +274,12 @@ class Agent:
                 try:
                     popen = subprocess.Popen(
                         ["sh", "-c", WRAPPER, prefix, *[str(a) for a in c["command"]]],
-                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                        env=env, cwd=task_dir, start_new_session=True,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env=env,
+                        cwd=task_dir,
+                        start_new_session=True,
                     )
                 except OSError as e:
                     self.service.mark_stopped(
@@ -312,12 +322,16 @@ class Agent:
             return False
         if procs:
             self._procs[arn] = procs
-            if task["last_status"] != "RUNNING" or any(not c.get("pid") for c in task["containers"]):
+            if task["last_status"] != "RUNNING" or any(
+                not c.get("pid") for c in task["containers"]
+            ):
                 self.service.mark_running(arn, [(p.pid, p.start) for p in procs])
             return True
         code = next((c for c in dead_codes if c is not None), None)
         self.service.mark_stopped(
-            arn, code, f"Task process exited while the agent was down (exit code {code})",
+            arn,
+            code,
+            f"Task process exited while the agent was down (exit code {code})",
             "EssentialContainerExited",
         )
         return False
@@ -346,4 +360,3 @@ def task_output(work_dir: str, task_arn: str, container_index: int = 0) -> str:
             return f.read()
     except OSError:
         return ""
-

@@ -89,7 +89,10 @@ def _emit(doc: dict[str, Any]) -> None:
 @click.option("--cluster", "cluster_name", default="default", show_default=True)
 @click.pass_context
 def cluster(
-    ctx: click.Context, endpoint: str | None, store: str | None, token: str | None,
+    ctx: click.Context,
+    endpoint: str | None,
+    store: str | None,
+    token: str | None,
     cluster_name: str,
 ) -> None:
     """Schedule tasks on accelerator instances (an ECS-compatible control plane)."""
@@ -206,7 +209,10 @@ def describe_clusters(ctx: click.Context, names: tuple[str, ...]) -> None:
 @click.option("--attribute", "attributes", multiple=True, help="NAME=VALUE (repeat).")
 @click.pass_context
 def add_instance(
-    ctx: click.Context, itype: str, simulated: bool, device_root: str | None,
+    ctx: click.Context,
+    itype: str,
+    simulated: bool,
+    device_root: str | None,
     attributes: tuple[str, ...],
 ) -> None:
     """Register this machine (or a simulated one) as a container instance (Kiln extension).
@@ -234,8 +240,15 @@ def add_instance(
             )
         body["kilnSimulated"] = False
         body["kilnDevices"] = [
-            {"kind": d.kind, "index": d.index, "path": d.path, "cores": d.cores,
-             "memoryMib": d.memory_mib, "name": d.name, "uuid": d.uuid}
+            {
+                "kind": d.kind,
+                "index": d.index,
+                "path": d.path,
+                "cores": d.cores,
+                "memoryMib": d.memory_mib,
+                "name": d.name,
+                "uuid": d.uuid,
+            }
             for d in found
         ]
     _emit(call(ctx, "RegisterContainerInstance", body))
@@ -274,14 +287,23 @@ def update_state(ctx: click.Context, instances: tuple[str, ...], status: str) ->
 @click.option("--group")
 @click.option("--member-of", "member_of", multiple=True, help="memberOf expression (repeat).")
 @click.option("--distinct-instance", is_flag=True)
-@click.option("--strategy", "strategies", multiple=True, help="binpack:cpu, spread:instanceId, random")
+@click.option(
+    "--strategy", "strategies", multiple=True, help="binpack:cpu, spread:instanceId, random"
+)
 @click.pass_context
 def run_task(
-    ctx: click.Context, task_definition: str, count: int, group: str | None,
-    member_of: tuple[str, ...], distinct_instance: bool, strategies: tuple[str, ...],
+    ctx: click.Context,
+    task_definition: str,
+    count: int,
+    group: str | None,
+    member_of: tuple[str, ...],
+    distinct_instance: bool,
+    strategies: tuple[str, ...],
 ) -> None:
     body: dict[str, Any] = {
-        "cluster": ctx.obj["cluster"], "taskDefinition": task_definition, "count": count
+        "cluster": ctx.obj["cluster"],
+        "taskDefinition": task_definition,
+        "count": count,
     }
     if group:
         body["group"] = group
@@ -335,4 +357,6 @@ def logs(ctx: click.Context, task: str, work_dir: str | None, container: int) ->
     """Print a task's captured output (on the machine whose agent ran it)."""
     from kiln.cluster.agent import task_output
 
-    click.echo(task_output(work_dir or default_work_dir(_store_url(ctx)), task, container), nl=False)
+    click.echo(
+        task_output(work_dir or default_work_dir(_store_url(ctx)), task, container), nl=False
+    )

@@ -55,7 +55,7 @@ class Candidate:
                 "agentConnected": self.agent_connected,
                 "agentVersion": self.agent_version,
                 "runningTasksCount": self.running_tasks_count,
-                "registeredAt": dt.datetime.fromtimestamp(self.registered_at, dt.timezone.utc),
+                "registeredAt": dt.datetime.fromtimestamp(self.registered_at, dt.UTC),
                 "task:group": set(self.groups),
             }
         )
@@ -132,7 +132,9 @@ def check(c: Candidate, needs: TaskNeeds) -> tuple[list[list[dict]] | None, str]
         return None, "AGENT"
     for attr in needs.required_attributes:
         have = c.attributes.get(attr["name"])
-        if have is None or ("value" in attr and attr["value"] is not None and have != attr["value"]):
+        if have is None or (
+            "value" in attr and attr["value"] is not None and have != attr["value"]
+        ):
             return None, "ATTRIBUTE"
     for con in needs.constraints:
         if con.get("type") == "memberOf" and not _member_of(con.get("expression", ""), c):
@@ -147,7 +149,11 @@ def check(c: Candidate, needs: TaskNeeds) -> tuple[list[list[dict]] | None, str]
 
 
 def _sort_key(
-    c: Candidate, strategies: list[dict], candidates: list[Candidate], group: str, rng: random.Random
+    c: Candidate,
+    strategies: list[dict],
+    candidates: list[Candidate],
+    group: str,
+    rng: random.Random,
 ) -> tuple:
     key: list[Any] = []
     for s in strategies:
@@ -161,7 +167,11 @@ def _sort_key(
                 name = field.removeprefix("attribute:")
                 value = c.attributes.get(name)
                 key.append(
-                    sum(o.groups.get(group, 0) for o in candidates if o.attributes.get(name) == value)
+                    sum(
+                        o.groups.get(group, 0)
+                        for o in candidates
+                        if o.attributes.get(name) == value
+                    )
                 )
         elif kind == "random":
             key.append(rng.random())

@@ -52,7 +52,7 @@ class _Handler(BaseHTTPRequestHandler):
     server: ClusterHTTPServer
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
 
     def _reply(self, status: int, doc: dict[str, Any]) -> None:
@@ -67,13 +67,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, e: ECSError) -> None:
         self._reply(e.status, {"__type": e.code, "message": e.message})
 
-    def do_GET(self) -> None:  # noqa: N802 - stdlib name
+    def do_GET(self) -> None:
         if self.path == "/health":
             self._reply(200, {"status": "ok"})
         else:
             self._error(ClientException("use POST / with an X-Amz-Target header"))
 
-    def do_POST(self) -> None:  # noqa: N802 - stdlib name
+    def do_POST(self) -> None:
         try:
             length = int(self.headers.get("Content-Length") or 0)
             if length > MAX_BODY:

@@ -423,7 +423,7 @@ class ClusterService(TaskActions):
     def deregister_container_instance(self, body: dict[str, Any]) -> dict[str, Any]:
         with self.store.transaction(exclusive=True) as tx:
             cluster = self.cluster_name(tx, body.get("cluster"))
-            [(ref, arn)] = self._instance_arns(tx, cluster, [body.get("containerInstance", "")])
+            [(_ref, arn)] = self._instance_arns(tx, cluster, [body.get("containerInstance", "")])
             if not arn:
                 raise InvalidParameterException("Container instance not found.")
             active = tx.one(

@@ -127,7 +127,9 @@ class TaskActions:
             )
             cands = self.candidates(tx, cluster, statuses=("ACTIVE", "DRAINING"))
             if not cands:
-                raise InvalidParameterException("No Container Instances were found in your cluster.")
+                raise InvalidParameterException(
+                    "No Container Instances were found in your cluster."
+                )
             placed, failures = placement.place(cands, needs, count, self.rng)
             tasks = [
                 self._insert_task(tx, cluster, td_row, body, needs, containers, p) for p in placed
@@ -194,8 +196,19 @@ class TaskActions:
                     "memory": c["memory"],
                     "hostDevices": c["hostDevices"],
                     "devices": [
-                        {k: d[k] for k in ("device_id", "kind", "idx", "path", "cores", "uuid",
-                                           "memory_mib", "name")}
+                        {
+                            k: d[k]
+                            for k in (
+                                "device_id",
+                                "kind",
+                                "idx",
+                                "path",
+                                "cores",
+                                "uuid",
+                                "memory_mib",
+                                "name",
+                            )
+                        }
                         for d in devs
                     ],
                     "lastStatus": "PENDING",
@@ -206,9 +219,18 @@ class TaskActions:
             " last_status, desired_status, cpu, memory, containers, overrides, created_at, version)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, 'PROVISIONING', 'RUNNING', ?, ?, ?, ?, ?, 1)",
             (
-                arn, cluster, p.candidate.arn, td_row["arn"], td_row["family"], needs.group,
-                body.get("startedBy"), needs.cpu, needs.memory, dumps(stored),
-                dumps(body.get("overrides") or {}), time.time(),
+                arn,
+                cluster,
+                p.candidate.arn,
+                td_row["arn"],
+                td_row["family"],
+                needs.group,
+                body.get("startedBy"),
+                needs.cpu,
+                needs.memory,
+                dumps(stored),
+                dumps(body.get("overrides") or {}),
+                time.time(),
             ),
         )
         return self.task_json(tx, arn)
@@ -255,9 +277,14 @@ class TaskActions:
             "version": t["version"],
             "createdAt": t["created_at"],
         }
-        for key, col in (("startedBy", "started_by"), ("stoppedReason", "stopped_reason"),
-                         ("stopCode", "stop_code"), ("startedAt", "started_at"),
-                         ("stoppingAt", "stopping_at"), ("stoppedAt", "stopped_at")):
+        for key, col in (
+            ("startedBy", "started_by"),
+            ("stoppedReason", "stopped_reason"),
+            ("stopCode", "stop_code"),
+            ("startedAt", "started_at"),
+            ("stoppingAt", "stopping_at"),
+            ("stoppedAt", "stopped_at"),
+        ):
             if t[col] is not None:
                 doc[key] = t[col]
         return doc
@@ -290,7 +317,8 @@ class TaskActions:
                 ref = body["containerInstance"]
                 sql += " AND instance_arn = ?"
                 params.append(
-                    ref if ref.startswith("arn:")
+                    ref
+                    if ref.startswith("arn:")
                     else self.arn("container-instance", f"{cluster}/{ref}")  # type: ignore[attr-defined]
                 )
             if body.get("family"):
@@ -355,12 +383,21 @@ class TaskActions:
                 "UPDATE tasks SET last_status = 'RUNNING', pid = ?, pid_start = ?,"
                 " started_at = ?, containers = ?, version = version + 1"
                 " WHERE arn = ? AND last_status != 'STOPPED'",
-                (procs[0][0] if procs else None, procs[0][1] if procs else None,
-                 t["started_at"] or time.time(), dumps(containers), arn),
+                (
+                    procs[0][0] if procs else None,
+                    procs[0][1] if procs else None,
+                    t["started_at"] or time.time(),
+                    dumps(containers),
+                    arn,
+                ),
             )
 
     def mark_stopped(
-        self, arn: str, exit_code: int | None, reason: str, stop_code: str = "EssentialContainerExited"
+        self,
+        arn: str,
+        exit_code: int | None,
+        reason: str,
+        stop_code: str = "EssentialContainerExited",
     ) -> None:
         """Mark a task STOPPED and free its devices, in one transaction (idempotent)."""
         with self.store.transaction(exclusive=True) as tx:
@@ -383,7 +420,14 @@ class TaskActions:
             "UPDATE tasks SET last_status = 'STOPPED', desired_status = 'STOPPED', exit_code = ?,"
             " stopped_reason = ?, stop_code = ?, stopping_at = COALESCE(stopping_at, ?),"
             " stopped_at = ?, containers = ?, version = version + 1 WHERE arn = ?",
-            (exit_code, t["stopped_reason"] or reason, t["stop_code"] or stop_code, now, now,
-             dumps(containers), arn),
+            (
+                exit_code,
+                t["stopped_reason"] or reason,
+                t["stop_code"] or stop_code,
+                now,
+                now,
+                dumps(containers),
+                arn,
+            ),
         )
         tx.execute("UPDATE devices SET task_arn = NULL WHERE task_arn = ?", (arn,))

@@ -76,7 +76,9 @@ def check_invariants(store: Store) -> dict[str, Any]:
             for c in loads(t["containers"]):
                 for d in c["devices"]:
                     key = (t["instance_arn"], d["device_id"])
-                    assert key not in held_by, f"device {key} given to {held_by[key]} and {t['arn']}"
+                    assert key not in held_by, (
+                        f"device {key} given to {held_by[key]} and {t['arn']}"
+                    )
                     held_by[key] = t["arn"]
         for row in tx.execute("SELECT * FROM devices"):
             key = (row["instance_arn"], row["device_id"])
@@ -97,7 +99,9 @@ def check_invariants(store: Store) -> dict[str, Any]:
                 "SELECT COUNT(*) AS n FROM devices WHERE instance_arn = ? AND task_arn IS NULL",
                 (inst["arn"],),
             )
-            total = tx.one("SELECT COUNT(*) AS n FROM devices WHERE instance_arn = ?", (inst["arn"],))
+            total = tx.one(
+                "SELECT COUNT(*) AS n FROM devices WHERE instance_arn = ?", (inst["arn"],)
+            )
             held = sum(1 for (ia, _d) in held_by if ia == inst["arn"])
             assert total["n"] - held == free["n"]
         stats["active"] = len(tasks)
@@ -109,10 +113,25 @@ class ServerProcess:
     """``kiln cluster serve`` as a subprocess on 127.0.0.1 with a free port."""
 
     def __init__(self, db: str, work_dir: str, *args: str) -> None:
-        cmd = [PY, "-m", "kiln.tools.cli", "cluster", "--store", db, "serve", "--port", "0",
-               "--work-dir", work_dir, *args]
+        cmd = [
+            PY,
+            "-m",
+            "kiln.tools.cli",
+            "cluster",
+            "--store",
+            db,
+            "serve",
+            "--port",
+            "0",
+            "--work-dir",
+            work_dir,
+            *args,
+        ]
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             start_new_session=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()

@@ -9,8 +9,15 @@ import psutil
 import pytest
 from click.testing import CliRunner
 from cluster_testlib import (
-    PY, add_instance, check_invariants, container, gpus, kill_task_processes, neuron_all,
-    register, wait_for,
+    PY,
+    add_instance,
+    check_invariants,
+    container,
+    gpus,
+    kill_task_processes,
+    neuron_all,
+    register,
+    wait_for,
 )
 
 from kiln.cluster.agent import Agent, task_output
@@ -54,7 +61,9 @@ def _stopped(svc, arn):
 def test_runs_command_with_neuron_env_and_reports_exit(env):
     svc, agent = env
     add_instance(svc, "trn1.32xlarge")
-    c = neuron_all(command=[PY, "-c", DUMP_AND_EXIT], environment=[{"name": "GREETING", "value": "hi"}])
+    c = neuron_all(
+        command=[PY, "-c", DUMP_AND_EXIT], environment=[{"name": "GREETING", "value": "hi"}]
+    )
     register(svc, "dump", c)
     arn = svc.run_task({"taskDefinition": "dump"})["tasks"][0]["taskArn"]
     t = wait_for(lambda: _stopped(svc, arn), timeout=20)
@@ -65,7 +74,9 @@ def test_runs_command_with_neuron_env_and_reports_exit(env):
     assert out["AWS_NEURON_VISIBLE_DEVICES"] == ",".join(map(str, range(16)))
     assert out["GREETING"] == "hi" and out["NVIDIA_VISIBLE_DEVICES"] is None
     check_invariants(svc.store)
-    assert svc.store.query("SELECT COUNT(*) AS n FROM devices WHERE task_arn IS NOT NULL")[0]["n"] == 0
+    assert (
+        svc.store.query("SELECT COUNT(*) AS n FROM devices WHERE task_arn IS NOT NULL")[0]["n"] == 0
+    )
 
 
 def test_gpu_env_matches_gpu_ids(env):
@@ -76,7 +87,7 @@ def test_gpu_env_matches_gpu_ids(env):
     second = svc.run_task({"taskDefinition": "g"})["tasks"][0]["taskArn"]
     seen = []
     for arn in (first, second):
-        t = wait_for(lambda: _stopped(svc, arn), timeout=20)
+        t = wait_for(lambda arn=arn: _stopped(svc, arn), timeout=20)
         out = json.loads(task_output(agent.work_dir, arn).splitlines()[0])
         assert out["NVIDIA_VISIBLE_DEVICES"].split(",") == t["containers"][0]["gpuIds"]
         seen.append(out["CUDA_VISIBLE_DEVICES"])
@@ -84,7 +95,7 @@ def test_gpu_env_matches_gpu_ids(env):
 
 
 def test_stop_task_ends_process_and_frees_devices(env):
-    svc, agent = env
+    svc, _agent = env
     inst = add_instance(svc, "trn1.32xlarge")
     register(svc, "sleep", neuron_all(command=SLEEP))
     arn = svc.run_task({"taskDefinition": "sleep"})["tasks"][0]["taskArn"]
@@ -121,7 +132,9 @@ def test_missing_device_file_stops_task_with_reason(env, tmp_path):
     t = wait_for(lambda: _stopped(svc, arn), timeout=20)
     assert t["stopCode"] == "TaskFailedToStart"
     assert "/dev/neuron7" in t["stoppedReason"]
-    assert svc.store.query("SELECT COUNT(*) AS n FROM devices WHERE task_arn IS NOT NULL")[0]["n"] == 0
+    assert (
+        svc.store.query("SELECT COUNT(*) AS n FROM devices WHERE task_arn IS NOT NULL")[0]["n"] == 0
+    )
 
 
 def test_simulated_instance_without_root_skips_file_check(env):
@@ -138,7 +151,8 @@ def test_add_instance_discovers_devices_under_root(tmp_path):
     root = _fake_root(tmp_path / "root", 2, sysfs=True)
     db = str(tmp_path / "c.db")
     result = CliRunner().invoke(
-        cluster_cli, ["--store", db, "add-instance", "--type", "trn1.2xlarge", "--device-root", root]
+        cluster_cli,
+        ["--store", db, "add-instance", "--type", "trn1.2xlarge", "--device-root", root],
     )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)["containerInstance"]

@@ -10,8 +10,15 @@ import boto3
 import psutil
 import pytest
 from cluster_testlib import (
-    PY, ServerProcess, add_instance, check_invariants, gpus, kill_task_processes, neuron_all,
-    register, wait_for,
+    PY,
+    ServerProcess,
+    add_instance,
+    check_invariants,
+    gpus,
+    kill_task_processes,
+    neuron_all,
+    register,
+    wait_for,
 )
 
 from kiln.cluster.agent import Agent
@@ -52,7 +59,7 @@ def test_server_kill9_and_restart_reconciles(tmp_path):
         killed_arn = svc.run_task({"taskDefinition": "gpu_long"})["tasks"][0]["taskArn"]
         exit7_arn = svc.run_task({"taskDefinition": "gpu_exit7"})["tasks"][0]["taskArn"]
         for arn in (long_arn, killed_arn, exit7_arn):
-            wait_for(lambda: _task(svc, arn)["lastStatus"] == "RUNNING", timeout=30)
+            wait_for(lambda arn=arn: _task(svc, arn)["lastStatus"] == "RUNNING", timeout=30)
         long_pid, killed_pid = _pid(svc, long_arn), _pid(svc, killed_arn)
 
         server.kill()  # kill -9: the agent dies with it, the task processes live on
@@ -65,18 +72,27 @@ def test_server_kill9_and_restart_reconciles(tmp_path):
 
         server = ServerProcess(db, work)  # restart: reconcile
         client = boto3.client(
-            "ecs", endpoint_url=server.url, region_name="us-east-1",
-            aws_access_key_id="x", aws_secret_access_key="x",
+            "ecs",
+            endpoint_url=server.url,
+            region_name="us-east-1",
+            aws_access_key_id="x",
+            aws_secret_access_key="x",
         )
         exit7 = wait_for(lambda: (t := _task(svc, exit7_arn))["lastStatus"] == "STOPPED" and t, 20)
         assert exit7["containers"][0]["exitCode"] == 7
-        killed = wait_for(lambda: (t := _task(svc, killed_arn))["lastStatus"] == "STOPPED" and t, 20)
+        killed = wait_for(
+            lambda: (t := _task(svc, killed_arn))["lastStatus"] == "STOPPED" and t, 20
+        )
         assert "agent was down" in killed["stoppedReason"]
-        queued = wait_for(lambda: (t := _task(svc, queued_arn))["lastStatus"] == "STOPPED" and t, 20)
+        queued = wait_for(
+            lambda: (t := _task(svc, queued_arn))["lastStatus"] == "STOPPED" and t, 20
+        )
         assert queued["containers"][0]["exitCode"] == 0  # queued while down: run, not lost
 
         long_task = _task(svc, long_arn)
-        assert long_task["lastStatus"] == "RUNNING" and _pid(svc, long_arn) == long_pid  # re-adopted
+        assert (
+            long_task["lastStatus"] == "RUNNING" and _pid(svc, long_arn) == long_pid
+        )  # re-adopted
         stats = check_invariants(svc.store)
         assert stats == {"active": 1, "held": 16}  # only the re-adopted task holds devices
 
@@ -84,7 +100,9 @@ def test_server_kill9_and_restart_reconciles(tmp_path):
         wait_for(lambda: _task(svc, long_arn)["lastStatus"] == "STOPPED", timeout=20)
         wait_for(lambda: not _alive(long_pid), timeout=10)
         assert check_invariants(svc.store) == {"active": 0, "held": 0}
-        ci = svc.describe_container_instances({"containerInstances": [trn]})["containerInstances"][0]
+        ci = svc.describe_container_instances({"containerInstances": [trn]})["containerInstances"][
+            0
+        ]
         assert ci["remainingResources"] == ci["registeredResources"]
         assert ci["runningTasksCount"] == 0
     finally:
@@ -107,8 +125,13 @@ def test_claimed_but_never_started_task_is_started_after_restart(svc, tmp_path):
     agent_dir = str(tmp_path / "agent")
     assert svc.claim_task(arn, os.path.join(agent_dir, arn.rsplit("/", 1)[1]))  # then "crash"
     Agent(svc, agent_dir).step()
-    t = wait_for(lambda: (Agent(svc, agent_dir).step(), _task(svc, arn))[1]["lastStatus"] == "STOPPED"
-                 and _task(svc, arn), timeout=20)
+    t = wait_for(
+        lambda: (
+            (Agent(svc, agent_dir).step(), _task(svc, arn))[1]["lastStatus"] == "STOPPED"
+            and _task(svc, arn)
+        ),
+        timeout=20,
+    )
     assert t["containers"][0]["exitCode"] == 0
 
 

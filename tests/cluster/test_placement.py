@@ -10,19 +10,33 @@ from kiln.cluster.placement import Candidate, TaskNeeds
 
 def _devices(kind: str, n: int, cores: int = 2) -> list[dict]:
     return [
-        {"device_id": f"{kind}{i}", "kind": kind, "idx": i, "cores": cores, "task_arn": None,
-         "path": f"/dev/neuron{i}" if kind == "neuron" else None}
+        {
+            "device_id": f"{kind}{i}",
+            "kind": kind,
+            "idx": i,
+            "cores": cores,
+            "task_arn": None,
+            "path": f"/dev/neuron{i}" if kind == "neuron" else None,
+        }
         for i in range(n)
     ]
 
 
 def cand(arn: str, itype: str = "trn1.32xlarge", neuron: int = 0, gpu: int = 0, **kw) -> Candidate:
     devs = _devices("neuron", neuron) + _devices("gpu", gpu)
-    base = dict(
-        arn=arn, ec2_instance_id="i-" + arn, status="ACTIVE", agent_connected=True,
-        agent_version="kiln-1.0", attributes={"ecs.instance-type": itype}, registered_at=0.0,
-        remaining_cpu=4096, remaining_memory=8192, free_devices=list(devs), all_devices=devs,
-    )
+    base = {
+        "arn": arn,
+        "ec2_instance_id": "i-" + arn,
+        "status": "ACTIVE",
+        "agent_connected": True,
+        "agent_version": "kiln-1.0",
+        "attributes": {"ecs.instance-type": itype},
+        "registered_at": 0.0,
+        "remaining_cpu": 4096,
+        "remaining_memory": 8192,
+        "free_devices": list(devs),
+        "all_devices": devs,
+    }
     base.update(kw)
     return Candidate(**base)
 
@@ -62,7 +76,10 @@ def test_cpu_memory_agent_and_inactive_reasons():
     ]
     _, failures = placement.place(cs, needs(), 1)
     assert {f["arn"]: f["reason"] for f in failures} == {
-        "cpu": "RESOURCE:CPU", "mem": "RESOURCE:MEMORY", "agent": "AGENT", "drain": "INACTIVE",
+        "cpu": "RESOURCE:CPU",
+        "mem": "RESOURCE:MEMORY",
+        "agent": "AGENT",
+        "drain": "INACTIVE",
     }
 
 

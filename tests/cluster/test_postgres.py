@@ -17,7 +17,13 @@ import uuid
 
 import pytest
 from cluster_testlib import (
-    PY, add_instance, check_invariants, kill_task_processes, neuron_all, register, wait_for,
+    PY,
+    add_instance,
+    check_invariants,
+    kill_task_processes,
+    neuron_all,
+    register,
+    wait_for,
 )
 from test_service import FAMILIES, _setup, _worker  # noqa: F401 - the same property workload
 
@@ -36,7 +42,7 @@ def pg_dsn():
     if not dsn:
         env = dict(os.environ, PG_NO_INSTALL="1")
         out = subprocess.run(
-            ["bash", SCRIPT], capture_output=True, text=True, timeout=120, env=env
+            ["bash", SCRIPT], capture_output=True, text=True, timeout=120, env=env, check=False
         )
         exports = dict(
             line.removeprefix("export ").split("=", 1)
@@ -57,7 +63,9 @@ def pg_dsn():
         pytest.skip(f"cannot connect to PostgreSQL at {dsn}: {e}")
     yield dsn
     if started_dir:
-        subprocess.run(["bash", SCRIPT, "stop", started_dir], capture_output=True, timeout=60)
+        subprocess.run(
+            ["bash", SCRIPT, "stop", started_dir], capture_output=True, timeout=60, check=False
+        )
 
 
 @pytest.fixture
@@ -123,7 +131,7 @@ def test_postgres_concurrent_run_task_never_overlaps(pg_url):
     def run(seed: int) -> None:
         try:
             _worker(pg_url, seed, 20)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - surfaced by the assert below
             errors.append(e)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]

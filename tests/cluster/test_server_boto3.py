@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from pathlib import Path
 
 import boto3
 import pytest
@@ -26,8 +27,11 @@ ENV_DUMP = (
 
 def ecs(url: str, key: str = "x"):
     return boto3.client(
-        "ecs", endpoint_url=url, region_name="us-east-1",
-        aws_access_key_id=key, aws_secret_access_key="x",
+        "ecs",
+        endpoint_url=url,
+        region_name="us-east-1",
+        aws_access_key_id=key,
+        aws_secret_access_key="x",
     )
 
 
@@ -57,14 +61,22 @@ def test_neuron_all_end_to_end(server):
     inst_arn = inst["containerInstanceArn"]
     td = client.register_task_definition(
         family="train",
-        containerDefinitions=[{
-            "name": "main", "image": "local", "cpu": 1024, "memory": 2048,
-            "command": [PY, "-c", ENV_DUMP],
-            "resourceRequirements": [{"type": "NeuronDevice", "value": "ALL"}],
-        }],
+        containerDefinitions=[
+            {
+                "name": "main",
+                "image": "local",
+                "cpu": 1024,
+                "memory": 2048,
+                "command": [PY, "-c", ENV_DUMP],
+                "resourceRequirements": [{"type": "NeuronDevice", "value": "ALL"}],
+            }
+        ],
     )["taskDefinition"]
     assert td["taskDefinitionArn"] == "arn:aws:ecs:us-east-1:000000000000:task-definition/train:1"
-    assert client.describe_task_definition(taskDefinition="train:1")["taskDefinition"]["family"] == "train"
+    assert (
+        client.describe_task_definition(taskDefinition="train:1")["taskDefinition"]["family"]
+        == "train"
+    )
     assert client.list_task_definitions()["taskDefinitionArns"] == [td["taskDefinitionArn"]]
 
     run = client.run_task(cluster="default", taskDefinition="train")
@@ -77,7 +89,7 @@ def test_neuron_all_end_to_end(server):
     assert client.list_tasks(cluster="default")["taskArns"] == [arn]
 
     log = os.path.join(server.work_dir, arn.rsplit("/", 1)[1], "c0.log")
-    line = wait_for(lambda: os.path.exists(log) and open(log).read().strip(), timeout=20)
+    line = wait_for(lambda: os.path.exists(log) and Path(log).read_text().strip(), timeout=20)
     env = json.loads(line.splitlines()[0])
     assert env["NEURON_RT_VISIBLE_CORES"] == "0-31"
     assert env["AWS_NEURON_VISIBLE_DEVICES"] == ",".join(str(i) for i in range(16))

@@ -27,13 +27,13 @@ def svc(tmp_path):
 def test_task_definition_revisions_and_arns(svc):
     assert register(svc, "train", neuron_all()) == f"{ARN}:task-definition/train:1"
     assert register(svc, "train", neuron_all()) == f"{ARN}:task-definition/train:2"
-    assert svc.describe_task_definition({"taskDefinition": "train"})["taskDefinition"][
-        "revision"
-    ] == 2
+    assert (
+        svc.describe_task_definition({"taskDefinition": "train"})["taskDefinition"]["revision"] == 2
+    )
     svc.deregister_task_definition({"taskDefinition": "train:2"})
-    assert svc.describe_task_definition({"taskDefinition": "train"})["taskDefinition"][
-        "revision"
-    ] == 1
+    assert (
+        svc.describe_task_definition({"taskDefinition": "train"})["taskDefinition"]["revision"] == 1
+    )
     assert svc.list_task_definitions({})["taskDefinitionArns"] == [f"{ARN}:task-definition/train:1"]
     with pytest.raises(ClientException):
         svc.describe_task_definition({"taskDefinition": "nope"})
@@ -66,7 +66,9 @@ def test_run_and_stop_frees_devices(svc):
     assert task["taskArn"].startswith(f"{ARN}:task/default/")
     assert task["containers"][0]["neuronDeviceIds"] == [str(i) for i in range(16)]
     again = svc.run_task({"taskDefinition": "train"})
-    assert again["tasks"] == [] and again["failures"] == [{"arn": inst, "reason": "RESOURCE:NEURON"}]
+    assert again["tasks"] == [] and again["failures"] == [
+        {"arn": inst, "reason": "RESOURCE:NEURON"}
+    ]
     stopped = svc.stop_task({"task": task["taskArn"]})["task"]
     assert stopped["lastStatus"] == "STOPPED"  # never claimed by an agent: stopped at once
     ci = svc.describe_container_instances({"containerInstances": [inst]})["containerInstances"][0]
@@ -144,7 +146,7 @@ def test_concurrent_run_task_never_overlaps(tmp_path):
     def run(seed: int) -> None:
         try:
             _worker(db, seed, 40)
-        except BaseException as e:  # surfaced below
+        except BaseException as e:  # noqa: BLE001 - surfaced by the assert below
             errors.append(e)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
@@ -161,6 +163,8 @@ def test_concurrent_run_task_never_overlaps(tmp_path):
     stats = check_invariants(svc.store)
     total = svc.store.query("SELECT COUNT(*) AS n FROM tasks")[0]["n"]
     elapsed = time.monotonic() - started
-    print(f"10 callers (6 threads + 4 processes, 40 calls each), {total} tasks placed, {elapsed:.1f}s, {stats}")
+    print(
+        f"10 callers (6 threads + 4 processes, 40 calls each), {total} tasks placed, {elapsed:.1f}s, {stats}"
+    )
     assert total > 20
     assert elapsed < 60

@@ -19,10 +19,9 @@ def test_sqlite_uses_wal_and_schema_is_idempotent(tmp_path):
 
 def test_transaction_rolls_back_on_error(tmp_path):
     store = Store(str(tmp_path / "c.db"))
-    with pytest.raises(RuntimeError):
-        with store.transaction(exclusive=True) as tx:
-            tx.execute("INSERT INTO clusters VALUES ('a', 'arn', 'ACTIVE', 0)")
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), store.transaction(exclusive=True) as tx:
+        tx.execute("INSERT INTO clusters VALUES ('a', 'arn', 'ACTIVE', 0)")
+        raise RuntimeError("boom")
     assert store.query("SELECT * FROM clusters") == []
     with store.transaction(exclusive=True) as tx:
         tx.execute("INSERT INTO clusters VALUES ('a', 'arn', 'ACTIVE', 0)")
@@ -31,10 +30,8 @@ def test_transaction_rolls_back_on_error(tmp_path):
 
 def test_nested_transaction_is_refused(tmp_path):
     store = Store(str(tmp_path / "c.db"))
-    with store.transaction():
-        with pytest.raises(RuntimeError):
-            with store.transaction():
-                pass
+    with store.transaction(), pytest.raises(RuntimeError), store.transaction():
+        pass
 
 
 def test_exclusive_transactions_serialize_read_modify_write(tmp_path):
