@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from kiln import metrics
 from kiln.config import config
 from kiln.frontends.lazy import trace as T
+from kiln.frontends.lazy.shapes import infer
 from kiln.frontends.lazy.views import Link, inverse, split_links
 from kiln.ir.graph import Node
 from kiln.ir.ops import OPS, Category
@@ -186,8 +187,16 @@ def _cpu_device(a: Any) -> Any:
 
 
 def _check_devices(func: Any, args: Any, kwargs: dict) -> None:
-    flat, _ = tree_flatten((args, kwargs))
-    for a in flat:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                _check_one(func, x)
+        else:
+            _check_one(func, a)
+
+
+def _check_one(func: Any, a: Any) -> None:
+    if True:
         if isinstance(a, torch.Tensor) and not isinstance(a, LazyTensor) and a.dim() > 0:
             raise RuntimeError(
                 "Expected all tensors to be on the same device, but found at least two devices, "
@@ -294,10 +303,8 @@ def _inplace(func: Any, fn: Any, args: tuple, kwargs: dict, mutated: list[int]) 
 
 def _record(func: Any, args: tuple, kwargs: dict) -> Any:
     tr = T.current()
-    meta_args = tree_map(_to_meta, args)
-    meta_kwargs = tree_map(_to_meta, kwargs)
     try:
-        out_meta = func(*meta_args, **meta_kwargs)
+        out_meta = infer(func, args, kwargs, _to_meta)
     except Exception:  # noqa: BLE001 - data-dependent shape or no meta kernel: run it for real
         return _eager(func, args, kwargs, f"op:{func._schema.name.split('::')[1]}")
     flat_out, _ = tree_flatten(out_meta)

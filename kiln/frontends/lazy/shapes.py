@@ -1,0 +1,97 @@
+"""Shape, dtype and stride inference for lazy ops, with a cache.
+
+Each recorded op is first run on the meta device.  Meta kernels are often Python reference
+implementations (tens of microseconds each), and a training loop repeats the same ops on the same
+shapes every step, so results are cached by (op, argument signature).  Python floats do not enter
+the signature of an op that has tensor arguments: they never change its output's shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_FLOAT = object()
+_cache: dict[tuple, Any] = {}
+_MAX = 65536
+
+
+class _Failed:
+    """Cached: the op has no meta kernel or a data-dependent output shape."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+
+def _sig(a: Any, has_tensor: bool) -> Any:
+    if isinstance(a, torch.Tensor):
+        m = getattr(a, "_meta", a)
+        return (tuple(m.shape), m.stride(), m.storage_offset(), m.dtype, a.device.type)
+    if isinstance(a, (list, tuple)):
+        return tuple(_sig(x, has_tensor) for x in a)
+    if type(a) is float and has_tensor:
+        return _FLOAT
+    if isinstance(a, torch.device):
+        return str(a)
+    return a
+
+
+def _spec(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return ("T", tuple(out.shape), out.stride(), out.dtype)
+    if isinstance(out, (list, tuple)):
+        return (type(out), tuple(_spec(o) for o in out))
+    return ("V", out)
+
+
+def _build(spec: Any) -> Any:
+    if spec[0] == "T":
+        return torch.empty_strided(spec[1], spec[2], dtype=spec[3], device="meta")
+    if spec[0] == "V":
+        return spec[1]
+    return spec[0](_build(s) for s in spec[1])
+
+
+def _has_tensor(args: tuple, kwargs: dict) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return True
+        if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            return True
+    return any(isinstance(v, torch.Tensor) for v in kwargs.values())
+
+
+def infer(func: Any, args: tuple, kwargs: dict, to_meta: Any) -> Any:
+    """Output metas of ``func(*args, **kwargs)``; raises what the meta kernel raised."""
+    ht = _has_tensor(args, kwargs)
+    try:
+        key = (func, _sig(args, ht), _sig(tuple(sorted(kwargs.items())), ht))
+        hash(key)
+    except TypeError:  # an unhashable argument (a Generator, ...): no caching
+        key = None
+    if key is not None:
+        hit = _cache.get(key)
+        if hit is not None:
+            if isinstance(hit, _Failed):
+                raise hit.exc
+            return _build(hit)
+    margs = tuple(_map(to_meta, a) for a in args)
+    mkwargs = {k: _map(to_meta, v) for k, v in kwargs.items()}
+    try:
+        out = func(*margs, **mkwargs)
+    except Exception as e:  # noqa: BLE001
+        if key is not None and len(_cache) < _MAX:
+            _cache[key] = _Failed(e)
+        raise
+    if key is not None and len(_cache) < _MAX:
+        _cache[key] = _spec(out)
+    return out
+
+
+def _map(fn: Any, a: Any) -> Any:
+    if isinstance(a, list):
+        return [_map(fn, x) for x in a]
+    if isinstance(a, tuple):
+        return tuple(_map(fn, x) for x in a)
+    return fn(a)
