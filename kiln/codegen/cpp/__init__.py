@@ -18,6 +18,7 @@ from kiln.codegen.cpp.build import build_many
 from kiln.codegen.cpp.emit import KernelSpec, emit_kernel
 from kiln.codegen.cpp.executor import Executor, make_fused_call
 from kiln.codegen.cpp.ops import PRELUDE
+from kiln import metrics
 from kiln.config import config
 from kiln.ir.graph import Graph
 
@@ -55,6 +56,7 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
             fns[name] = f
     plan = dict(_memory_plan(g))
     slots: dict = {}
+    metrics.incr("fused_kernels", len(specs))
     calls = {i: make_fused_call(s, fns[s.name], plan.get(i), slots) for i, s in specs.items()}
     info = {
         "backend": "cpp",

@@ -23,7 +23,8 @@ from filelock import FileLock
 from kiln import metrics
 from kiln.config import config
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
+# -O2: half the compile time of -O3 on generated units; the omp simd pragmas still vectorize.
+FLAGS = ["-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-std=c++17", "-w"]
 CXX = os.environ.get("CXX", "g++")
 
