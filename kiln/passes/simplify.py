@@ -153,7 +153,14 @@ def view_chain(rw: Rewriter, n: Node) -> Node | None:
 
 def noop_view(rw: Rewriter, n: Node) -> int | None:
     x = src(n)
-    return x if len(n.types) == 1 and rw.type(x) == n.types[0] else None
+    if len(n.types) != 1 or rw.type(x) != n.types[0]:
+        return None
+    # Sizes that come from graph values (``view(x, [%s0, 16])``) are only provably the same as x's
+    # when the types say so symbolically; types recorded as the trace-time hint do not prove it.
+    sized_by_values = len(n.inputs) > 1
+    if sized_by_values and all(isinstance(d, int) for d in n.types[0].shape):
+        return None
+    return x
 
 
 def _copy_may_go(rw: Rewriter, n: Node) -> bool:

@@ -174,3 +174,21 @@ def test_simplify_is_idempotent_on_a_captured_mlp():
     once = verify(simplify(g))
     same_results(g, once)
     assert str(simplify(once)) == str(once)
+
+
+def test_view_sized_by_graph_values_is_kept_unless_types_are_symbolic():
+    # view(x, [%n, 4]) with types recorded at the trace-time size: equal now, not provably always.
+    b = GraphBuilder()
+    x = b.input(f32(3, 4))
+    n = call(b, "sym_size.int", [V(x), 0], TensorType((), None, "int"))
+    v = call(b, "view.default", [V(x), (V(n), 4)], f32(3, 4))
+    e = call(b, "exp.default", [V(v)], f32(3, 4))
+    g = b.build([e])
+    check_pass(simplify, g, str(g))
+    b = GraphBuilder()
+    sym = TensorType(("s0", 4), torch.float32)
+    x = b.input(sym)
+    n = call(b, "sym_size.int", [V(x), 0], TensorType((), None, "int"))
+    v = call(b, "view.default", [V(x), (V(n), 4)], sym)
+    g = b.build([call(b, "exp.default", [V(v)], sym)])
+    assert "view" not in str(verify(simplify(g)))
