@@ -33,12 +33,14 @@ def _passes() -> list[tuple[str, Pass]]:
     ]
     # --- codegen passes go after this line (fusion engineer): ("fuse", ...), ("memory_plan", ...)
     from kiln.passes.fuse import fuse
+    from kiln.passes.memory_plan import memory_plan
 
     steps.append(("fuse", fuse))  # pointwise chains and reductions -> generated kernels
+    steps.append(("memory_plan", memory_plan))  # fused outputs reuse dead buffers
     return steps
 
 
-PIPELINE_NAMES: list[str] = ["simplify", "layout", "constant_fold", "cse", "dce", "fuse"]
+PIPELINE_NAMES: list[str] = ["simplify", "layout", "constant_fold", "cse", "dce", "fuse", "memory_plan"]
 
 
 def run_pipeline(g: Graph, trace: list | None = None) -> Graph:

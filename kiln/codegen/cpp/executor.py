@@ -2,8 +2,9 @@
 
 The executor is prepared once per graph (a list of steps with everything the hot loop needs bound
 in closures) and run many times.  Values are dropped right after their last use.  When the graph
-carries a memory plan (``kiln.passes.memory_plan``), fused outputs are written into buffers kept
-from earlier steps (``slot``) or into a dying input's buffer (``inplace``) instead of fresh ones.
+carries a memory plan (``kiln.passes.memory_plan``), fused outputs are written into slot buffers
+kept for the life of the executable (reused between dead values, and in place over a dying input)
+instead of fresh ones.
 """
 
 from __future__ import annotations
@@ -77,21 +78,14 @@ def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) 
         results = []
         for o, (kind, dt) in enumerate(outs):
             osh = _out_shape(kind, shape)
-            how = out_plan[o]
-            buf = None
-            if how is not None:
-                if how[0] == "inplace":
-                    cand = ins[how[1]]
-                    if (cand.shape == osh and cand.dtype == dt and cand.is_contiguous()
-                            and cand._base is None):
-                        buf = cand
-                else:  # ("slot", id)
-                    buf = slots.get(how[1])
-                    if buf is None or buf.shape != osh or buf.dtype != dt:
-                        buf = torch.empty(osh, dtype=dt)
-                        slots[how[1]] = buf
-            if buf is None:
+            slot = out_plan[o]
+            if slot is None:
                 buf = torch.empty(osh, dtype=dt)
+            else:
+                buf = slots.get(slot)
+                if buf is None or buf.shape != osh or buf.dtype != dt:
+                    buf = torch.empty(osh, dtype=dt)
+                    slots[slot] = buf
             results.append(buf)
         ptrs = PA(*[t.data_ptr() for t in ts], *[t.data_ptr() for t in results])
         fn(ptrs, IA(*ints), DA(*[float(ins[k]) for k in sins]))

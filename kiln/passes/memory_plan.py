@@ -1,0 +1,142 @@
+"""Memory planning: liveness-based reuse of fused kernels' output buffers, in place where safe.
+
+Needs: a graph after ``fuse``.  Guarantees: each ``fused`` node gets a ``placement`` kwarg, one
+entry per output: ``None`` (allocate a fresh tensor) or a slot id.  Slots are buffers the executor
+keeps in one arena for the life of the compiled graph (so a steady-state step allocates nothing for
+them).  Two values share a slot only if their lifetimes do not overlap; a pointwise kernel may take
+the slot of an input that dies at that very kernel and has the output's shape and dtype (in-place
+update: element i is read before it is written).  Values that escape (graph outputs, or anything
+aliasing them through views), graph inputs and constants never get a slot.  The computed values
+are unchanged.
+
+Example::
+
+    %3 = fused[pointwise](%0)          placement=(0,)    # slot 0
+    %4 = mm.default(%3, %1)
+    %5 = fused[pointwise](%4, %3)      placement=(0,)    # %3 dies here: reuse slot 0 in place
+
+Lifetimes are taken through aliases: a view (or any op that may return one, such as ``opaque``
+calls) keeps the buffer it views alive.
+"""
+
+from __future__ import annotations
+
+from kiln.ir.graph import Graph, GraphBuilder
+from kiln.ir.ops import Category
+
+_FRESH = {Category.ELEMENTWISE, Category.REDUCTION, Category.MATMUL, Category.FACTORY,
+          Category.RANDOM}
+
+
+def _fresh(op: str, cat: Category) -> bool:
+    """Whether the op's outputs are new buffers (never views of its inputs)."""
+    if op == "fused":
+        return True
+    if cat is Category.DATA_MOVEMENT:
+        return not op.startswith("contiguous")
+    return cat in _FRESH and not op.startswith(("alias", "copy."))
+
+
+def memory_plan(g: Graph) -> Graph:
+    """Annotate fused nodes with output placements (see the module docstring)."""
+    n_nodes = len(g.nodes)
+    if not any(n.op == "fused" for n in g.nodes):
+        return g
+    roots: list[frozenset[int]] = []
+    for i, n in enumerate(g.nodes):
+        if (n.op in ("input", "scalar", "constant") or _fresh(n.op, n.category)
+                or (n.op == "getitem" and g.nodes[n.inputs[0]].op == "fused")):
+            roots.append(frozenset((i,)))
+        else:
+            r: set[int] = set()
+            for j in n.inputs:
+                r |= roots[j]
+            roots.append(frozenset(r) or frozenset((i,)))
+    end = list(range(n_nodes))  # last step at which each root's buffer may be read
+    for i, n in enumerate(g.nodes):
+        for j in n.inputs:
+            for r in roots[j]:
+                end[r] = max(end[r], i)
+        for r in roots[i]:
+            end[r] = max(end[r], i)
+    escaping: set[int] = set()
+    for o in g.outputs:
+        escaping |= roots[o]
+    for i, n in enumerate(g.nodes):
+        if n.op in ("input", "scalar", "constant"):
+            escaping.add(i)
+
+    dying_at: dict[int, list[int]] = {}
+    slot_of: dict[int, int] = {}  # root (value id of a fused output) -> slot
+    free: dict[tuple, list[int]] = {}  # (shape, dtype) -> free slots
+    slot_key: list[tuple] = []
+    placements: dict[int, tuple] = {}
+    handed_over: set[int] = set()  # roots whose slot an in-place output took
+    out_ids = _output_ids(g)
+    for i, n in enumerate(g.nodes):
+        if n.op == "fused":
+            place = []
+            taken: set[int] = set()
+            inplace = _inplace_candidates(g, i, end, roots, slot_of) if n.kwarg(
+                "kind") == "pointwise" else {}
+            owner = {s: r for rs in inplace.values() for r, s in rs}
+            for p, vid in enumerate(out_ids[i]):
+                t = n.types[p]
+                if vid in escaping or t is None:
+                    place.append(None)
+                    continue
+                key = (tuple(t.shape), t.dtype)
+                s = next((s for _, s in inplace.get(key, []) if s not in taken), None)
+                if s is not None:
+                    handed_over.add(owner[s])
+                else:
+                    pool = free.get(key, [])
+                    s = pool.pop() if pool else None
+                if s is None:
+                    s = len(slot_key)
+                    slot_key.append(key)
+                taken.add(s)
+                slot_of[vid] = s
+                dying_at.setdefault(end[vid], []).append(vid)
+                place.append(s)
+            placements[i] = tuple(place)
+        for r in dying_at.pop(i, []):
+            if r not in handed_over:
+                free.setdefault(slot_key[slot_of[r]], []).append(slot_of[r])
+    if not placements:
+        return g
+    b = GraphBuilder()
+    b.constants = list(g.constants)
+    for i, n in enumerate(g.nodes):
+        if i in placements:
+            n = n.with_(kwargs=tuple(kv for kv in n.kwargs if kv[0] != "placement")
+                        + (("placement", placements[i]),))
+        b.nodes.append(n)
+    return b.build(g.outputs)
+
+
+def _output_ids(g: Graph) -> dict[int, tuple[int, ...]]:
+    """Per fused node, the value id that stands for each of its outputs (itself, or getitems)."""
+    res: dict[int, list] = {}
+    for i, n in enumerate(g.nodes):
+        if n.op == "fused":
+            res[i] = [i] if len(n.types) == 1 else [-1] * len(n.types)
+    for i, n in enumerate(g.nodes):
+        if n.op == "getitem" and n.inputs[0] in res and len(g.nodes[n.inputs[0]].types) > 1:
+            res[n.inputs[0]][n.args[1]] = i
+    return {k: tuple(v) for k, v in res.items()}
+
+
+def _inplace_candidates(g, i, end, roots, slot_of) -> dict[tuple, list[tuple[int, int]]]:
+    """Slots of this pointwise kernel's full-shape inputs whose buffers die right here."""
+    n = g.nodes[i]
+    shape = tuple(n.kwarg("shape"))
+    res: dict[tuple, list[int]] = {}
+    for j in n.inputs:
+        t = g.nodes[j].types[0] if len(g.nodes[j].types) == 1 else None
+        if t is None or t.dtype is None or tuple(t.shape) != shape:
+            continue
+        if roots[j] != frozenset((j,)) or j not in slot_of or end[j] != i:
+            continue
+        res.setdefault((shape, t.dtype), []).append((j, slot_of[j]))
+    return res
