@@ -56,8 +56,10 @@ def test_pointwise_takes_dying_input_in_place():
     g = memory_plan(fuse(g0))
     slot_of = {}
     for i, n in enumerate(g.nodes):
-        if n.op == "fused":
-            slot_of[i] = n.kwarg("placement")[0] if len(n.types) == 1 else None
+        if n.op == "fused" and len(n.types) == 1:
+            slot_of[i] = n.kwarg("placement")[0]
+        elif n.op == "getitem" and g.nodes[n.inputs[0]].op == "fused":
+            slot_of[i] = g.nodes[n.inputs[0]].kwarg("placement")[n.args[1]]
     in_place = [i for i, n in enumerate(g.nodes) if n.op == "fused"
                 and n.kwarg("kind") == "pointwise" and n.kwarg("placement")[0] is not None
                 and any(slot_of.get(j) == n.kwarg("placement")[0] for j in n.inputs)]
