@@ -274,8 +274,10 @@ class _Emitter:
             return
         clauses = []
         for b, e in reds:
-            init = "-INFINITY" if e[0] == "amax.default" else "0.0f"
-            self.w(f"    float acc{b} = {init};")
+            if e[0] == "amax.default":
+                self.w(f"    float acc{b} = -INFINITY;")
+            else:  # double accumulation: stays close to ATen's cascade sum under cancellation
+                self.w(f"    double acc{b} = 0.0;")
             clauses.append(f"reduction({'max' if e[0] == 'amax.default' else '+'}:acc{b})")
         self.w(f"    #pragma omp simd {' '.join(clauses)}")
         self.w("    for (int64_t j = 0; j < L; ++j) {")
@@ -288,11 +290,11 @@ class _Emitter:
             if e[0] == "amax.default":
                 self.w(f"      {{ const float t = (float)({x}); acc{b} = t > acc{b} ? t : acc{b}; }}")
             else:
-                self.w(f"      acc{b} += (float)({x});")
+                self.w(f"      acc{b} += (double)({x});")
         self.w("    }")
         for b, e in reds:
-            val = f"acc{b} / (float)L" if e[0] == "mean.dim" else f"acc{b}"
-            self.w(f"    out{out_of[b]}[r] = {val};")
+            val = f"acc{b} / (double)L" if e[0] == "mean.dim" else f"acc{b}"
+            self.w(f"    out{out_of[b]}[r] = (float)({val});")
         self.w("  }")
 
     def k_cols(self) -> None:
