@@ -52,11 +52,15 @@ class _KilnModule:
     def manual_seed(seed: int) -> None:
         """See manual_seed_all."""
 
+    # Not traced by Dynamo (code that saves/restores the accelerator's RNG around a compiled op,
+    # e.g. torch.testing's freeze_rng_state, runs these under no_dispatch): a graph break instead.
     @staticmethod
+    @torch.compiler.disable
     def get_rng_state(device: Any = None) -> torch.Tensor:
         return torch.get_rng_state()
 
     @staticmethod
+    @torch.compiler.disable
     def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
         torch.set_rng_state(state)
 
