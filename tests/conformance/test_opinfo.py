@@ -302,3 +302,15 @@ def test_compile_saves_and_restores_rng_with_lazy_device_registered() -> None:
     out = torch.compile(f, backend="kiln", fullgraph=False, dynamic=False)(x)
     assert out.shape == x.shape
     assert bool(((out == 0) | (out == 1)).all())
+
+
+def test_lazy_inplace_pow_scalar_uses_matching_functional_overload() -> None:
+    """``pow_.Scalar(Tensor self, Scalar exponent)`` was recorded as ``pow.Scalar(Scalar self,
+    Tensor exponent)`` (same overload name, different schema) and failed; the functional variant
+    must be the overload with the same arguments (``pow.Tensor_Scalar``)."""
+    dev = kiln.device()
+    x = torch.tensor([1.5, 2.0, -3.0])
+    lx = x.to(dev)
+    lx.pow_(3.0)
+    kiln.mark_step()
+    torch.testing.assert_close(lx.cpu(), x.pow(3.0))

@@ -223,9 +223,21 @@ def _functional(func: Any) -> Any | None:
         target = f"{name[:-1]}.{func._overloadname}"
     name, _, overload = target.partition(".")
     packet = getattr(aten, name, None)
-    if packet is None or overload not in packet.overloads():
+    if packet is None:
         return None
-    return getattr(packet, overload)
+    if key in _FUNCTIONAL:
+        return getattr(packet, overload) if overload in packet.overloads() else None
+    # The overload with the same arguments: the same name is not enough (pow_.Scalar takes
+    # (Tensor self, Scalar exponent), pow.Scalar takes (Scalar self, Tensor exponent)).
+    want = _arg_sig(func)
+    for ov in sorted(packet.overloads(), key=lambda o: o != overload):
+        if _arg_sig(getattr(packet, ov)) == want:
+            return getattr(packet, ov)
+    return None
+
+
+def _arg_sig(func: Any) -> list[tuple[str, str]]:
+    return [(a.name, str(a.type)) for a in func._schema.arguments]
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
