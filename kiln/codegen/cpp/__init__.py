@@ -22,7 +22,7 @@ from kiln import metrics
 from kiln.config import config
 from kiln.ir.graph import Graph
 
-SPLIT_AT = 24  # kernels per graph above which the source is split into two units
+SPLIT_AT = 8  # more kernels than this: two units, compiled by two g++ in parallel
 
 
 def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
