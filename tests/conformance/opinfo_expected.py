@@ -27,12 +27,6 @@ EXPECTED: dict[tuple[str, str, str], str] = {
 
 # Failures that take the whole test process down (a C++ abort): never run, always xfail.
 CRASHES: dict[tuple[str, str, str], str] = {
-    ("native_group_norm", "lazy", "grad"): (
-        "process abort: the backward (run on autograd's kiln device thread) calls the in-place "
-        "metadata op unsqueeze_, which the lazy device records as a functional value write "
-        "(expand to the old shape fails: 'the number of sizes provided (3) must be greater or "
-        "equal to the number of dimensions in the tensor (4)'); the error is lost on that thread "
-        "and the process terminates"),
 }
 
 

@@ -253,6 +253,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         _check_devices(func, args, kwargs)
     if func.is_view:
         return _view(func, args, kwargs)
+    if torch.Tag.inplace_view in func.tags and func is not aten.set_.source_Tensor:
+        return _inplace_view(func, args, kwargs)
     mutated = _mutated_args(func)
     if mutated:
         fn = _functional(func)
@@ -291,6 +293,20 @@ def _view(func: Any, args: tuple, kwargs: dict) -> Any:
         return [LazyTensor(m, x._st, x._chain + (ln,)) for m, ln in zip(out_meta, links)]
     link = (func, tuple(args[1:]), tuple(kwargs.items()))
     return LazyTensor(out_meta, x._st, x._chain + (link,))
+
+
+def _inplace_view(func: Any, args: tuple, kwargs: dict) -> Any:
+    """In-place view ops (``unsqueeze_``, ``t_``, ``squeeze_``, ...) change only the geometry of
+    the tensor: it becomes the view its out-of-place op returns (same storage, one more link)."""
+    fn = _functional(func)
+    if fn is None or not fn.is_view:
+        return _eager(func, args, kwargs, f"op:{func._schema.name.split('::')[1]}")
+    x = args[0]
+    v = _view(fn, args, kwargs)
+    x._chain, x._meta = v._chain, v._meta
+    with torch.utils._mode_utils.no_dispatch():  # the wrapper's own sizes and strides
+        func(*args, **kwargs)
+    return x
 
 
 def _inplace(func: Any, fn: Any, args: tuple, kwargs: dict, mutated: list[int]) -> Any:
