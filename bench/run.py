@@ -1,0 +1,333 @@
+"""Training-step benchmark: eager vs Inductor vs Kiln compile backend vs Kiln lazy device.
+
+    python bench/run.py                                   # every workload and mode (~10 min)
+    python bench/run.py --workloads mlp,gpt --modes eager,kiln --steps 20
+    python bench/run.py --quick --workloads mlp           # tiny sizes, 3 steps (smoke test)
+
+For each workload (bench/workloads.py) it times the full training step (forward, backward, AdamW
+step, zero_grad, ``loss.item()``) with the modes interleaved round-robin in one process, then runs
+a second, warm-cache process for warm compile times and peak memory, and prints one markdown table
+(bench/report.py).  Results also go to ``bench/results.json`` (``--json PATH``).  A workload/mode
+that raises or runs past ``--timeout`` seconds in one step shows ``error: ...`` in its row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+# Inductor compiles in-process (no worker pool): on a 2-core machine the pool's start-up costs more
+# than it saves, and its futures turn our per-step timeout into a misleading worker error.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+import kiln  # noqa: E402
+from bench.report import table, write_json  # noqa: E402
+from bench.workloads import WORKLOADS, Workload, build  # noqa: E402
+
+MODES = ("eager", "inductor", "kiln", "lazy")
+GEMM_N, GEMM_REPS = 2048, 5
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--steps", type=int, default=None, help="measured steps (default 10)")
+    ap.add_argument("--warmup", type=int, default=None, help="unmeasured steps, incl. the first")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, 3 steps")
+    ap.add_argument("--timeout", type=float, default=90.0, help="seconds one step may take")
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results.json"))
+    ap.add_argument("--cache-dir", default=None, help="Kiln + Inductor caches (default: fresh)")
+    ap.add_argument("--warm-only", action="store_true", help="internal: warm-cache subprocess")
+    a = ap.parse_args(argv)
+    a.steps = a.steps if a.steps is not None else (3 if a.quick else 10)
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 3)
+    a.warm_steps = 2 if a.quick else 3
+    a.workloads = [w for w in a.workloads.split(",") if w]
+    a.modes = [m for m in a.modes.split(",") if m]
+    for m in a.modes:
+        if m not in MODES:
+            ap.error(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    return a
+
+
+def use_cache_dir(path: str) -> None:
+    """Point Kiln's persistent cache and Inductor's caches at folders under ``path``."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(path, "inductor")
+    os.environ["KILN_CACHE_DIR"] = os.path.join(path, "kiln")
+    kiln.config.update(cache_dir=os.environ["KILN_CACHE_DIR"])
+
+
+@contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise TimeoutError in the main thread if the block runs longer than ``seconds``."""
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"step took over {seconds:.0f}s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _err(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    msg = f"error: {type(e).__name__}" + (f": {text[0][:160]}" if text else "")
+    frames = traceback.extract_tb(e.__traceback__)
+    if isinstance(e, TimeoutError) and len(frames) > 1:  # where the step was stuck
+        f = frames[-2]
+        msg += f" (in {os.path.relpath(f.filename, ROOT)}:{f.lineno} {f.name})"
+    return msg
+
+
+def _rss_mb() -> float | None:
+    """Current resident set size of this process, from /proc (Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return kb / 1024
+    except (OSError, StopIteration):
+        return None
+
+
+def make_step(model: torch.nn.Module, loss_fn: Callable, mode: str) -> Callable:
+    """The full training step for ``mode``: forward, backward, AdamW step, zero_grad."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+    def step(*batch: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    if mode in ("inductor", "kiln"):
+        return torch.compile(step, backend=mode)
+    return step
+
+
+class Runner:
+    """One mode's own copy of a workload's model and optimizer, with its step times and losses."""
+
+    def __init__(self, mode: str, wl: Workload, timeout: float) -> None:
+        self.mode, self.timeout = mode, timeout
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.graphs = 0  # Kiln graphs compiled during this runner's steps
+        self.error: str | None = None
+        try:
+            self.dev = kiln.device() if mode == "lazy" else torch.device("cpu")
+            model = copy.deepcopy(wl.model).to(self.dev)
+            self.step = make_step(model, wl.loss, mode)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            self.error = _err(e)
+
+    def run(self, batch: tuple[torch.Tensor, ...]) -> None:
+        if self.error:
+            return
+        before = kiln.metrics.get("graphs_compiled")
+        t0 = time.perf_counter()
+        try:
+            with time_limit(self.timeout):
+                loss = self.step(*(t.to(self.dev) for t in batch))
+                if self.mode == "lazy":
+                    kiln.mark_step()
+                value = loss.item()
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            self.error = _err(e)
+            return
+        finally:
+            self.graphs += kiln.metrics.get("graphs_compiled") - before
+        self.times.append(time.perf_counter() - t0)
+        self.losses.append(value)
+
+    def compile_s(self, warmup: int) -> float | None:
+        """First step minus a steady step (the median of the steps after ``warmup``)."""
+        steady = self.times[warmup:]
+        if self.error or not steady or self.mode == "eager":
+            return None
+        return max(0.0, self.times[0] - statistics.median(steady))
+
+
+def gemm_peak() -> float:
+    """fp32 FLOP/s of a large torch.mm on this machine (median of GEMM_REPS)."""
+    a, b = torch.randn(GEMM_N, GEMM_N), torch.randn(GEMM_N, GEMM_N)
+    torch.mm(a, b)
+    ts = []
+    for _ in range(GEMM_REPS):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        ts.append(time.perf_counter() - t0)
+    return 2 * GEMM_N**3 / statistics.median(ts)
+
+
+def step_flops(wl: Workload) -> int:
+    """FLOPs of one eager training step (FlopCounterMode), on a throwaway copy of the model."""
+    step = make_step(copy.deepcopy(wl.model), wl.loss, "eager")
+    with FlopCounterMode(display=False) as fc:
+        step(*wl.batches[0])
+    return fc.get_total_flops()
+
+
+def dyn_lengths(max_len: int) -> list[int]:
+    """Ten distinct sequence lengths below ``max_len`` (the main run uses ``max_len`` itself)."""
+    lo = max(2, max_len // 4)
+    return sorted({round(lo + k * (max_len - 1 - lo) / 9) for k in range(10)})
+
+
+def dynamic_graphs(wl: Workload, mode: str, timeout: float) -> int | str:
+    """Kiln graphs compiled while a fresh model/step trains at 10 different sequence lengths."""
+    assert wl.seq_batch is not None
+    torch._dynamo.reset()
+    r = Runner(mode, wl, timeout)
+    for t in dyn_lengths(wl.max_len):
+        r.run(wl.seq_batch(t))
+    return r.error or r.graphs
+
+
+def bench_workload(name: str, a: argparse.Namespace, peak: float) -> tuple[dict, list[dict]]:
+    """Interleaved timing of every mode on one workload; returns (workload info, rows)."""
+    torch._dynamo.reset()  # each workload's compiled steps start fresh (no recompile limits)
+    wl = build(name, a.quick, a.warmup + a.steps)
+    flops = step_flops(wl)
+    runners = {m: Runner(m, wl, a.timeout) for m in a.modes}
+    for i, batch in enumerate(wl.batches):
+        k = i % len(a.modes)
+        for m in a.modes[k:] + a.modes[:k]:  # rotate who goes first, so noise hits all modes
+            runners[m].run(batch)
+    eager = runners.get("eager")
+    eager_ms = statistics.median(eager.times[a.warmup:]) * 1e3 if eager and not eager.error else None
+    rows = []
+    for m, r in runners.items():
+        ms = statistics.median(r.times[a.warmup:]) * 1e3 if not r.error else None
+        drift = None
+        if ms is not None and eager_ms is not None:
+            drift = max(abs(x - e) / abs(e) for x, e in zip(r.losses, eager.losses))
+        rows.append({
+            "workload": name, "mode": m, "ms_per_step": ms,
+            "speedup": eager_ms / ms if ms and eager_ms else None,
+            "compile_cold_s": r.compile_s(a.warmup), "compile_warm_s": None, "peak_rss_mb": None,
+            "loss_drift": drift,
+            "mfu_pct": 100 * flops / (ms / 1e3) / peak if ms else None,
+            "kiln_graphs": r.graphs if m in ("kiln", "lazy") else None,
+            "dyn_graphs": None, "note": r.error, "losses": r.losses, "times_s": r.times,
+        })
+        if name == "gpt" and m in ("kiln", "lazy") and not r.error:
+            rows[-1]["dyn_graphs"] = dynamic_graphs(wl, m, a.timeout)
+    return {"desc": wl.desc, "gflop_per_step": flops / 1e9}, rows
+
+
+def warm_only(a: argparse.Namespace) -> None:
+    """Fork one child per (workload, mode); each trains 1 + warm_steps steps with the warm caches
+    and reports its compile time and ru_maxrss.  Prints one JSON object on the last line."""
+    out: dict[str, Any] = {"baseline_rss_mb": _rss_mb(), "runs": []}
+    for name in a.workloads:
+        for m in a.modes:
+            rfd, wfd = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # child
+                os.close(rfd)
+                res: dict[str, Any] = {"workload": name, "mode": m}
+                try:
+                    wl = build(name, a.quick, 1 + a.warm_steps)
+                    r = Runner(m, wl, a.timeout)
+                    for batch in wl.batches:
+                        r.run(batch)
+                    res.update(compile_warm_s=r.compile_s(1), error=r.error)
+                except Exception as e:  # noqa: BLE001
+                    res["error"] = _err(e)
+                res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+                os.write(wfd, json.dumps(res).encode())
+                os._exit(0)
+            os.close(wfd)
+            with os.fdopen(rfd) as f:
+                text = f.read()
+            os.waitpid(pid, 0)
+            out["runs"].append(json.loads(text) if text else
+                               {"workload": name, "mode": m, "error": "error: child died"})
+    print(json.dumps(out))
+
+
+def run_warm(a: argparse.Namespace, pairs: list[tuple[str, str]]) -> dict:
+    """bench/run.py --warm-only in a fresh process, for the (workload, mode) pairs that ran."""
+    if not pairs:
+        return {"runs": []}
+    cmd = [sys.executable, os.path.abspath(__file__), "--warm-only", "--cache-dir", a.cache_dir,
+           "--workloads", ",".join(sorted({w for w, _ in pairs}, key=a.workloads.index)),
+           "--modes", ",".join(sorted({m for _, m in pairs}, key=a.modes.index)),
+           "--timeout", str(a.timeout), "--threads", str(a.threads)] + (["--quick"] if a.quick else [])
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout * len(pairs))
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except Exception as e:  # noqa: BLE001 - the table still shows everything else
+        return {"runs": [], "error": _err(e)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads)
+    torch._dynamo.config.recompile_limit = 64
+    a.cache_dir = a.cache_dir or tempfile.mkdtemp(prefix="kiln-bench-cache-")
+    use_cache_dir(a.cache_dir)
+    if a.warm_only:
+        warm_only(a)
+        return {}
+    peak = gemm_peak()
+    print(f"fp32 GEMM peak: {peak / 1e9:.1f} GFLOP/s; caches in {a.cache_dir}", flush=True)
+    result: dict[str, Any] = {
+        "machine": {"nproc": os.cpu_count(), "threads": torch.get_num_threads(),
+                    "torch": torch.__version__, "python": platform.python_version(),
+                    "platform": platform.platform()},
+        "settings": {"steps": a.steps, "warmup": a.warmup, "warm_steps": a.warm_steps,
+                     "quick": a.quick, "timeout_s": a.timeout, "gemm_reps": GEMM_REPS},
+        "gemm_peak_gflops": peak / 1e9, "workloads": {}, "rows": [],
+    }
+    for name in a.workloads:
+        t0 = time.perf_counter()
+        result["workloads"][name], rows = bench_workload(name, a, peak)
+        result["rows"] += rows
+        if name == "gpt":
+            result["dyn_lengths"] = dyn_lengths(build(name, a.quick, 0).max_len)
+        print(f"[{name}] {time.perf_counter() - t0:.1f}s", flush=True)
+    ok = [(r["workload"], r["mode"]) for r in result["rows"] if not r["note"]]
+    warm = run_warm(a, ok)
+    result["baseline_rss_mb"] = warm.get("baseline_rss_mb")
+    for w in warm["runs"]:
+        row = next(r for r in result["rows"] if (r["workload"], r["mode"]) == (w["workload"], w["mode"]))
+        row.update(compile_warm_s=w.get("compile_warm_s"), peak_rss_mb=w.get("peak_rss_mb"))
+        if w.get("error"):
+            row["note"] = f"warm run {w['error']}"
+    if warm.get("error"):
+        print(f"warm-cache run failed: {warm['error']}")
+    print()
+    print(table(result))
+    write_json(a.json, result)
+    print(f"\nJSON: {a.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
