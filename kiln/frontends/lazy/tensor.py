@@ -295,6 +295,20 @@ def _view(func: Any, args: tuple, kwargs: dict) -> Any:
     return LazyTensor(out_meta, x._st, x._chain + (link,))
 
 
+def _with_defaults(func: Any, fn: Any, args: tuple, kwargs: dict) -> dict:
+    """``kwargs`` plus the in-place op's defaults that its functional variant lacks
+    (``bernoulli_.float`` defaults ``p`` to 0.5, ``bernoulli.p`` requires it)."""
+    fn_args = {a.name: a for a in fn._schema.arguments}
+    out = dict(kwargs)
+    for i, a in enumerate(func._schema.arguments):
+        if i < len(args) or a.name in out or not a.has_default_value():
+            continue
+        target = fn_args.get(a.name)
+        if target is not None and not target.has_default_value():
+            out[a.name] = a.default_value
+    return out
+
+
 def _inplace_view(func: Any, args: tuple, kwargs: dict) -> Any:
     """In-place view ops (``unsqueeze_``, ``t_``, ``squeeze_``, ...) change only the geometry of
     the tensor: it becomes the view its out-of-place op returns (same storage, one more link)."""
@@ -310,7 +324,7 @@ def _inplace_view(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _inplace(func: Any, fn: Any, args: tuple, kwargs: dict, mutated: list[int]) -> Any:
-    out = _record(fn, args, kwargs)
+    out = _record(fn, args, _with_defaults(func, fn, args, kwargs))
     outs = out if isinstance(out, (list, tuple)) else [out]
     targets: list[LazyTensor] = []
     for i in mutated:
