@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> dict:
         result["rows"] += rows
         if name == "gpt":
             result["dyn_lengths"] = dyn_lengths(build(name, a.quick, 0).max_len)
-        print(f"[{name}] {time.perf_counter() - t0:.1f}s", flush=True)
+        done = [f"{r['mode']} " + (r["note"] or f"{r['ms_per_step']:.1f} ms") for r in rows]
+        print(f"[{name}] {time.perf_counter() - t0:.1f}s: " + "; ".join(done), flush=True)
     ok = [(r["workload"], r["mode"]) for r in result["rows"] if not r["note"]]
     warm = run_warm(a, ok)
     result["baseline_rss_mb"] = warm.get("baseline_rss_mb")
