@@ -365,3 +365,15 @@ def test_lazy_inplace_op_with_defaulted_argument() -> None:
     out = lx.cpu()
     assert bool(((out == 0) | (out == 1)).all())
     assert 0 < int(out.sum()) < 64
+
+
+def test_lazy_composite_implicit_op_reaching_dispatch_is_decomposed() -> None:
+    """``native_dropout_backward``'s decomposition calls ``mask.type_as(grad)``, which reaches the
+    lazy device as ``aten.to.dtype_layout`` (a CompositeImplicitAutograd op) and ran eagerly,
+    handing a CPU tensor to the next kiln op ('Expected all tensors to be on the same device')."""
+    dev = kiln.device()
+    g = torch.randn(4, 5)
+    mask = torch.rand(4, 5) > 0.5
+    out = torch.ops.aten.native_dropout_backward(g.to(dev), mask.to(dev), 2.0)
+    kiln.mark_step()
+    torch.testing.assert_close(out.cpu(), torch.ops.aten.native_dropout_backward(g, mask, 2.0))

@@ -251,6 +251,13 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             return args[0]
     else:
         _check_devices(func, args, kwargs)
+    if name not in OPS and _is_composite_implicit(func):
+        # Reached from inside a decomposition (aten.to.dtype_layout from type_as): decompose it as
+        # autograd would have.  (Recorded whole, to.dtype_layout was taken for a view -- its
+        # schema may alias -- and replayed with device=kiln inside the graph.)
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
     if func.is_view:
         return _view(func, args, kwargs)
     if torch.Tag.inplace_view in func.tags and func is not aten.set_.source_Tensor:
@@ -266,6 +273,10 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         if out is not NotImplemented:
             return out
     return _record(func, args, kwargs)
+
+
+def _is_composite_implicit(func: Any) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
 def _upload(dst: Any, src: Any) -> bool:
