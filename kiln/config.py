@@ -40,6 +40,8 @@ class Config:
     disable_passes: str = ""  # comma-separated pass names to switch off
     log: str = ""  # comma-separated: "graphs", "passes", "kernels", "recompiles", "fallbacks"
     recompile_warn: int = 4  # warn when one call site compiles more graphs than this
+    max_steps: int = 0  # stop the process after this many steps (precompile/explain); 0 = never
+    explain_dir: str = ""  # write a report of every compiled graph here (kiln explain)
 
     _CHOICES = {"backend": ("cpp", "interpreter")}
     _LOG_CHOICES = ("graphs", "passes", "kernels", "recompiles", "fallbacks", "all")

@@ -26,12 +26,13 @@ part of a cycle: a node joins a group only if none of its other inputs depends o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kiln.codegen.cpp.ops import CTYPE, supported
+from kiln import metrics
 from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType, dtype_abbr
 
 MAX_GROUP = 256  # members per kernel: keeps generated functions small enough to compile fast
@@ -160,6 +161,9 @@ class _Group:
     shape: tuple
     members: list[int]
     closed: bool = False  # a reduction was added: no more pointwise members after it
+    # groups this group's members read from (directly or through ungrouped nodes); kept current
+    # as members join, so that cycle checks see dependencies that appeared after a snapshot
+    deps: set = field(default_factory=set)
 
 
 def fuse(g: Graph) -> Graph:
@@ -182,17 +186,50 @@ def fuse(g: Graph) -> Graph:
         if gid is not None:
             group_of[i] = gid
             groups[gid].members.append(i)
+            for j in n.inputs:
+                if group_of.get(j) != gid:
+                    groups[gid].deps |= deps[j]
+                    if j in group_of:
+                        groups[gid].deps.add(group_of[j])
+            groups[gid].deps.discard(gid)
     groups_kept = [gr for gr in groups if _worth_it(g, gr, lits)]
     if not groups_kept:
         return g
-    return _rebuild(g, groups_kept, lits)
+    try:
+        return _rebuild(g, groups_kept, lits)
+    except _FusionCycle:
+        metrics.incr("fusion_cycles")
+        return g
 
 
-def _can_join(gid: int, n: Node, group_of: dict[int, int], deps: list[frozenset[int]]) -> bool:
+def _can_join(gid: int, n: Node, group_of: dict[int, int], deps: list[frozenset[int]],
+              groups: list[_Group]) -> bool:
+    """``n`` may join group ``gid`` unless one of its inputs outside the group depends on the group
+    (directly, or through groups that have grown since that input was seen): that is a cycle."""
     for j in n.inputs:
-        if group_of.get(j) != gid and gid in deps[j]:
+        gj = group_of.get(j)
+        if gj == gid:
+            continue
+        start = set(deps[j])
+        if gj is not None:
+            start.add(gj)
+        if _reaches(start, gid, groups):
             return False
     return True
+
+
+def _reaches(start: set[int], target: int, groups: list[_Group]) -> bool:
+    seen: set[int] = set()
+    stack = list(start)
+    while stack:
+        x = stack.pop()
+        if x == target:
+            return True
+        if x in seen:
+            continue
+        seen.add(x)
+        stack.extend(groups[x].deps)
+    return False
 
 
 def _place(g, i, n, groups, group_of, deps, lits) -> int | None:
@@ -209,7 +246,7 @@ def _place(g, i, n, groups, group_of, deps, lits) -> int | None:
             gr = groups[gid]
             if (gr.kind in ("pointwise", kind) and gr.shape == shape and not
                     (gr.kind == "rows" and n.op not in _ROW_REDUCE)
-                    and len(gr.members) < MAX_GROUP and _can_join(gid, n, group_of, deps)
+                    and len(gr.members) < MAX_GROUP and _can_join(gid, n, group_of, deps, groups)
                     and not (kind == "rows" and _has_special(g, gr))):
                 gr.kind, gr.closed = kind, True
                 return gid
@@ -222,7 +259,7 @@ def _place(g, i, n, groups, group_of, deps, lits) -> int | None:
     for gid in cands:
         gr = groups[gid]
         if (gr.kind == "pointwise" and gr.shape == shape and len(gr.members) < MAX_GROUP
-                and _can_join(gid, n, group_of, deps)):
+                and _can_join(gid, n, group_of, deps, groups)):
             return gid
     seen = 0
     for gid in range(len(groups) - 1, -1, -1):
@@ -232,7 +269,7 @@ def _place(g, i, n, groups, group_of, deps, lits) -> int | None:
         seen += 1
         if seen > HORIZONTAL_WINDOW:
             break
-        if len(gr.members) < MAX_GROUP and _can_join(gid, n, group_of, deps):
+        if len(gr.members) < MAX_GROUP and _can_join(gid, n, group_of, deps, groups):
             return gid
     groups.append(_Group("pointwise", shape, []))
     return len(groups) - 1
@@ -322,17 +359,26 @@ def _unit_order(g: Graph, groups: list[_Group], member_of: dict[int, int]) -> li
         if root in done:
             continue
         stack = [(root, iter(unit_inputs(root)))]
+        on_stack = {root}
         while stack:
             u, it = stack[-1]
             nxt = next((v for v in it if v not in done), None)
             if nxt is None:
                 stack.pop()
+                on_stack.discard(u)
                 if u not in done:
                     done.add(u)
                     order.append(u)
+            elif nxt in on_stack:
+                raise _FusionCycle(f"fused groups form a cycle through {nxt}")
             else:
+                on_stack.add(nxt)
                 stack.append((nxt, iter(unit_inputs(nxt))))
     return order
+
+
+class _FusionCycle(RuntimeError):
+    """Never expected; if grouping ever makes a cycle, the graph is left unfused (counted)."""
 
 
 def _fused_node(g: Graph, gr: _Group, outs: list[int], lits: dict[int, Lit]):

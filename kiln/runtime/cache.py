@@ -31,8 +31,13 @@ class CorruptCacheEntry(RuntimeError):
     pass
 
 
-def cache_key(graph_hash: str, backend: str) -> str:
-    raw = f"{graph_hash}|kiln={kiln.__version__}|torch={torch.__version__}|backend={backend}"
+def cache_key(graph_hash: str, backend: str, options: str = "") -> str:
+    """Key of a compiled graph: its structural hash, Kiln's and torch's versions, the backend and
+    the options that change what the pipeline produces (passes switched off)."""
+    raw = (
+        f"{graph_hash}|kiln={kiln.__version__}|torch={torch.__version__}|backend={backend}"
+        f"|options={options}"
+    )
     return hashlib.sha256(raw.encode()).hexdigest()[:40]
 
 

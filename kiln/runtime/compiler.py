@@ -53,7 +53,7 @@ def optimize(g: Graph) -> Graph:
 
 
 def compile_graph(g: Graph) -> Executable:
-    key = cache_key(g.hash, config.backend)
+    key = cache_key(g.hash, config.backend, ",".join(sorted(config.disabled_passes)))
     exe = _memory.get(key)
     if exe is not None:
         metrics.incr("cache_hits_memory")

@@ -120,10 +120,11 @@ def _type_of(v: Any) -> TensorType | None:
 
 def shape_dim(s: Any) -> int | str:
     """A concrete size as int; a symbolic one (``SymInt``) as its expression string."""
-    try:
+    if isinstance(s, torch.SymInt):
+        if s.node.is_symbolic():
+            return str(s)
         return int(s)
-    except Exception:
-        return str(s)
+    return int(s)
 
 
 def types_of(v: Any) -> tuple[TensorType | None, ...]:

@@ -160,7 +160,7 @@ def test_training_loop_matches_eager_and_stops_compiling():
         torch.testing.assert_close(ll.item(), lr_.item(), rtol=1e-5, atol=1e-6)
         compiled_after.append(metrics.get("graphs_compiled") + metrics.get("cache_hits_memory"))
     for p, q in zip(ref.parameters(), lz.parameters()):
-        torch.testing.assert_close(q.cpu(), p.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(q.cpu(), p.detach(), rtol=1e-4, atol=1e-5)
     # step 1 builds the optimizer state, step 2 is the steady graph; from step 3 on: no compile
     n_compiled = metrics.get("graphs_compiled")
     assert n_compiled <= 3

@@ -49,7 +49,7 @@ def test_corrupt_entry_is_reported_once_and_rebuilt(cache_dir):
     g = _graph(3.0)
     compiler.compile_graph(g)
     compiler.clear_memory_cache()
-    key = cache_key(g.hash, kiln.config.backend)
+    key = cache_key(g.hash, kiln.config.backend, ",".join(sorted(kiln.config.disabled_passes)))
     path = DiskCache(cache_dir).path(key)
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF

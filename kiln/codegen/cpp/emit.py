@@ -133,9 +133,9 @@ class _Emitter:
                 continue
             ct = _ABBR_CT[dt]
             ops = [self.operand(a, vals) for a in args]
-            kw = dict(kwargs)
-            if op in ("clamp_min.default", "clamp_max.default"):
-                pass
+            kw = {
+                k: self.operand(v, vals) if isinstance(v, In) else v for k, v in kwargs
+            }
             expr = FORMULAS[op](ops, kw, ct)
             self.w(f"{indent}const {ct} v{idx} = ({ct})({expr});")
             vals[idx] = (f"v{idx}", ct)

@@ -28,6 +28,8 @@ class Operand:
 
 
 def literal(v: Any) -> str:
+    if isinstance(v, Operand):  # a keyword argument lifted into a graph input (alpha=-lr)
+        return v.expr
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int):
