@@ -273,9 +273,12 @@ def _flush() -> None:
 FALLBACKS: dict[tuple[str, str, str], dict] = {}  # (mode, check, op) -> fallbacks seen
 
 
-def _run(name: str, mode: str, check: str) -> None:
+def _run(name: str, mode: str, check: str, record_property: Callable) -> None:
     out = check_op(name, mode, check)
     FALLBACKS[(mode, check, name)] = out.fallbacks
+    # lowered to real Kiln ops, or which ATen ops fell back (kept in the junit XML)
+    record_property("kiln_fallbacks", ",".join(sorted(out.fallbacks)) or "none")
+    record_property("kiln_graphs", out.kiln_graphs)
     if out.status == "skip":
         pytest.skip(out.detail)
     if out.status == "fail":
@@ -287,14 +290,14 @@ def _run(name: str, mode: str, check: str) -> None:
 
 @pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.parametrize("name", selected("lazy"))
-def test_opinfo_lazy(name: str, check: str) -> None:
-    _run(name, "lazy", check)
+def test_opinfo_lazy(name: str, check: str, record_property: Callable) -> None:
+    _run(name, "lazy", check, record_property)
 
 
 @pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.parametrize("name", selected("compile"))
-def test_opinfo_compile(name: str, check: str) -> None:
-    _run(name, "compile", check)
+def test_opinfo_compile(name: str, check: str, record_property: Callable) -> None:
+    _run(name, "compile", check, record_property)
 
 
 # ---------------------------------------------------------------------------------------------
