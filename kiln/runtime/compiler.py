@@ -20,6 +20,7 @@ from kiln import metrics
 from kiln.config import config
 from kiln.ir.graph import Graph
 from kiln.passes.pipeline import run_pipeline
+from kiln.runtime import explain
 from kiln.runtime.cache import DiskCache, MemoryCache, cache_key
 from kiln.runtime.interpreter import Interpreter
 
@@ -48,8 +49,8 @@ def _backend_build(g: Graph) -> tuple[Callable, dict]:
     return Interpreter(g), {"backend": "interpreter"}
 
 
-def optimize(g: Graph) -> Graph:
-    return run_pipeline(g)
+def optimize(g: Graph, trace: list | None = None) -> Graph:
+    return run_pipeline(g, trace)
 
 
 def compile_graph(g: Graph) -> Executable:
@@ -62,15 +63,16 @@ def compile_graph(g: Graph) -> Executable:
     disk = DiskCache(config.cache_dir) if config.disk_cache else None
     opt = disk.load(key) if disk else None
     built = False
+    passes: list = []
     if opt is None:
         if disk:
             with disk.lock(key):
                 opt = disk.load(key)  # another process may have just built it
                 if opt is None:
-                    opt, built = optimize(g), True
+                    opt, built = optimize(g, passes), True
                     disk.store(key, opt)
         else:
-            opt, built = optimize(g), True
+            opt, built = optimize(g, passes), True
     run, info = _backend_build(opt)
     dt = time.perf_counter() - t0
     if built:
@@ -84,6 +86,8 @@ def compile_graph(g: Graph) -> Executable:
     seed_index = next((n.kwarg("index") for n in opt.nodes if n.kwarg("role") == "seed"), None)
     if seed_index is not None:
         run = _seeded(run, seed_index)
+    if config.explain_dir:
+        explain.write(config.explain_dir, explain.report(g, opt, passes, info, not built))
     exe = Executable(opt, run, g.hash, info)
     _memory.put(key, exe)
     return exe

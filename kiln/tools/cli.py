@@ -18,7 +18,6 @@ _GROUPS = [
     ("kiln.cluster.cli", "cluster"),
     ("kiln.tools.compile_cli", "precompile"),
     ("kiln.tools.compile_cli", "explain"),
-    ("kiln.tools.compile_cli", "metrics"),
 ]
 
 

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from kiln import metrics
 from kiln.config import config
+from kiln.frontends.lazy.trace import stop_after_max_steps
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.runtime.compiler import compile_graph
 
@@ -73,7 +74,12 @@ def _kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     kinds = [k for k, _ in out_spec]
     idx = [v for _, v in out_spec]
 
+    runs = [0]
+
     def run(args: list) -> list:
+        if config.max_steps and runs[0] >= config.max_steps:
+            stop_after_max_steps()
+        runs[0] += 1
         t0 = time.perf_counter()
         outs = exe(args)
         args.clear()
