@@ -58,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results.json"))
     ap.add_argument("--cache-dir", default=None, help="Kiln + Inductor caches (default: fresh)")
     ap.add_argument("--warm-only", action="store_true", help="internal: warm-cache subprocess")
+    ap.add_argument("--pairs", default="", help="internal: workload:mode,... for --warm-only")
     a = ap.parse_args(argv)
     a.steps = a.steps if a.steps is not None else (3 if a.quick else 10)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 3)
@@ -244,30 +245,31 @@ def warm_only(a: argparse.Namespace) -> None:
     """Fork one child per (workload, mode); each trains 1 + warm_steps steps with the warm caches
     and reports its compile time and ru_maxrss.  Prints one JSON object on the last line."""
     out: dict[str, Any] = {"baseline_rss_mb": _rss_mb(), "runs": []}
-    for name in a.workloads:
-        for m in a.modes:
-            rfd, wfd = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # child
-                os.close(rfd)
-                res: dict[str, Any] = {"workload": name, "mode": m}
-                try:
-                    wl = build(name, a.quick, 1 + a.warm_steps)
-                    r = Runner(m, wl, a.timeout)
-                    for batch in wl.batches:
-                        r.run(batch)
-                    res.update(compile_warm_s=r.compile_s(1), error=r.error)
-                except Exception as e:  # noqa: BLE001
-                    res["error"] = _err(e)
-                res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-                os.write(wfd, json.dumps(res).encode())
-                os._exit(0)
-            os.close(wfd)
-            with os.fdopen(rfd) as f:
-                text = f.read()
-            os.waitpid(pid, 0)
-            out["runs"].append(json.loads(text) if text else
-                               {"workload": name, "mode": m, "error": "error: child died"})
+    pairs = [tuple(p.split(":")) for p in a.pairs.split(",") if p] or [
+        (w, m) for w in a.workloads for m in a.modes]
+    for name, m in pairs:
+        rfd, wfd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child
+            os.close(rfd)
+            res: dict[str, Any] = {"workload": name, "mode": m}
+            try:
+                wl = build(name, a.quick, 1 + a.warm_steps)
+                r = Runner(m, wl, a.timeout)
+                for batch in wl.batches:
+                    r.run(batch)
+                res.update(compile_warm_s=r.compile_s(1), error=r.error)
+            except Exception as e:  # noqa: BLE001
+                res["error"] = _err(e)
+            res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            os.write(wfd, json.dumps(res).encode())
+            os._exit(0)
+        os.close(wfd)
+        with os.fdopen(rfd) as f:
+            text = f.read()
+        os.waitpid(pid, 0)
+        out["runs"].append(json.loads(text) if text else
+                           {"workload": name, "mode": m, "error": "error: child died"})
     print(json.dumps(out))
 
 
@@ -276,8 +278,7 @@ def run_warm(a: argparse.Namespace, pairs: list[tuple[str, str]]) -> dict:
     if not pairs:
         return {"runs": []}
     cmd = [sys.executable, os.path.abspath(__file__), "--warm-only", "--cache-dir", a.cache_dir,
-           "--workloads", ",".join(sorted({w for w, _ in pairs}, key=a.workloads.index)),
-           "--modes", ",".join(sorted({m for _, m in pairs}, key=a.modes.index)),
+           "--pairs", ",".join(f"{w}:{m}" for w, m in pairs),
            "--timeout", str(a.timeout), "--threads", str(a.threads)] + (["--quick"] if a.quick else [])
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout * len(pairs))
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
         row = next(r for r in result["rows"] if (r["workload"], r["mode"]) == (w["workload"], w["mode"]))
         row.update(compile_warm_s=w.get("compile_warm_s"), peak_rss_mb=w.get("peak_rss_mb"))
         if w.get("error"):
-            row["note"] = f"warm run {w['error']}"
+            row["note"] = f"warm run {w['error']}"  # the main run of this pair had no error
     if warm.get("error"):
         print(f"warm-cache run failed: {warm['error']}")
     print()
