@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kiln.codegen.cpp.emit import KernelSpec
-from kiln.ir.graph import Graph
-from kiln.runtime.interpreter import call_node, last_uses
+from kiln.ir.graph import Graph, In, Node
+from kiln.runtime.interpreter import call_node, last_uses, resolve
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -94,6 +94,66 @@ def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) 
     return call
 
 
+def _has_in(v: Any) -> bool:
+    if isinstance(v, In):
+        return True
+    if isinstance(v, (tuple, list)):
+        return any(_has_in(x) for x in v)
+    return False
+
+
+def _filler(v: Any) -> Callable[[Sequence[Any]], Any]:
+    """A function ``ins -> v with every In(k) replaced by ins[k]`` (for nested templates)."""
+    if isinstance(v, In):
+        k = v.k
+        return lambda ins: ins[k]
+    subs = [(_filler(x) if _has_in(x) else None, x) for x in v]
+    seq = type(v)
+    return lambda ins: seq(x if f is None else f(ins) for f, x in subs)
+
+
+def prepare_aten_call(n: Node) -> Callable[[Sequence[Any]], Any]:
+    """``ins -> result`` of one non-fused node, with the op resolved and the argument fill plan
+    worked out once (what ``call_node`` redoes on every call)."""
+    if n.op == "getitem":
+        idx = n.args[1]
+        return lambda ins: ins[0][idx]
+    fn = resolve(n.op)
+    template = list(n.args)
+    direct = [(p, v.k) for p, v in enumerate(template) if isinstance(v, In)]
+    nested = [(p, _filler(v)) for p, v in enumerate(template)
+              if not isinstance(v, In) and _has_in(v)]
+    kw_const = {k: v for k, v in n.kwargs if not _has_in(v)}
+    kw_fill = [(k, _filler(v)) for k, v in n.kwargs if _has_in(v)]
+    if not nested and not kw_fill:
+        if not kw_const:
+            if len(direct) == len(template) == len(n.inputs) and [k for _, k in direct] == list(range(len(direct))):
+                return lambda ins: fn(*ins)  # args are exactly the inputs, in order
+        if not direct:
+            return lambda ins: fn(*template, **kw_const)
+
+        def call_direct(ins: Sequence[Any]) -> Any:
+            a = template.copy()
+            for p, k in direct:
+                a[p] = ins[k]
+            return fn(*a, **kw_const)
+
+        return call_direct
+
+    def call(ins: Sequence[Any]) -> Any:
+        a = template.copy()
+        for p, k in direct:
+            a[p] = ins[k]
+        for p, f in nested:
+            a[p] = f(ins)
+        kw = kw_const.copy() if kw_const else {}
+        for k, f in kw_fill:
+            kw[k] = f(ins)
+        return fn(*a, **kw)
+
+    return call
+
+
 class Executor:
     """A graph with its kernels, prepared once, run many times."""
 
@@ -110,8 +170,12 @@ class Executor:
             elif i in calls:
                 steps.append((2 if len(n.types) == 1 else 3, calls[i], n))
             else:
-                steps.append((4, None, n))
-        self.steps = steps
+                try:
+                    steps.append((4, prepare_aten_call(n), n))
+                except (AttributeError, KeyError):  # unresolvable here: call_node reports it
+                    steps.append((4, lambda ins, n=n: call_node(n, ins), n))
+        # (kind, callable or value, input ids, ids freed after this step)
+        self.steps = [(k, x, n.inputs, tuple(self.free[i])) for i, (k, x, n) in enumerate(steps)]
 
     def __call__(self, inputs: Sequence[Any]) -> list[Any]:
         with self._lock:  # slot buffers are shared between runs of this executable
@@ -120,20 +184,15 @@ class Executor:
     def _run(self, inputs: Sequence[Any]) -> list[Any]:
         g = self.graph
         vals: list[Any] = [None] * len(g.nodes)
-        free = self.free
-        for i, (kind, x, n) in enumerate(self.steps):
+        for i, (kind, x, inp, free) in enumerate(self.steps):
             if kind == 0:
                 vals[i] = inputs[x]
             elif kind == 1:
                 vals[i] = x
-            else:
-                ins = [vals[j] for j in n.inputs]
-                if kind == 2:
-                    vals[i] = x(ins)[0]
-                elif kind == 3:
-                    vals[i] = x(ins)
-                else:
-                    vals[i] = call_node(n, ins)
-            for j in free[i]:
+            elif kind == 2:
+                vals[i] = x([vals[j] for j in inp])[0]
+            else:  # 3: multi-output kernel, 4: ATen
+                vals[i] = x([vals[j] for j in inp])
+            for j in free:
                 vals[j] = None
         return [vals[o] for o in g.outputs]
