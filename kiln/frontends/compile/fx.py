@@ -1,6 +1,7 @@
 """torch.fx (ATen-level, from AOTAutograd) -> Kiln graph.
 
-Placeholders become ``input`` nodes (tensors) or ``scalar`` nodes (SymInt / Python numbers), ATen
+Placeholders become ``input`` nodes (tensors) or ``scalar`` nodes (SymInt / Python numbers), tensor
+attributes (``get_attr``, constants lifted by Dynamo) become ``constant`` nodes, ATen
 calls go through :func:`kiln.lowering.lower_call`, integer arithmetic on symbolic sizes becomes
 ``pyop`` nodes.  The output spec says, per output position, which graph output fills it or which
 constant (``None`` for a gradient that does not exist).
@@ -76,6 +77,11 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
                 env[node] = b.add(Node(f"pyop.{_PYOP_NAMES[tgt]}", ins, targs, (), _types(val)))
             else:
                 raise UnsupportedGraph(f"call to {tgt} is not an ATen op")
+        elif node.op == "get_attr":  # a tensor constant lifted by Dynamo/AOTAutograd
+            value = getattr(gm, node.target)
+            if not isinstance(value, torch.Tensor):
+                raise UnsupportedGraph(f"get_attr {node.target} is not a tensor ({type(value)})")
+            env[node] = b.constant(value)
         elif node.op == "output":
             for o in node.args[0]:
                 if isinstance(o, torch.fx.Node):
