@@ -261,15 +261,15 @@ class _Emitter:
             self.w("    float s = 0.0f;")
             if e[0] == "_softmax.default":
                 self.w("    #pragma omp simd reduction(+:s)")
-                self.w("    for (int64_t j = 0; j < L; ++j) { const float t = std::exp(y[j] - mx); "
+                self.w("    for (int64_t j = 0; j < L; ++j) { const float t = km::exp(y[j] - mx); "
                        "y[j] = t; s += t; }")
                 self.w("    const float inv = 1.0f / s;")
                 self.w("    #pragma omp simd")
                 self.w("    for (int64_t j = 0; j < L; ++j) y[j] *= inv;")
             else:
                 self.w("    #pragma omp simd reduction(+:s)")
-                self.w("    for (int64_t j = 0; j < L; ++j) s += std::exp(y[j] - mx);")
-                self.w("    const float sh = mx + std::log(s);")
+                self.w("    for (int64_t j = 0; j < L; ++j) s += km::exp(y[j] - mx);")
+                self.w("    const float sh = mx + km::log(s);")
                 self.w("    #pragma omp simd")
                 self.w("    for (int64_t j = 0; j < L; ++j) y[j] -= sh;")
             self.w("  }")
@@ -303,12 +303,11 @@ class _Emitter:
         reds = [b for b, e in enumerate(self.body) if e[0] not in FORMULAS]
         out_of = {b: o for o, b in enumerate(self.outs)}
         for b in reds:
-            self.w(f"  std::vector<double> tot{b}(L, 0.0);")
+            self.w(f"  double* tot{b} = new double[L]();")
         self.w(f"  #pragma omp parallel if(N >= {PARALLEL_MIN})")
         self.w("  {")
         for b in reds:
-            self.w(f"    std::vector<double> part{b}(L, 0.0);")
-            self.w(f"    double* p{b} = part{b}.data();")
+            self.w(f"    double* p{b} = new double[L]();")
         self.w("    #pragma omp for schedule(static)")
         self.w("    for (int64_t r = 0; r < rows; ++r) {")
         self.row_offsets("      ")
@@ -326,7 +325,9 @@ class _Emitter:
         self.w("    {")
         for b in reds:
             self.w(f"      for (int64_t j = 0; j < L; ++j) tot{b}[j] += p{b}[j];")
+            self.w(f"      delete[] p{b};")
         self.w("    }")
         self.w("  }")
         for b in reds:
             self.w(f"  for (int64_t j = 0; j < L; ++j) out{out_of[b]}[j] = (float)tot{b}[j];")
+            self.w(f"  delete[] tot{b};")

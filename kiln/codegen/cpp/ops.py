@@ -102,20 +102,20 @@ def _unary(tmpl: str) -> Formula:
 
 def _pow_tensor_scalar(a: list[Operand], kw: dict, out: str) -> str:
     x, e = _cast(a[0], out), a[1].literal
-    special = {2: f"({x} * {x})", 3: f"({x} * {x} * {x})", 0.5: f"std::sqrt({x})",
-               -0.5: f"((({out})1) / std::sqrt({x}))", -1: f"((({out})1) / {x})",
+    special = {2: f"({x} * {x})", 3: f"({x} * {x} * {x})", 0.5: f"km::sqrt({x})",
+               -0.5: f"((({out})1) / km::sqrt({x}))", -1: f"((({out})1) / {x})",
                -2: f"((({out})1) / ({x} * {x}))", 1: x}
     if a[1].ctype is None and e in special:
         return special[e]
-    return f"std::pow({x}, {_cast(a[1], out)})"
+    return f"km::pow({x}, {_cast(a[1], out)})"
 
 
 def _gelu(a: list[Operand], kw: dict, out: str) -> str:
     x = _cast(a[0], out)
     if kw.get("approximate", "none") == "tanh":
-        return (f"(0.5f * {x} * (1.0f + std::tanh(0.7978845608028654f * "
+        return (f"(0.5f * {x} * (1.0f + km::tanh(0.7978845608028654f * "
                 f"({x} + 0.044715f * {x} * {x} * {x}))))")
-    return f"({x} * 0.5f * (1.0f + std::erf({x} * 0.7071067811865476f)))"
+    return f"({x} * 0.5f * (1.0f + km::erf({x} * 0.7071067811865476f)))"
 
 
 def _gelu_backward(a: list[Operand], kw: dict, out: str) -> str:
@@ -145,7 +145,7 @@ def _clamp(a: list[Operand], kw: dict, out: str) -> str:
 
 
 def _fma(a: list[Operand], kw: dict, out: str) -> str:
-    return f"std::fma({_cast(a[0], out)}, {_cast(a[1], out)}, {_cast(a[2], out)})"
+    return f"km::fma({_cast(a[0], out)}, {_cast(a[1], out)}, {_cast(a[2], out)})"
 
 
 def _copy(a: list[Operand], kw: dict, out: str) -> str:
@@ -173,27 +173,27 @@ FORMULAS: dict[str, Formula] = {
     "bitwise_not.default": lambda a, kw, o: (
         f"(!{a[0].expr})" if o == "bool" else f"(~{_cast(a[0], o)})"),
     "neg.default": _unary("(-{x})"),
-    "abs.default": _unary("std::abs({x})"),
-    "exp.default": _unary("std::exp({x})"),
-    "expm1.default": _unary("std::expm1({x})"),
-    "log.default": _unary("std::log({x})"),
-    "log1p.default": _unary("std::log1p({x})"),
-    "log2.default": _unary("std::log2({x})"),
-    "sqrt.default": _unary("std::sqrt({x})"),
-    "rsqrt.default": _unary("((({t})1) / std::sqrt({x}))"),
+    "abs.default": _unary("km::abs({x})"),
+    "exp.default": _unary("km::exp({x})"),
+    "expm1.default": _unary("km::expm1({x})"),
+    "log.default": _unary("km::log({x})"),
+    "log1p.default": _unary("km::log1p({x})"),
+    "log2.default": _unary("km::log2({x})"),
+    "sqrt.default": _unary("km::sqrt({x})"),
+    "rsqrt.default": _unary("((({t})1) / km::sqrt({x}))"),
     "reciprocal.default": _unary("((({t})1) / {x})"),
-    "sin.default": _unary("std::sin({x})"),
-    "cos.default": _unary("std::cos({x})"),
-    "tanh.default": _unary("std::tanh({x})"),
-    "erf.default": _unary("std::erf({x})"),
-    "sigmoid.default": _unary("((({t})1) / ((({t})1) + std::exp(-{x})))"),
-    "silu.default": _unary("({x} / ((({t})1) + std::exp(-{x})))"),
+    "sin.default": _unary("km::sin({x})"),
+    "cos.default": _unary("km::cos({x})"),
+    "tanh.default": _unary("km::tanh({x})"),
+    "erf.default": _unary("km::erf({x})"),
+    "sigmoid.default": _unary("((({t})1) / ((({t})1) + km::exp(-{x})))"),
+    "silu.default": _unary("({x} / ((({t})1) + km::exp(-{x})))"),
     "relu.default": _unary("kiln_max({x}, ({t})0)"),
     "square.default": _unary("({x} * {x})"),
     "sign.default": _unary("(({t})(({x} > 0) - ({x} < 0)))"),
     "pow.Tensor_Scalar": _pow_tensor_scalar,
-    "pow.Scalar": lambda a, kw, o: f"std::pow({_cast(a[0], o)}, {_cast(a[1], o)})",
-    "pow.Tensor_Tensor": lambda a, kw, o: f"std::pow({_cast(a[0], o)}, {_cast(a[1], o)})",
+    "pow.Scalar": lambda a, kw, o: f"km::pow({_cast(a[0], o)}, {_cast(a[1], o)})",
+    "pow.Tensor_Tensor": lambda a, kw, o: f"km::pow({_cast(a[0], o)}, {_cast(a[1], o)})",
     "maximum.default": lambda a, kw, o: f"kiln_max({_cast(a[0], o)}, {_cast(a[1], o)})",
     "minimum.default": lambda a, kw, o: f"kiln_min({_cast(a[0], o)}, {_cast(a[1], o)})",
     "clamp_min.default": lambda a, kw, o: f"kiln_max({_cast(a[0], o)}, {_cast(a[1], o)})",
@@ -218,31 +218,47 @@ FORMULAS: dict[str, Formula] = {
     "alias.default": _ident,
 }
 
-# Helpers every generated translation unit starts with.
+# Helpers every generated translation unit starts with.  No <cmath>: parsing it is about a third of
+# a small unit's compile time, so the few math functions the formulas use are declared here (``km::``
+# overloads over GCC's builtins: the same libm calls <cmath>'s float/double overloads make).
 PRELUDE = r"""
-#include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <algorithm>
-#include <vector>
 #include <omp.h>
+#define INFINITY (__builtin_inff())
+#define NAN (__builtin_nanf(""))
+namespace km {
+#define KM_UNARY(name) \
+  static inline float name(float x) { return __builtin_##name##f(x); } \
+  static inline double name(double x) { return __builtin_##name(x); }
+KM_UNARY(exp) KM_UNARY(expm1) KM_UNARY(log) KM_UNARY(log1p) KM_UNARY(log2) KM_UNARY(sqrt)
+KM_UNARY(sin) KM_UNARY(cos) KM_UNARY(tanh) KM_UNARY(erf)
+#undef KM_UNARY
+static inline float abs(float x) { return __builtin_fabsf(x); }
+static inline double abs(double x) { return __builtin_fabs(x); }
+static inline int64_t abs(int64_t x) { return x < 0 ? -x : x; }
+static inline float pow(float a, float b) { return __builtin_powf(a, b); }
+static inline double pow(double a, double b) { return __builtin_pow(a, b); }
+static inline double pow(int64_t a, int64_t b) { return __builtin_pow((double)a, (double)b); }
+static inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+static inline double fma(double a, double b, double c) { return __builtin_fma(a, b, c); }
+}  // namespace km
 template <typename T> static inline T kiln_max(T a, T b) { return (a != a) ? a : (a > b ? a : b); }
 template <typename T> static inline T kiln_min(T a, T b) { return (a != a) ? a : (a < b ? a : b); }
 static inline float kiln_gelu_bwd(float g, float x) {
-  const float cdf = 0.5f * (1.0f + std::erf(x * 0.7071067811865476f));
-  const float pdf = std::exp(-0.5f * x * x) * 0.3989422804014327f;
+  const float cdf = 0.5f * (1.0f + km::erf(x * 0.7071067811865476f));
+  const float pdf = km::exp(-0.5f * x * x) * 0.3989422804014327f;
   return g * (cdf + x * pdf);
 }
 static inline float kiln_gelu_tanh_bwd(float g, float x) {
   const float k = 0.7978845608028654f, c = 0.044715f;
   const float x2 = x * x, inner = k * (x + c * x2 * x);
-  const float t = std::tanh(inner);
+  const float t = km::tanh(inner);
   const float left = 0.5f * x, right = 1.0f + t;
   const float dinner = k * (1.0f + 3.0f * c * x2);
   return g * (0.5f * right + left * (1.0f - t * t) * dinner);
 }
 static inline float kiln_silu_bwd(float g, float x) {
-  const float s = 1.0f / (1.0f + std::exp(-x));
+  const float s = 1.0f / (1.0f + km::exp(-x));
   return g * s * (1.0f + x * (1.0f - s));
 }
 """
