@@ -148,6 +148,24 @@ def _fma(a: list[Operand], kw: dict, out: str) -> str:
     return f"km::fma({_cast(a[0], out)}, {_cast(a[1], out)}, {_cast(a[2], out)})"
 
 
+def _addc(sym: str) -> Formula:
+    """addcmul / addcdiv: ``self + value * (t1 sym t2)``, as ATen's CPU kernel computes it."""
+    def f(a: list[Operand], kw: dict, out: str) -> str:
+        x, t1, t2 = (_cast(o, out) for o in a[:3])
+        value = kw.get("value", 1)
+        v = f"(({out}){literal(value)})" if not isinstance(value, Operand) else _cast(value, out)
+        return f"({x} + {v} * {t1} {sym} {t2})"
+
+    return f
+
+
+def _lerp(a: list[Operand], kw: dict, out: str) -> str:
+    """ATen's lerp: ``w < 0.5 ? self + w * (end - self) : end - (end - self) * (1 - w)``."""
+    x, e, w = _cast(a[0], out), _cast(a[1], out), _cast(a[2], out)
+    return (f"((kiln_abs({w}) < ({out})0.5) ? ({x} + {w} * ({e} - {x})) : "
+            f"({e} - ({e} - {x}) * ((({out})1) - {w})))")
+
+
 def _copy(a: list[Operand], kw: dict, out: str) -> str:
     return _cast(a[1], out)
 
@@ -212,6 +230,10 @@ FORMULAS: dict[str, Formula] = {
         f"(({_cast(a[1], 'float')} <= {_cast(a[2], 'float')}) ? ({o})0 : {_cast(a[0], o)})"),
     "silu_backward.default": lambda a, kw, o: f"kiln_silu_bwd({_cast(a[0], o)}, {_cast(a[1], o)})",
     "opaque.prims::fma.default": _fma,
+    "addcmul.default": _addc("*"),
+    "addcdiv.default": _addc("/"),
+    "lerp.Scalar": _lerp,
+    "lerp.Tensor": _lerp,
     "copy.default": _copy,
     "clone.default": _ident,
     "_to_copy.default": _ident,
@@ -242,6 +264,7 @@ static inline double pow(int64_t a, int64_t b) { return __builtin_pow((double)a,
 static inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 static inline double fma(double a, double b, double c) { return __builtin_fma(a, b, c); }
 }  // namespace km
+template <typename T> static inline T kiln_abs(T a) { return a < 0 ? -a : a; }
 template <typename T> static inline T kiln_max(T a, T b) { return (a != a) ? a : (a > b ? a : b); }
 template <typename T> static inline T kiln_min(T a, T b) { return (a != a) ? a : (a < b ? a : b); }
 static inline float kiln_gelu_bwd(float g, float x) {
