@@ -1,6 +1,7 @@
 """C++ code generation backend: ``build(g) -> (run, info)``.
 
-Every ``fused`` node of the graph becomes one generated C++ function; identical kernels are shared.
+Every ``fused`` node of the graph becomes one generated C++ function (so does each layer norm,
+forward and backward, see :mod:`kiln.codegen.cpp.layer_norm`); identical kernels are shared.
 All kernels of a graph go into one translation unit (two, compiled in parallel, when there are
 many), built with g++ through the kernel cache (:mod:`kiln.codegen.cpp.build`).  Everything else
 runs through ATen (:mod:`kiln.codegen.cpp.executor`).  ``info["kernels"]`` lists each kernel's
@@ -17,6 +18,7 @@ from typing import Callable, Sequence
 from kiln.codegen.cpp.build import build_many
 from kiln.codegen.cpp.emit import KernelSpec, emit_kernel
 from kiln.codegen.cpp.executor import Executor, make_fused_call
+from kiln.codegen.cpp.layer_norm import emit_layer_norm, layer_norm_ok
 from kiln.codegen.cpp.ops import PRELUDE
 from kiln import metrics
 from kiln.config import config
@@ -29,10 +31,19 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
     specs: dict[int, KernelSpec] = {}
     unique: dict[str, str] = {}  # kernel name -> source
     for i, n in enumerate(g.nodes):
-        if n.op != "fused":
+        if n.op == "fused":
+            in_types = [g.nodes[j].types[0] for j in n.inputs]
+            src, spec = emit_kernel("KILN_KERNEL", n, in_types)
+        elif n.op.startswith("native_layer_norm"):
+            in_types = [g.nodes[j].types[0] if g.nodes[j].types else None for j in n.inputs]
+            if not layer_norm_ok(n, in_types):
+                continue
+            try:
+                src, spec = emit_layer_norm("KILN_KERNEL", n, in_types)
+            except ValueError:  # shapes the kernel does not cover: ATen runs it
+                continue
+        else:
             continue
-        in_types = [g.nodes[j].types[0] for j in n.inputs]
-        src, spec = emit_kernel("KILN_KERNEL", n, in_types)
         name = "kiln_" + hashlib.sha256(src.encode()).hexdigest()[:16]
         spec.name = name
         spec.source = src.replace("KILN_KERNEL", name)

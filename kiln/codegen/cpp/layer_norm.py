@@ -1,0 +1,198 @@
+"""Generated row kernels for ``native_layer_norm`` and ``native_layer_norm_backward``.
+
+Both ATen ops are taken as they stand in the graph (no fusion pass involved): a node normalizing
+the last dim of a float32 tensor, with weight and bias (or neither), becomes one kernel.
+
+Forward, per row: mean and variance in double (two passes over the row, like a stable
+``var(unbiased=False)``), ``rstd = 1 / sqrt(var + eps)``, ``out = (x - mean) * rstd * w + b``;
+outputs ``(out, mean, rstd)`` with ATen's shapes (``mean``/``rstd`` keep the normalized dim as 1).
+
+Backward (all three outputs requested), per row with ``xhat = (x - mean) * rstd`` and
+``g = dy * w``::
+
+    dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+    dw = sum over rows of dy * xhat          db = sum over rows of dy
+
+The column sums use per-thread double partials, combined at the end.  Same calling convention
+as every generated kernel (:mod:`kiln.codegen.cpp.emit`): ``P`` pointers (inputs, then outputs),
+``I`` the iteration shape and then, per broadcast input, its strides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.codegen.cpp.emit import PARALLEL_MIN, KernelSpec, _mode
+from kiln.ir.graph import In, Node
+
+F32 = torch.float32
+
+
+def _is_f32(t) -> bool:
+    return t is not None and t.dtype == F32
+
+
+def layer_norm_ok(n: Node, in_types: list) -> bool:
+    """Whether ``n`` is a layer norm (forward or backward) these kernels compute."""
+    if n.op == "native_layer_norm.default":
+        x, ns, w, b = n.args[0], n.args[1], n.args[2], n.args[3]
+        affine = isinstance(w, In) and isinstance(b, In)
+        if not (affine or (w is None and b is None)):
+            return False
+        if not isinstance(n.args[4], float) or not isinstance(x, In):
+            return False
+    elif n.op == "native_layer_norm_backward.default":
+        if len(n.args) < 8 or list(n.args[7]) != [True, True, True]:
+            return False
+        if not all(isinstance(a, In) for a in (n.args[0], n.args[1], n.args[3], n.args[4],
+                                                n.args[5])):
+            return False
+        if any(t is None for t in n.types):
+            return False
+        ns = n.args[2]
+    else:
+        return False
+    if not all(_is_f32(t) for t in in_types) or len(in_types) != len(n.inputs):
+        return False
+    if not (isinstance(ns, (list, tuple)) and len(ns) == 1 and isinstance(ns[0], int)):
+        return False
+    shape = in_types[n.args[1].k if n.op.startswith("native_layer_norm_b") else n.args[0].k].shape
+    return len(shape) >= 1 and shape[-1] == ns[0] and all(isinstance(s, int) for s in shape)
+
+
+def emit_layer_norm(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
+    """C++ source and call spec for one layer norm node (see :func:`layer_norm_ok`)."""
+    if n.op == "native_layer_norm.default":
+        return _forward(name, n, in_types)
+    return _backward(name, n, in_types)
+
+
+def _spec(name: str, n: Node, in_types: list, order: list[int], kind: str,
+          out_kinds: list[str]) -> KernelSpec:
+    shape = tuple(in_types[order[0]].shape)
+    modes = [_mode(in_types[k].shape, shape) for k in order]
+    return KernelSpec(name, kind, len(shape), shape, order, modes, [], out_kinds,
+                      out_dtypes=[F32] * len(out_kinds), members=(n.op,))
+
+
+def _head(name: str, spec: KernelSpec, names: list[str], n_out: int) -> list[str]:
+    """Prologue: pointer names for inputs/outputs, sizes, and per-row offset code for
+    broadcast inputs (returned as lines inside the row loop, indented 4)."""
+    R = spec.rank
+    L = [f'extern "C" void {name}(void** P, const int64_t* I, const double* D) {{']
+    for p, nm in enumerate(names):
+        L.append(f"  const float* {nm} = (const float*)P[{p}];")
+    for o in range(n_out):
+        L.append(f"  float* out{o} = (float*)P[{len(names) + o}];")
+    for d in range(R):
+        L.append(f"  const int64_t s{d} = I[{d}];")
+    L.append("  const int64_t L = s%d;" % (R - 1))
+    L.append("  const int64_t N = " + " * ".join(f"s{d}" for d in range(R)) + ";")
+    L.append("  if (N == 0) return;")
+    L.append("  const int64_t rows = N / L;")
+    slot = R
+    for p, m in enumerate(spec.input_modes):
+        if m in ("bcast", "bcast_inner"):
+            for d in range(R - 1):
+                L.append(f"  const int64_t st{p}_{d} = I[{slot + d}];")
+            slot += R
+    return L
+
+
+def _row_off(spec: KernelSpec, p: int) -> list[str]:
+    """Lines computing ``off{p}``: element offset of row ``r`` in broadcast input ``p``."""
+    R = spec.rank
+    L = [f"    int64_t rem{p} = r;", f"    int64_t off{p} = 0;"]
+    for d in range(R - 2, -1, -1):
+        L.append(f"    {{ const int64_t id = rem{p} % s{d}; rem{p} /= s{d}; "
+                 f"off{p} += id * st{p}_{d}; }}")
+    return L
+
+
+def _forward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
+    affine = n.args[2] is not None
+    order = [n.args[0].k] + ([n.args[2].k, n.args[3].k] if affine else [])
+    spec = _spec(name, n, in_types, order, "layer_norm", ["full", "rowk", "rowk"])
+    eps = repr(float(n.args[4]))
+    L = _head(name, spec, ["x", "w", "b"][: len(order)], 3)
+    L += [f"  #pragma omp parallel for if(N >= {PARALLEL_MIN})",
+          "  for (int64_t r = 0; r < rows; ++r) {",
+          "    const float* xr = x + r * L;",
+          "    float* yr = out0 + r * L;",
+          "    double s = 0.0;",
+          "    #pragma omp simd reduction(+:s)",
+          "    for (int64_t j = 0; j < L; ++j) s += (double)xr[j];",
+          "    const double mean = s / (double)L;",
+          "    double v = 0.0;",
+          "    #pragma omp simd reduction(+:v)",
+          "    for (int64_t j = 0; j < L; ++j) { const double d = (double)xr[j] - mean; v += d * d; }",
+          f"    const float rstd = (float)(1.0 / __builtin_sqrt(v / (double)L + {eps}));",
+          "    const float m = (float)mean;",
+          "    #pragma omp simd",
+          "    for (int64_t j = 0; j < L; ++j) "
+          + ("yr[j] = (xr[j] - m) * rstd * w[j] + b[j];" if affine else
+             "yr[j] = (xr[j] - m) * rstd;"),
+          "    out1[r] = m;",
+          "    out2[r] = rstd;",
+          "  }",
+          "}"]
+    src = "\n".join(L) + "\n"
+    spec.source = src
+    return src, spec
+
+
+def _backward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
+    dy, x, mean, rstd, w = (n.args[i].k for i in (0, 1, 3, 4, 5))
+    order = [dy, x, mean, rstd, w]
+    spec = _spec(name, n, in_types, order, "layer_norm_backward", ["full", "col", "col"])
+    if spec.input_modes[:2] != ["full", "full"] or spec.input_modes[4] != "bcast_inner" or \
+            any(m not in ("bcast", "one") for m in spec.input_modes[2:4]):
+        raise ValueError("layer norm backward: unexpected input shapes")
+    L = _head(name, spec, ["dy", "x", "mean", "rstd", "w"], 3)
+    mi = "mean[0]" if spec.input_modes[2] == "one" else "mean[off2]"
+    ri = "rstd[0]" if spec.input_modes[3] == "one" else "rstd[off3]"
+    L += ["  double* tw = new double[L]();",
+          "  double* tb = new double[L]();",
+          f"  #pragma omp parallel if(N >= {PARALLEL_MIN})",
+          "  {",
+          "  double* pw = new double[L]();",
+          "  double* pb = new double[L]();",
+          "  #pragma omp for schedule(static)",
+          "  for (int64_t r = 0; r < rows; ++r) {"]
+    for p in (2, 3):
+        if spec.input_modes[p] == "bcast":
+            L += _row_off(spec, p)
+    L += [f"    const float mu = {mi}, rs = {ri};",
+          "    const float* dyr = dy + r * L;",
+          "    const float* xr = x + r * L;",
+          "    float* dxr = out0 + r * L;",
+          "    double sg = 0.0, sgx = 0.0;",
+          "    #pragma omp simd reduction(+:sg, sgx)",
+          "    for (int64_t j = 0; j < L; ++j) {",
+          "      const float xh = (xr[j] - mu) * rs;",
+          "      const float g = dyr[j] * w[j];",
+          "      sg += (double)g; sgx += (double)g * (double)xh;",
+          "      pw[j] += (double)dyr[j] * (double)xh;",
+          "      pb[j] += (double)dyr[j];",
+          "    }",
+          "    const float mg = (float)(sg / (double)L), mgx = (float)(sgx / (double)L);",
+          "    #pragma omp simd",
+          "    for (int64_t j = 0; j < L; ++j) {",
+          "      const float xh = (xr[j] - mu) * rs;",
+          "      dxr[j] = rs * (dyr[j] * w[j] - mg - xh * mgx);",
+          "    }",
+          "  }",
+          "  #pragma omp critical",
+          "  {",
+          "    for (int64_t j = 0; j < L; ++j) { tw[j] += pw[j]; tb[j] += pb[j]; }",
+          "  }",
+          "  delete[] pw;",
+          "  delete[] pb;",
+          "  }",
+          "  for (int64_t j = 0; j < L; ++j) { out1[j] = (float)tw[j]; out2[j] = (float)tb[j]; }",
+          "  delete[] tw;",
+          "  delete[] tb;",
+          "}"]
+    src = "\n".join(L) + "\n"
+    spec.source = src
+    return src, spec
