@@ -16,6 +16,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import torch
+
 from kiln import metrics
 from kiln.config import Config, ConfigError, config
 from kiln.frontends.compile.backend import _register as _register_backend
@@ -29,6 +31,10 @@ from kiln.frontends.lazy.device import _register as _register_device
 # Registered at import: PyTorch's autograd engine sizes its per-device queues on the first
 # backward pass, so the kiln device must exist before any backward runs in the process.
 _register_device()
+# Module.to(kiln.device()) swaps each parameter in place (torch.utils.swap_tensors) instead of
+# making new Parameter objects: shared (tied) weights stay one tensor, and references held before
+# the move stay valid.  This is PyTorch's own switch, planned to become its default.
+torch.__future__.set_swap_module_params_on_conversion(True)
 
 __all__ = [
     "Config",

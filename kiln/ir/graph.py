@@ -157,7 +157,7 @@ def _canon(n: Node) -> str:
 
 
 def _tensor_digest(t: torch.Tensor) -> str:
-    t = t.detach().cpu().contiguous()
+    t = t.detach().cpu().clone(memory_format=torch.contiguous_format)  # also stride-0 tensors
     h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
     if t.numel():
         h.update(t.view(-1).view(torch.uint8).numpy().tobytes())

@@ -154,13 +154,7 @@ def train_compile(model: nn.Module, data: list) -> list[float]:
 def train_lazy(model: nn.Module, data: list) -> tuple[list[float], list[dict]]:
     """Losses, and a snapshot of ``kiln.metrics.counters()`` after every step."""
     dev = kiln.device()
-    model.to(dev)
-    # Module.to() cannot move a parameter to the kiln device in place (a LazyTensor is no
-    # shallow-copy-compatible type), so each module gets its own new Parameter and tied weights
-    # (GPT-2's and BERT's embeddings/LM head) come apart: re-tie them, as on PyTorch/XLA.
-    # test_module_to_kiln_keeps_tied_parameters records the gap.
-    if isinstance(model, HFLoss):
-        model.model.tie_weights()
+    model.to(dev)  # tied weights stay tied (see test_module_to_kiln_keeps_tied_parameters)
     opt = make_opt(model)
     losses, snaps = [], []
     for ids, labels in data:
@@ -226,11 +220,8 @@ def test_compile_training_matches_eager(name: str, data: list, eager_losses: dic
     assert kiln.metrics.counters().get("graphs_executed", 0) >= 2 * STEPS  # fwd + bwd per step
 
 
-@pytest.mark.xfail(strict=True, reason="Module.to(kiln) replaces each module's Parameter by a new "
-                   "one (LazyTensor is not shallow-copy compatible with CPU tensors and not a "
-                   "traceable wrapper subclass, so neither set_data nor swap_tensors is used): "
-                   "tied weights silently come apart and train as two parameters")
 def test_module_to_kiln_keeps_tied_parameters() -> None:
+    """kiln switches Module.to() to swap parameters in place, so a tie survives the move."""
     lin = nn.Linear(4, 4, bias=False)
     emb = nn.Embedding(4, 4)
     emb.weight = lin.weight
