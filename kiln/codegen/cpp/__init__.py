@@ -1,7 +1,8 @@
 """C++ code generation backend: ``build(g) -> (run, info)``.
 
 Every ``fused`` node of the graph becomes one generated C++ function (so does each layer norm,
-forward and backward, see :mod:`kiln.codegen.cpp.layer_norm`); identical kernels are shared.
+forward and backward, see :mod:`kiln.codegen.cpp.layer_norm`, and each last-dim (log_)softmax
+backward, :mod:`kiln.codegen.cpp.softmax_backward`); identical kernels are shared.
 All kernels of a graph go into one translation unit (two, compiled in parallel, when there are
 many), built with g++ through the kernel cache (:mod:`kiln.codegen.cpp.build`).  Everything else
 runs through ATen (:mod:`kiln.codegen.cpp.executor`).  ``info["kernels"]`` lists each kernel's
@@ -19,11 +20,19 @@ from kiln.codegen.cpp.build import build_many
 from kiln.codegen.cpp.emit import KernelSpec, emit_kernel
 from kiln.codegen.cpp.executor import Executor, make_fused_call
 from kiln.codegen.cpp.layer_norm import emit_layer_norm, layer_norm_ok
+from kiln.codegen.cpp.softmax_backward import emit_softmax_backward, softmax_backward_ok
 from kiln.codegen.cpp.ops import PRELUDE
 from kiln import metrics
 from kiln.config import config
 from kiln.ir.graph import Graph
 
+# ATen ops taken as they stand (no fusion pass): op -> (accepts(node, input types), emitter)
+_DIRECT = {
+    "native_layer_norm.default": (layer_norm_ok, emit_layer_norm),
+    "native_layer_norm_backward.default": (layer_norm_ok, emit_layer_norm),
+    "_softmax_backward_data.default": (softmax_backward_ok, emit_softmax_backward),
+    "_log_softmax_backward_data.default": (softmax_backward_ok, emit_softmax_backward),
+}
 SPLIT_AT = 8  # more kernels than this: two units, compiled by two g++ in parallel
 
 
@@ -34,12 +43,13 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
         if n.op == "fused":
             in_types = [g.nodes[j].types[0] for j in n.inputs]
             src, spec = emit_kernel("KILN_KERNEL", n, in_types)
-        elif n.op.startswith("native_layer_norm"):
+        elif n.op in _DIRECT:
+            ok, emit = _DIRECT[n.op]
             in_types = [g.nodes[j].types[0] if g.nodes[j].types else None for j in n.inputs]
-            if not layer_norm_ok(n, in_types):
+            if not ok(n, in_types):
                 continue
             try:
-                src, spec = emit_layer_norm("KILN_KERNEL", n, in_types)
+                src, spec = emit("KILN_KERNEL", n, in_types)
             except ValueError:  # shapes the kernel does not cover: ATen runs it
                 continue
         else:
