@@ -26,6 +26,7 @@ from kiln.config import config
 # -O2: half the compile time of -O3 on generated units; the omp simd pragmas still vectorize.
 FLAGS = ["-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-std=c++17", "-w"]
+LIBS = ["-lmvec"]  # glibc's vector math (the prelude declares its SIMD variants); after the source
 CXX = os.environ.get("CXX", "g++")
 
 _loaded: dict[str, ctypes.CDLL] = {}
@@ -53,7 +54,7 @@ def _toolchain_id() -> str:
 
 
 def cache_key(source: str) -> str:
-    raw = "\n".join([source, " ".join(FLAGS), _toolchain_id()])
+    raw = "\n".join([source, " ".join(FLAGS + LIBS), _toolchain_id()])
     return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 
@@ -89,7 +90,7 @@ def _start_compile(source: str, key: str, d: Path) -> tuple[subprocess.Popen, Pa
     cpp = d / f".{key}.{os.getpid()}.cpp"
     cpp.write_text(source)
     tmp_so = d / f".{key}.{os.getpid()}.so.tmp"
-    proc = subprocess.Popen([CXX, *FLAGS, str(cpp), "-o", str(tmp_so)],
+    proc = subprocess.Popen([CXX, *FLAGS, str(cpp), *LIBS, "-o", str(tmp_so)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, cpp, tmp_so
 

@@ -242,10 +242,34 @@ FORMULAS: dict[str, Formula] = {
 
 # Helpers every generated translation unit starts with.  No <cmath>: parsing it is about a third of
 # a small unit's compile time, so the few math functions the formulas use are declared here (``km::``
-# overloads over GCC's builtins: the same libm calls <cmath>'s float/double overloads make).
+# overloads over GCC's builtins: the same libm calls <cmath>'s float/double overloads make).  The
+# float functions are declared ``omp declare simd``: inside vectorized loops GCC calls glibc's
+# libmvec variants (linked with -lmvec) instead of one scalar libm call per element.
 PRELUDE = r"""
 #include <cstdint>
 #include <omp.h>
+extern "C" {  // SIMD variants from glibc's libmvec, so that `omp simd` loops vectorize these calls
+#pragma omp declare simd notinbranch
+float expf(float);
+#pragma omp declare simd notinbranch
+float expm1f(float);
+#pragma omp declare simd notinbranch
+float logf(float);
+#pragma omp declare simd notinbranch
+float log1pf(float);
+#pragma omp declare simd notinbranch
+float log2f(float);
+#pragma omp declare simd notinbranch
+float sinf(float);
+#pragma omp declare simd notinbranch
+float cosf(float);
+#pragma omp declare simd notinbranch
+float tanhf(float);
+#pragma omp declare simd notinbranch
+float erff(float);
+#pragma omp declare simd notinbranch
+float powf(float, float);
+}
 #define INFINITY (__builtin_inff())
 #define NAN (__builtin_nanf(""))
 namespace km {
