@@ -30,7 +30,7 @@ from kiln.ir.graph import In, Node
 
 # Elements: below this a kernel runs on one thread.  Fork/join costs more than it saves on small
 # kernels, and on a loaded machine one descheduled team member stalls the whole kernel.
-PARALLEL_MIN = 262144
+PARALLEL_MIN = 1 << 20
 
 _ABBR_CT = {"f32": "float", "b8": "bool", "i64": "int64_t"}
 _DTYPE = {"f32": torch.float32, "b8": torch.bool, "i64": torch.int64}
