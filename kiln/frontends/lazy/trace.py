@@ -9,6 +9,7 @@ loop compiles nothing after its first step), run, and every live storage gets it
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import threading
 import time
@@ -19,7 +20,7 @@ import torch
 
 from kiln import metrics
 from kiln.config import config
-from kiln.ir.graph import Graph, GraphBuilder, Node, TensorType
+from kiln.ir.graph import Graph, GraphBuilder, Node, TensorType, _canon, _tensor_digest
 from kiln.runtime.compiler import compile_graph
 from kiln.runtime.interpreter import types_of
 
@@ -114,7 +115,32 @@ def _site() -> str:
 
 
 def _prune(tr: Trace, outs: list[int]) -> tuple[Graph, list[Any]]:
-    """The part of the trace that the outputs need, renumbered, with its input values."""
+    """The part of the trace that the outputs need, renumbered, with its input values.
+
+    A steady loop records the same trace every step, so the pruned graph is cached by the raw
+    trace's fingerprint: from the second step on, only the input values are picked out.
+    """
+    h = hashlib.sha256()
+    for n in tr.b.nodes:
+        h.update(_canon(n).encode())
+    h.update(repr(outs).encode())
+    for c in tr.b.constants:
+        h.update(_tensor_digest(c).encode())
+    key = h.hexdigest()
+    hit = _pruned.get(key)
+    if hit is None:
+        hit = _prune_uncached(tr, outs)
+        if len(_pruned) >= 256:
+            _pruned.pop(next(iter(_pruned)))
+        _pruned[key] = hit
+    g, picks = hit
+    return g, [tr.values[k] for k in picks]
+
+
+_pruned: dict[str, tuple[Graph, list[int]]] = {}
+
+
+def _prune_uncached(tr: Trace, outs: list[int]) -> tuple[Graph, list[int]]:
     nodes = tr.b.nodes
     need = [False] * len(nodes)
     stack = list(outs)
@@ -129,20 +155,20 @@ def _prune(tr: Trace, outs: list[int]) -> tuple[Graph, list[Any]]:
         need[tr.seed_node] = True
     remap: dict[int, int] = {}
     new: list[Node] = []
-    values: list[Any] = []
+    picks: list[int] = []
     for i, n in enumerate(nodes):
         if not need[i]:
             continue
         if n.op in ("input", "scalar"):
-            values.append(tr.values[n.kwarg("index")])
-            kw = tuple((k, len(values) - 1 if k == "index" else v) for k, v in n.kwargs)
+            picks.append(n.kwarg("index"))
+            kw = tuple((k, len(picks) - 1 if k == "index" else v) for k, v in n.kwargs)
             n = n.with_(kwargs=kw)
         else:
             n = n.with_(inputs=tuple(remap[j] for j in n.inputs))
         remap[i] = len(new)
         new.append(n)
     g = Graph(tuple(new), tuple(remap[o] for o in outs), tuple(tr.b.constants))
-    return g, values
+    return g, picks
 
 
 def _recompile_reason(prev: Graph, g: Graph) -> str:
