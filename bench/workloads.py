@@ -96,7 +96,9 @@ def _lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 def _hf_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     x, y = batch
-    return model(input_ids=x, labels=y).loss
+    # use_cache=False: training needs no KV cache (and transformers builds it with
+    # torch.tensor(..., device=...), which the kiln device does not support yet)
+    return model(input_ids=x, labels=y, use_cache=False).loss
 
 
 def _hf(kind: str, quick: bool, n: int, g: torch.Generator) -> Workload:
