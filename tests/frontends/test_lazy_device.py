@@ -216,3 +216,20 @@ def test_recompile_storm_warns_and_names_input():
                 assert s.item() == 2 * n
     finally:
         kiln.config.update(recompile_warn=4)
+
+
+def test_torch_tensor_with_kiln_device():
+    t = torch.tensor([1.0, 2.0], device=dev)
+    assert t.device == dev
+    torch.testing.assert_close((t * 2).cpu(), torch.tensor([2.0, 4.0]))
+    assert torch.tensor([], device=dev).shape == (0,)
+
+
+def test_cpu_index_tensors_are_allowed_like_eager():
+    x = torch.arange(6.0).reshape(2, 3)
+    lx = lazy(x)
+    torch.testing.assert_close(lx[torch.tensor([1, 0])].cpu(), x[torch.tensor([1, 0])])
+    torch.testing.assert_close(lx[torch.tensor([True, False])].cpu(), x[torch.tensor([True, False])])
+    lx[torch.tensor([0])] = 7.0
+    x[torch.tensor([0])] = 7.0
+    torch.testing.assert_close(lx.cpu(), x)

@@ -99,6 +99,12 @@ def _factory_kernel(op: Any) -> Any:
     return kernel
 
 
+def _copy_kernel(dst: Any, src: Any, non_blocking: bool = False) -> Any:
+    from kiln.frontends.lazy.tensor import dispatch
+
+    return dispatch(torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
+
+
 def _register() -> None:
     global _registered
     with _reg_lock:
@@ -128,6 +134,9 @@ def _register() -> None:
             packet, _, overload = name.partition(".")
             op = getattr(getattr(torch.ops.aten, packet), overload or "default")
             impl.impl(name, _factory_kernel(op), "PrivateUse1")
+        # torch.tensor(data, device=kiln) copies into the new tensor with the Python dispatch key
+        # excluded: copy_ then needs a kiln kernel of its own (the fallback cannot serve it).
+        impl.impl("copy_", _copy_kernel, "PrivateUse1")
         _register.lib = (lib, impl)  # type: ignore[attr-defined]  # keep registrations alive
         _registered = True
 

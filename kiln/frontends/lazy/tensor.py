@@ -45,6 +45,8 @@ _STRUCTURAL_FLOATS = {"pow", "native_dropout", "leaky_relu", "elu", "hardtanh", 
                       "_fused_rms_norm", "full", "fill", "scalar_tensor", "arange",
                       "linspace", "bernoulli", "uniform", "normal_functional", "masked_fill",
                       "nan_to_num"}
+# Ops that take CPU index tensors next to device tensors, as in eager PyTorch (x_cuda[cpu_idx]).
+_CPU_INDICES_OK = {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index"}
 # In-place ops whose functional variant is not just the name without the trailing underscore.
 _FUNCTIONAL = {
     "bernoulli_.float": "bernoulli.p",
@@ -88,6 +90,11 @@ class LazyTensor(torch.Tensor):
                 T.sync("eager")
                 metrics.incr("eager_ops")
             return out
+
+
+def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Record one op on lazy tensors (what ``__torch_dispatch__`` does), for kiln kernels."""
+    return LazyTensor.__torch_dispatch__(func, (), args, kwargs)
 
 
 def new_data(value: torch.Tensor) -> LazyTensor:
@@ -249,7 +256,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if func is aten.copy_.default or func is aten.copy.default:
         if func is aten.copy_.default and _upload(args[0], args[1]):
             return args[0]
-    else:
+    elif name not in _CPU_INDICES_OK:
         _check_devices(func, args, kwargs)
     if name not in OPS and _is_composite_implicit(func):
         # Reached from inside a decomposition (aten.to.dtype_layout from type_as): decompose it as
