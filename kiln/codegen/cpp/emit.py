@@ -212,7 +212,9 @@ class _Emitter:
 
     def k_pointwise(self) -> None:
         if not self.bcast:
-            self.w(f"  #pragma omp parallel for simd if(N >= {PARALLEL_MIN})")
+            # "parallel:" matters: a bare if() on a combined construct also switches simd off,
+            # which left every kernel below PARALLEL_MIN scalar (one libm call per element).
+            self.w(f"  #pragma omp parallel for simd if(parallel: N >= {PARALLEL_MIN})")
             self.w("  for (int64_t i = 0; i < N; ++i) {")
             vals: dict = {}
             self.pointwise(vals, "    ")
