@@ -7,10 +7,8 @@ afterwards; skips with the reason when no server can start.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import subprocess
-import threading
 import time
 import urllib.parse
 import uuid
@@ -25,7 +23,7 @@ from cluster_testlib import (
     register,
     wait_for,
 )
-from test_service import FAMILIES, _setup, _worker  # noqa: F401 - the same property workload
+from test_service import FAMILIES, _setup, race  # noqa: F401 - the same property workload
 
 from kiln.cluster.agent import Agent
 from kiln.cluster.service import ClusterService
@@ -122,29 +120,7 @@ def test_postgres_concurrent_run_task_never_overlaps(pg_url):
     _setup(svc)
     svc.store.close()
     started = time.monotonic()
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(pg_url, 200 + i, 20)) for i in range(2)]
-    for p in procs:
-        p.start()
-    errors: list[BaseException] = []
-
-    def run(seed: int) -> None:
-        try:
-            _worker(pg_url, seed, 20)
-        except BaseException as e:  # noqa: BLE001 - surfaced by the assert below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    for p in procs:
-        p.join(timeout=120)
-        if p.is_alive():
-            p.kill()
-    assert not errors, errors
-    assert [p.exitcode for p in procs] == [0, 0]
+    race(pg_url, seed_base=200, n_procs=2, n_threads=4, calls=20)
     check_invariants(svc.store)
     total = svc.store.query("SELECT COUNT(*) AS n FROM tasks")[0]["n"]
     print(f"postgres: 6 callers, {total} tasks, {time.monotonic() - started:.1f}s")

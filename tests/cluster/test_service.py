@@ -130,26 +130,24 @@ def _worker(db: str, seed: int, ops: int) -> None:
         check_invariants(svc.store)
 
 
-def test_concurrent_run_task_never_overlaps(tmp_path):
-    """Threads and processes race RunTask/StopTask; devices never overlap or overcommit."""
-    db = str(tmp_path / "c.db")
-    svc = ClusterService(Store(db), seed=0)
-    svc.create_cluster({})
-    _setup(svc)
-    started = time.monotonic()
+def race(url: str, seed_base: int, n_procs: int, n_threads: int, calls: int) -> None:
+    """``n_procs`` forked processes and ``n_threads`` threads run ``_worker`` against one store
+    at once; every caller must finish cleanly (each checks the invariants after every call)."""
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(db, 100 + i, 40)) for i in range(4)]
+    procs = [
+        ctx.Process(target=_worker, args=(url, seed_base + i, calls)) for i in range(n_procs)
+    ]
     for p in procs:
         p.start()
     errors: list[BaseException] = []
 
     def run(seed: int) -> None:
         try:
-            _worker(db, seed, 40)
+            _worker(url, seed, calls)
         except BaseException as e:  # noqa: BLE001 - surfaced by the assert below
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n_threads)]
     for t in threads:
         t.start()
     for t in threads:
@@ -159,7 +157,17 @@ def test_concurrent_run_task_never_overlaps(tmp_path):
         if p.is_alive():
             p.kill()
     assert not errors, errors
-    assert [p.exitcode for p in procs] == [0] * len(procs)
+    assert [p.exitcode for p in procs] == [0] * n_procs
+
+
+def test_concurrent_run_task_never_overlaps(tmp_path):
+    """Threads and processes race RunTask/StopTask; devices never overlap or overcommit."""
+    db = str(tmp_path / "c.db")
+    svc = ClusterService(Store(db), seed=0)
+    svc.create_cluster({})
+    _setup(svc)
+    started = time.monotonic()
+    race(db, seed_base=100, n_procs=4, n_threads=6, calls=40)
     stats = check_invariants(svc.store)
     total = svc.store.query("SELECT COUNT(*) AS n FROM tasks")[0]["n"]
     elapsed = time.monotonic() - started
