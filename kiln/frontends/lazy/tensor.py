@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from kiln import metrics
 from kiln.config import config
 from kiln.frontends.lazy import trace as T
-from kiln.frontends.lazy.shapes import infer
+from kiln.frontends.lazy.shapes import _map, infer
 from kiln.frontends.lazy.views import Link, inverse, split_links
 from kiln.ir.graph import Node
 from kiln.ir.ops import OPS, Category
@@ -305,7 +305,7 @@ def _upload(dst: Any, src: Any) -> bool:
 
 def _view(func: Any, args: tuple, kwargs: dict) -> Any:
     x = args[0]
-    out_meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+    out_meta = func(*_map(_to_meta, args), **{k: _map(_to_meta, v) for k, v in kwargs.items()})
     if isinstance(out_meta, (list, tuple)):
         links = split_links(func, args, kwargs, list(out_meta))
         return [LazyTensor(m, x._st, x._chain + (ln,)) for m, ln in zip(out_meta, links)]
@@ -367,8 +367,7 @@ def _record(func: Any, args: tuple, kwargs: dict) -> Any:
         out_meta = infer(func, args, kwargs, _to_meta)
     except Exception:  # noqa: BLE001 - data-dependent shape or no meta kernel: run it for real
         return _eager(func, args, kwargs, f"op:{func._schema.name.split('::')[1]}")
-    flat_out, _ = tree_flatten(out_meta)
-    if not any(isinstance(o, torch.Tensor) for o in flat_out):
+    if not _has_tensor_out(out_meta):
         if func._schema.returns and all(
             str(r.type) in ("int", "bool", "float", "Scalar", "SymInt") for r in func._schema.returns
         ) and not any(isinstance(a, LazyTensor) for a in tree_flatten(args)[0]):
@@ -385,7 +384,8 @@ def _record(func: Any, args: tuple, kwargs: dict) -> Any:
             return Ref(tr.scalar(a))
         return None
 
-    node = lower_call(func, args, tree_map(_cpu_device, kwargs), ref_of, T.out_types(out_meta))
+    kw = {k: _cpu_device(v) for k, v in kwargs.items()}
+    node = lower_call(func, args, kw, ref_of, T.out_types(out_meta))
     if node.category is Category.RANDOM:
         tr.seed()
     nid = tr.add(node)
@@ -398,6 +398,14 @@ def _record(func: Any, args: tuple, kwargs: dict) -> Any:
         else:
             outs.append(m)
     return type(out_meta)(outs) if isinstance(out_meta, tuple) else outs
+
+
+def _has_tensor_out(out: Any) -> bool:
+    if isinstance(out, torch.Tensor):
+        return True
+    if isinstance(out, (list, tuple)):
+        return any(isinstance(o, torch.Tensor) for o in out)
+    return False
 
 
 def _eager(func: Any, args: tuple, kwargs: dict, reason: str) -> Any:
