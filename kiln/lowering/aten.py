@@ -26,8 +26,18 @@ class Ref:
     id: int
 
 
+_NAMES: dict[Any, tuple[str, bool]] = {}
+
+
 def op_name(func: Any) -> tuple[str, bool]:
     """Kiln op name for an ATen overload, and whether it is a real (non-opaque) Kiln op."""
+    hit = _NAMES.get(func)
+    if hit is None:
+        hit = _NAMES[func] = _op_name(func)
+    return hit
+
+
+def _op_name(func: Any) -> tuple[str, bool]:
     schema = func._schema
     ns, _, name = schema.name.partition("::")
     overload = func._overloadname
