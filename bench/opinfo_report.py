@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "conforma
 
 import kiln  # noqa: E402
 from opinfo_expected import expected_failure  # noqa: E402
-from test_opinfo import CHECKS, MODES, OPS, check_op, selected  # noqa: E402
+from test_opinfo import CHECKS, MODES, check_op, selected  # noqa: E402
 
 
 def main() -> None:
@@ -30,10 +30,14 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--checks", default=",".join(CHECKS))
     ap.add_argument("--ops", default="", help="comma-separated op ids (default: all)")
-    ap.add_argument("--default-subset", action="store_true",
-                    help="only the ops the default pytest run selects")
-    ap.add_argument("--json", default="",
-                    help="write every outcome to this file (and, as they come, to <file>l)")
+    ap.add_argument(
+        "--default-subset", action="store_true", help="only the ops the default pytest run selects"
+    )
+    ap.add_argument(
+        "--json",
+        default="",
+        help="write every outcome to this file (and, as they come, to <file>l)",
+    )
     ap.add_argument("--start", default="", help="begin at this op id (resume after a crash)")
     ap.add_argument("-v", "--verbose", action="store_true", help="name each op before it runs")
     a = ap.parse_args()
@@ -43,7 +47,7 @@ def main() -> None:
     for mode in a.modes.split(","):
         names = a.ops.split(",") if a.ops else selected(mode, full=not a.default_subset)
         if a.start:
-            names = names[names.index(a.start):]
+            names = names[names.index(a.start) :]
         t0 = time.perf_counter()
         for name in names:
             for check in a.checks.split(","):
@@ -57,9 +61,19 @@ def main() -> None:
                     status = "xfail"
                 elif status == "pass" and reason is not None:
                     status = "xpass"
-                rows.append(dict(op=name, mode=mode, check=check, status=status,
-                                 detail=out.detail, expected=reason, fallbacks=out.fallbacks,
-                                 kiln_graphs=out.kiln_graphs, seconds=time.perf_counter() - t))
+                rows.append(
+                    dict(
+                        op=name,
+                        mode=mode,
+                        check=check,
+                        status=status,
+                        detail=out.detail,
+                        expected=reason,
+                        fallbacks=out.fallbacks,
+                        kiln_graphs=out.kiln_graphs,
+                        seconds=time.perf_counter() - t,
+                    )
+                )
                 if a.json:  # one line per outcome as it comes: survives a crash
                     with open(a.json + "l", "a") as f:
                         f.write(json.dumps(rows[-1]) + "\n")
@@ -77,8 +91,10 @@ def report(rows: list[dict]) -> None:
     print("mode     check  pass  xfail  xpass  FAIL  skip  considered")
     for (mode, check), c in sorted(by.items()):
         considered = c["pass"] + c["xfail"] + c["xpass"] + c["fail"]
-        print(f"{mode:<8} {check:<5} {c['pass']:>5} {c['xfail']:>6} {c['xpass']:>6} "
-              f"{c['fail']:>5} {c['skip']:>5} {considered:>11}")
+        print(
+            f"{mode:<8} {check:<5} {c['pass']:>5} {c['xfail']:>6} {c['xpass']:>6} "
+            f"{c['fail']:>5} {c['skip']:>5} {considered:>11}"
+        )
     fails = [r for r in rows if r["status"] == "fail"]
     if fails:
         print(f"\nUNEXPECTED FAILURES ({len(fails)}):")
@@ -99,11 +115,18 @@ def report(rows: list[dict]) -> None:
         for aten_op, ops in sorted(fb.items(), key=lambda kv: -len(kv[1])):
             shown = ", ".join(sorted(ops)[:6]) + (" ..." if len(ops) > 6 else "")
             print(f"  {aten_op:<40} {len(ops):>4} ops: {shown}")
-    nog = sorted({r["op"] for r in rows if r["mode"] == "compile" and r["status"] in
-                  ("pass", "xpass") and r["kiln_graphs"] == 0})
+    nog = sorted(
+        {
+            r["op"]
+            for r in rows
+            if r["mode"] == "compile" and r["status"] in ("pass", "xpass") and r["kiln_graphs"] == 0
+        }
+    )
     if nog:
-        print(f"\n[compile] ops that passed without reaching a Kiln graph ({len(nog)}): "
-              + ", ".join(nog))
+        print(
+            f"\n[compile] ops that passed without reaching a Kiln graph ({len(nog)}): "
+            + ", ".join(nog)
+        )
 
 
 if __name__ == "__main__":

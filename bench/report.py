@@ -1,8 +1,8 @@
 """Formatting of benchmark results: one markdown table plus a footer, and the JSON file.
 
-    from bench.report import table, write_json
-    print(table(result))            # result: the dict bench/run.py builds (rows, machine, ...)
-    write_json("bench/results.json", result)
+from bench.report import table, write_json
+print(table(result))            # result: the dict bench/run.py builds (rows, machine, ...)
+write_json("bench/results.json", result)
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def table(result: dict) -> str:
     s = result["settings"]
     lines += [
         "",
-        "Workloads: " + "; ".join(
+        "Workloads: "
+        + "; ".join(
             f"{name}: {w['desc']}, {w['gflop_per_step']:.3f} GFLOP/step"
             for name, w in result["workloads"].items()
         ),

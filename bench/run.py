@@ -220,22 +220,33 @@ def bench_workload(name: str, a: argparse.Namespace, peak: float) -> tuple[dict,
         for m in a.modes[k:] + a.modes[:k]:  # rotate who goes first, so noise hits all modes
             runners[m].run(batch)
     eager = runners.get("eager")
-    eager_ms = statistics.median(eager.times[a.warmup:]) * 1e3 if eager and not eager.error else None
+    eager_ms = (
+        statistics.median(eager.times[a.warmup :]) * 1e3 if eager and not eager.error else None
+    )
     rows = []
     for m, r in runners.items():
-        ms = statistics.median(r.times[a.warmup:]) * 1e3 if not r.error else None
+        ms = statistics.median(r.times[a.warmup :]) * 1e3 if not r.error else None
         drift = None
         if ms is not None and eager_ms is not None:
             drift = max(abs(x - e) / abs(e) for x, e in zip(r.losses, eager.losses))
-        rows.append({
-            "workload": name, "mode": m, "ms_per_step": ms,
-            "speedup": eager_ms / ms if ms and eager_ms else None,
-            "compile_cold_s": r.compile_s(a.warmup), "compile_warm_s": None, "peak_rss_mb": None,
-            "loss_drift": drift,
-            "mfu_pct": 100 * flops / (ms / 1e3) / peak if ms else None,
-            "kiln_graphs": r.graphs if m in ("kiln", "lazy") else None,
-            "dyn_graphs": None, "note": r.error, "losses": r.losses, "times_s": r.times,
-        })
+        rows.append(
+            {
+                "workload": name,
+                "mode": m,
+                "ms_per_step": ms,
+                "speedup": eager_ms / ms if ms and eager_ms else None,
+                "compile_cold_s": r.compile_s(a.warmup),
+                "compile_warm_s": None,
+                "peak_rss_mb": None,
+                "loss_drift": drift,
+                "mfu_pct": 100 * flops / (ms / 1e3) / peak if ms else None,
+                "kiln_graphs": r.graphs if m in ("kiln", "lazy") else None,
+                "dyn_graphs": None,
+                "note": r.error,
+                "losses": r.losses,
+                "times_s": r.times,
+            }
+        )
         if name == "gpt" and m in ("kiln", "lazy") and not r.error:
             rows[-1]["dyn_graphs"] = dynamic_graphs(wl, m, a.timeout)
     return {"desc": wl.desc, "gflop_per_step": flops / 1e9}, rows
@@ -246,7 +257,8 @@ def warm_only(a: argparse.Namespace) -> None:
     and reports its compile time and ru_maxrss.  Prints one JSON object on the last line."""
     out: dict[str, Any] = {"baseline_rss_mb": _rss_mb(), "runs": []}
     pairs = [tuple(p.split(":")) for p in a.pairs.split(",") if p] or [
-        (w, m) for w in a.workloads for m in a.modes]
+        (w, m) for w in a.workloads for m in a.modes
+    ]
     for name, m in pairs:
         rfd, wfd = os.pipe()
         pid = os.fork()
@@ -268,8 +280,11 @@ def warm_only(a: argparse.Namespace) -> None:
         with os.fdopen(rfd) as f:
             text = f.read()
         os.waitpid(pid, 0)
-        out["runs"].append(json.loads(text) if text else
-                           {"workload": name, "mode": m, "error": "error: child died"})
+        out["runs"].append(
+            json.loads(text)
+            if text
+            else {"workload": name, "mode": m, "error": "error: child died"}
+        )
     print(json.dumps(out))
 
 
@@ -277,9 +292,19 @@ def run_warm(a: argparse.Namespace, pairs: list[tuple[str, str]]) -> dict:
     """bench/run.py --warm-only in a fresh process, for the (workload, mode) pairs that ran."""
     if not pairs:
         return {"runs": []}
-    cmd = [sys.executable, os.path.abspath(__file__), "--warm-only", "--cache-dir", a.cache_dir,
-           "--pairs", ",".join(f"{w}:{m}" for w, m in pairs),
-           "--timeout", str(a.timeout), "--threads", str(a.threads)] + (["--quick"] if a.quick else [])
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--warm-only",
+        "--cache-dir",
+        a.cache_dir,
+        "--pairs",
+        ",".join(f"{w}:{m}" for w, m in pairs),
+        "--timeout",
+        str(a.timeout),
+        "--threads",
+        str(a.threads),
+    ] + (["--quick"] if a.quick else [])
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout * len(pairs))
         return json.loads(p.stdout.strip().splitlines()[-1])
@@ -299,12 +324,24 @@ def main(argv: list[str] | None = None) -> dict:
     peak = gemm_peak()
     print(f"fp32 GEMM peak: {peak / 1e9:.1f} GFLOP/s; caches in {a.cache_dir}", flush=True)
     result: dict[str, Any] = {
-        "machine": {"nproc": os.cpu_count(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "python": platform.python_version(),
-                    "platform": platform.platform()},
-        "settings": {"steps": a.steps, "warmup": a.warmup, "warm_steps": a.warm_steps,
-                     "quick": a.quick, "timeout_s": a.timeout, "gemm_reps": GEMM_REPS},
-        "gemm_peak_gflops": peak / 1e9, "workloads": {}, "rows": [],
+        "machine": {
+            "nproc": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "settings": {
+            "steps": a.steps,
+            "warmup": a.warmup,
+            "warm_steps": a.warm_steps,
+            "quick": a.quick,
+            "timeout_s": a.timeout,
+            "gemm_reps": GEMM_REPS,
+        },
+        "gemm_peak_gflops": peak / 1e9,
+        "workloads": {},
+        "rows": [],
     }
     for name in a.workloads:
         t0 = time.perf_counter()
@@ -318,7 +355,9 @@ def main(argv: list[str] | None = None) -> dict:
     warm = run_warm(a, ok)
     result["baseline_rss_mb"] = warm.get("baseline_rss_mb")
     for w in warm["runs"]:
-        row = next(r for r in result["rows"] if (r["workload"], r["mode"]) == (w["workload"], w["mode"]))
+        row = next(
+            r for r in result["rows"] if (r["workload"], r["mode"]) == (w["workload"], w["mode"])
+        )
         row.update(compile_warm_s=w.get("compile_warm_s"), peak_rss_mb=w.get("peak_rss_mb"))
         if w.get("error"):
             row["note"] = f"warm run {w['error']}"  # the main run of this pair had no error

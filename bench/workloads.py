@@ -46,11 +46,16 @@ def _xent(model: nn.Module, batch: Batch) -> torch.Tensor:
 def _mlp(quick: bool, n: int, g: torch.Generator) -> Workload:
     d_in, hidden, batch = (32, 64, 8) if quick else (512, 1024, 128)
     model = nn.Sequential(
-        nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
+        nn.Linear(d_in, hidden),
+        nn.GELU(),
+        nn.Linear(hidden, hidden),
+        nn.GELU(),
         nn.Linear(hidden, 10),
     )
-    data = [(torch.randn(batch, d_in, generator=g), torch.randint(0, 10, (batch,), generator=g))
-            for _ in range(n)]
+    data = [
+        (torch.randn(batch, d_in, generator=g), torch.randint(0, 10, (batch,), generator=g))
+        for _ in range(n)
+    ]
     return Workload("mlp", model, data, _xent, f"MLP {d_in}-{hidden}-{hidden}-10, batch {batch}")
 
 
@@ -69,10 +74,20 @@ class _CNN(nn.Module):
 
 def _cnn(quick: bool, n: int, g: torch.Generator) -> Workload:
     c, size, batch = (4, 8, 2) if quick else (16, 32, 32)
-    data = [(torch.randn(batch, 3, size, size, generator=g),
-             torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
-    return Workload("cnn", _CNN(c, size), data, _xent,
-                    f"CNN 2 conv ({c},{2 * c} ch) {size}x{size}, batch {batch}")
+    data = [
+        (
+            torch.randn(batch, 3, size, size, generator=g),
+            torch.randint(0, 10, (batch,), generator=g),
+        )
+        for _ in range(n)
+    ]
+    return Workload(
+        "cnn",
+        _CNN(c, size),
+        data,
+        _xent,
+        f"CNN 2 conv ({c},{2 * c} ch) {size}x{size}, batch {batch}",
+    )
 
 
 def _gpt(quick: bool, n: int, g: torch.Generator) -> Workload:
@@ -85,8 +100,15 @@ def _gpt(quick: bool, n: int, g: torch.Generator) -> Workload:
     def seq_batch(t: int) -> Batch:
         return next(iter(batches(batch, t, 1, seed=seed + t)))
 
-    return Workload("gpt", model, list(batches(batch, block, n, seed=seed)), _lm_loss,
-                    f"tinygpt {layers}L d{embd}, batch {batch}x{block}", seq_batch, block)
+    return Workload(
+        "gpt",
+        model,
+        list(batches(batch, block, n, seed=seed)),
+        _lm_loss,
+        f"tinygpt {layers}L d{embd}, batch {batch}x{block}",
+        seq_batch,
+        block,
+    )
 
 
 def _lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -106,12 +128,27 @@ def _hf(kind: str, quick: bool, n: int, g: torch.Generator) -> Workload:
 
     layers, hidden, seq, batch = (1, 32, 8, 2) if quick else (2, 128, 64, 4)
     vocab = 100 if quick else 1000
-    common = dict(vocab_size=vocab, num_hidden_layers=layers, hidden_size=hidden,
-                  num_attention_heads=4, intermediate_size=4 * hidden, max_position_embeddings=128)
+    common = dict(
+        vocab_size=vocab,
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=128,
+    )
     if kind == "gpt2":
-        cfg = tf.GPT2Config(vocab_size=vocab, n_positions=128, n_embd=hidden, n_layer=layers,
-                            n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                            bos_token_id=0, eos_token_id=0)
+        cfg = tf.GPT2Config(
+            vocab_size=vocab,
+            n_positions=128,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         cls = tf.GPT2LMHeadModel
     elif kind == "bert":
         cfg = tf.BertConfig(**common, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -132,8 +169,13 @@ def _hf(kind: str, quick: bool, n: int, g: torch.Generator) -> Workload:
             ids = ids.masked_fill(masked, 0)
         data.append((ids, labels))
     head = "masked LM" if kind == "bert" else "causal LM"
-    return Workload(kind, model, data, _hf_loss,
-                    f"HF {cls.__name__} {layers}L d{hidden} ({head}), batch {batch}x{seq}")
+    return Workload(
+        kind,
+        model,
+        data,
+        _hf_loss,
+        f"HF {cls.__name__} {layers}L d{hidden} ({head}), batch {batch}x{seq}",
+    )
 
 
 WORKLOADS: dict[str, Callable[[bool, int, torch.Generator], Workload]] = {

@@ -1,6 +1,6 @@
 """A small GPT (nanoGPT-style) and a built-in character corpus, used by the main job and benchmarks.
 
-    from examples.tinygpt import GPT, GPTConfig, batches
+from examples.tinygpt import GPT, GPTConfig, batches
 """
 
 from __future__ import annotations

@@ -26,8 +26,17 @@ def _default_cache_dir() -> str:
     return str(Path(base) / "kiln")
 
 
-_BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
-         "off": False, "": False}
+_BOOL = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+    "": False,
+}
 
 
 @dataclass

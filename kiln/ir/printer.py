@@ -1,9 +1,9 @@
 """Readable text form of a graph, one node a line::
 
-    graph(%0: f32[4,8], %1: f32[8]) {
-      %2 = add.Tensor(%0, %1) : f32[4,8]
-      return (%2)
-    }
+graph(%0: f32[4,8], %1: f32[8]) {
+  %2 = add.Tensor(%0, %1) : f32[4,8]
+  return (%2)
+}
 """
 
 from __future__ import annotations

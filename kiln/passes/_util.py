@@ -29,8 +29,16 @@ RuleFn = Callable[["Rewriter", Node], RuleResult]
 # Ops whose result depends on the *strides* or storage of their input, not only its values: a copy
 # feeding one of them (directly or through other views) must stay.
 STRIDE_SENSITIVE: frozenset[str] = frozenset(
-    {"view", "_unsafe_view", "as_strided", "_reshape_alias", "as_strided_scatter", "view_as_real",
-     "view_as_complex", "unfold"}
+    {
+        "view",
+        "_unsafe_view",
+        "as_strided",
+        "_reshape_alias",
+        "as_strided_scatter",
+        "view_as_real",
+        "view_as_complex",
+        "unfold",
+    }
 )
 
 META_VALUES = ("input", "scalar", "constant")

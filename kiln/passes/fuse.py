@@ -202,8 +202,9 @@ def fuse(g: Graph) -> Graph:
         return g
 
 
-def _can_join(gid: int, n: Node, group_of: dict[int, int], deps: list[frozenset[int]],
-              groups: list[_Group]) -> bool:
+def _can_join(
+    gid: int, n: Node, group_of: dict[int, int], deps: list[frozenset[int]], groups: list[_Group]
+) -> bool:
     """``n`` may join group ``gid`` unless one of its inputs outside the group depends on the group
     (directly, or through groups that have grown since that input was seen): that is a cycle."""
     for j in n.inputs:
@@ -244,10 +245,14 @@ def _place(g, i, n, groups, group_of, deps, lits) -> int | None:
         gid = group_of.get(src)
         if gid is not None and g.nodes[src].op not in _ROW_OPS:
             gr = groups[gid]
-            if (gr.kind in ("pointwise", kind) and gr.shape == shape and not
-                    (gr.kind == "rows" and n.op not in _ROW_REDUCE)
-                    and len(gr.members) < MAX_GROUP and _can_join(gid, n, group_of, deps, groups)
-                    and not (kind == "rows" and _has_special(g, gr))):
+            if (
+                gr.kind in ("pointwise", kind)
+                and gr.shape == shape
+                and not (gr.kind == "rows" and n.op not in _ROW_REDUCE)
+                and len(gr.members) < MAX_GROUP
+                and _can_join(gid, n, group_of, deps, groups)
+                and not (kind == "rows" and _has_special(g, gr))
+            ):
                 gr.kind, gr.closed = kind, True
                 return gid
         groups.append(_Group(kind, shape, [], closed=True))
@@ -258,8 +263,12 @@ def _place(g, i, n, groups, group_of, deps, lits) -> int | None:
     cands = [group_of[j] for j in n.inputs if j in group_of]
     for gid in cands:
         gr = groups[gid]
-        if (gr.kind == "pointwise" and gr.shape == shape and len(gr.members) < MAX_GROUP
-                and _can_join(gid, n, group_of, deps, groups)):
+        if (
+            gr.kind == "pointwise"
+            and gr.shape == shape
+            and len(gr.members) < MAX_GROUP
+            and _can_join(gid, n, group_of, deps, groups)
+        ):
             return gid
     seen = 0
     for gid in range(len(groups) - 1, -1, -1):
@@ -301,9 +310,13 @@ def _rebuild(g: Graph, groups: list[_Group], lits: dict[int, Lit]) -> Graph:
     group_outs: list[list[int]] = []
     for gi, gr in enumerate(groups):
         ms = set(gr.members)
-        group_outs.append([m for m in gr.members
-                           if m in outs or any(u not in ms for u in users[m])
-                           or g.nodes[m].op in _ROW_OPS])
+        group_outs.append(
+            [
+                m
+                for m in gr.members
+                if m in outs or any(u not in ms for u in users[m]) or g.nodes[m].op in _ROW_OPS
+            ]
+        )
     # Which original nodes are still needed: members are replaced; inlined literals only if some
     # non-member still reads them.
     needed_lit = {j for j in lits if j in outs or any(member_of.get(u) is None for u in users[j])}
@@ -334,6 +347,7 @@ def _rebuild(g: Graph, groups: list[_Group], lits: dict[int, Lit]) -> Graph:
 
 def _unit_order(g: Graph, groups: list[_Group], member_of: dict[int, int]) -> list:
     """Units (node ids, or ("g", group index)) in a topological order of the quotient graph."""
+
     def unit(i: int):
         gi = member_of.get(i)
         return i if gi is None else ("g", gi)
@@ -406,8 +420,14 @@ def _fused_node(g: Graph, gr: _Group, outs: list[int], lits: dict[int, Lit]):
     body = []
     for m in gr.members:
         n = g.nodes[m]
-        body.append((n.op, sub(n.args, n), tuple((k, sub(v, n)) for k, v in n.kwargs),
-                     dtype_abbr(n.types[0].dtype)))
+        body.append(
+            (
+                n.op,
+                sub(n.args, n),
+                tuple((k, sub(v, n)) for k, v in n.kwargs),
+                dtype_abbr(n.types[0].dtype),
+            )
+        )
     kwargs = (
         ("kind", gr.kind),
         ("shape", tuple(gr.shape)),

@@ -32,8 +32,15 @@ from kiln.passes.rewrite import Rule, apply_rules
 from kiln.passes.simplify import src
 
 MATMULS = (
-    "mm.default", "bmm.default", "addmm.default", "baddbmm.default", "matmul.default",
-    "mv.default", "dot.default", "addmv.default", "linear.default",
+    "mm.default",
+    "bmm.default",
+    "addmm.default",
+    "baddbmm.default",
+    "matmul.default",
+    "mv.default",
+    "dot.default",
+    "addmv.default",
+    "linear.default",
 )
 _CONTIGUOUS_FORMATS = (None, torch.contiguous_format, torch.preserve_format)
 
@@ -41,7 +48,11 @@ _CONTIGUOUS_FORMATS = (None, torch.contiguous_format, torch.preserve_format)
 def copy_source(rw: Rewriter, v: int) -> int | None:
     """If value ``v`` is a same-dtype (contiguous) copy of another value, that value."""
     n = rw.node(v)
-    if n.op == "clone.default" and n.kwarg("memory_format") in _CONTIGUOUS_FORMATS or n.op in ("contiguous.default", "contiguous.memory_format"):
+    if (
+        n.op == "clone.default"
+        and n.kwarg("memory_format") in _CONTIGUOUS_FORMATS
+        or n.op in ("contiguous.default", "contiguous.memory_format")
+    ):
         x = src(n)
     elif n.op == "_to_copy.default":
         x = src(n)
@@ -97,4 +108,3 @@ RULES: tuple[Rule, ...] = (
 def layout(g: Graph) -> Graph:
     """Apply the layout :data:`RULES` (bounded, see :mod:`kiln.passes.rewrite`)."""
     return apply_rules(g, RULES)
-

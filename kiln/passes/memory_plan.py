@@ -24,8 +24,13 @@ from __future__ import annotations
 from kiln.ir.graph import Graph, GraphBuilder
 from kiln.ir.ops import Category
 
-_FRESH = {Category.ELEMENTWISE, Category.REDUCTION, Category.MATMUL, Category.FACTORY,
-          Category.RANDOM}
+_FRESH = {
+    Category.ELEMENTWISE,
+    Category.REDUCTION,
+    Category.MATMUL,
+    Category.FACTORY,
+    Category.RANDOM,
+}
 
 
 def _fresh(op: str, cat: Category) -> bool:
@@ -44,8 +49,11 @@ def memory_plan(g: Graph) -> Graph:
         return g
     roots: list[frozenset[int]] = []
     for i, n in enumerate(g.nodes):
-        if (n.op in ("input", "scalar", "constant") or _fresh(n.op, n.category)
-                or (n.op == "getitem" and g.nodes[n.inputs[0]].op == "fused")):
+        if (
+            n.op in ("input", "scalar", "constant")
+            or _fresh(n.op, n.category)
+            or (n.op == "getitem" and g.nodes[n.inputs[0]].op == "fused")
+        ):
             roots.append(frozenset((i,)))
         else:
             r: set[int] = set()
@@ -77,8 +85,11 @@ def memory_plan(g: Graph) -> Graph:
         if n.op == "fused":
             place = []
             taken: set[int] = set()
-            inplace = _inplace_candidates(g, i, end, roots, slot_of) if n.kwarg(
-                "kind") == "pointwise" else {}
+            inplace = (
+                _inplace_candidates(g, i, end, roots, slot_of)
+                if n.kwarg("kind") == "pointwise"
+                else {}
+            )
             owner = {s: r for rs in inplace.values() for r, s in rs}
             for p, vid in enumerate(out_ids[i]):
                 t = n.types[p]
@@ -109,8 +120,10 @@ def memory_plan(g: Graph) -> Graph:
     b.constants = list(g.constants)
     for i, n in enumerate(g.nodes):
         if i in placements:
-            n = n.with_(kwargs=tuple(kv for kv in n.kwargs if kv[0] != "placement")
-                        + (("placement", placements[i]),))
+            n = n.with_(
+                kwargs=tuple(kv for kv in n.kwargs if kv[0] != "placement")
+                + (("placement", placements[i]),)
+            )
         b.nodes.append(n)
     return b.build(g.outputs)
 

@@ -42,7 +42,15 @@ def _passes() -> list[tuple[str, Pass]]:
 
 CODEGEN_PASSES = frozenset({"fuse", "memory_plan"})
 
-PIPELINE_NAMES: list[str] = ["simplify", "layout", "constant_fold", "cse", "dce", "fuse", "memory_plan"]
+PIPELINE_NAMES: list[str] = [
+    "simplify",
+    "layout",
+    "constant_fold",
+    "cse",
+    "dce",
+    "fuse",
+    "memory_plan",
+]
 
 
 def run_pipeline(g: Graph, trace: list | None = None) -> Graph:

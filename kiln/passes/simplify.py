@@ -192,11 +192,17 @@ RULES: tuple[Rule, ...] = (
     # x * 1 -> x,  1 * x -> x
     Rule("mul_one", ("mul.Tensor", "mul.Scalar"), drop_neutral(1, commutes=True)),
     # x + 0 -> x,  0 + x -> x   (x + alpha*0 -> x for any alpha)
-    Rule("add_zero", ("add.Tensor", "add.Scalar"),
-         drop_neutral(0, commutes=True, alpha_scales_other=True)),
+    Rule(
+        "add_zero",
+        ("add.Tensor", "add.Scalar"),
+        drop_neutral(0, commutes=True, alpha_scales_other=True),
+    ),
     # x - 0 -> x   (x - alpha*0 -> x for any alpha)
-    Rule("sub_zero", ("sub.Tensor", "sub.Scalar"),
-         drop_neutral(0, commutes=False, alpha_scales_other=True)),
+    Rule(
+        "sub_zero",
+        ("sub.Tensor", "sub.Scalar"),
+        drop_neutral(0, commutes=False, alpha_scales_other=True),
+    ),
     # x / 1 -> x   (true division only: div with a rounding mode is a different op)
     Rule("div_one", ("div.Tensor", "div.Scalar"), drop_neutral(1, commutes=False)),
     # x ** 1 -> x

@@ -9,6 +9,7 @@ and rebuilt.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -31,12 +32,25 @@ class CorruptCacheEntry(RuntimeError):
     pass
 
 
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """Hash of the compiler's own source (passes, lowering, IR, code generator): a changed pass
+    must not be served graphs that an older version of it optimized."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for sub in ("ir", "lowering", "passes", "codegen"):
+        for f in sorted((root / sub).rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def cache_key(graph_hash: str, backend: str, options: str = "") -> str:
-    """Key of a compiled graph: its structural hash, Kiln's and torch's versions, the backend and
-    the options that change what the pipeline produces (passes switched off)."""
+    """Key of a compiled graph: its structural hash, Kiln's and torch's versions, the compiler's
+    code, the backend and the options that change what the pipeline produces."""
     raw = (
-        f"{graph_hash}|kiln={kiln.__version__}|torch={torch.__version__}|backend={backend}"
-        f"|options={options}"
+        f"{graph_hash}|kiln={kiln.__version__}|code={code_fingerprint()}"
+        f"|torch={torch.__version__}|backend={backend}|options={options}"
     )
     return hashlib.sha256(raw.encode()).hexdigest()[:40]
 

@@ -40,9 +40,25 @@ def _eager_losses(n: int) -> list[float]:
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--workloads", "mlp",
-           "--modes", ",".join(MODES), "--steps", "2", "--warmup", "1", "--timeout", "60",
-           "--json", str(out / "r.json"), "--cache-dir", str(out / "cache")]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "run.py"),
+        "--quick",
+        "--workloads",
+        "mlp",
+        "--modes",
+        ",".join(MODES),
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--timeout",
+        "60",
+        "--json",
+        str(out / "r.json"),
+        "--cache-dir",
+        str(out / "cache"),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "KILN_CACHE_DIR"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -86,9 +102,12 @@ def test_workloads_are_deterministic() -> None:
 
 def test_table_shows_errors_in_the_row() -> None:
     row = {"workload": "mlp", "mode": "lazy", "note": "error: TimeoutError: step | took over 1s"}
-    res = {"rows": [row], "workloads": {"mlp": {"desc": "MLP", "gflop_per_step": 0.5}},
-           "machine": {"nproc": 2, "threads": 2, "torch": "x", "python": "3", "platform": "p"},
-           "settings": {"steps": 3, "warmup": 1, "warm_steps": 2, "gemm_reps": 5},
-           "gemm_peak_gflops": 50.0}
+    res = {
+        "rows": [row],
+        "workloads": {"mlp": {"desc": "MLP", "gflop_per_step": 0.5}},
+        "machine": {"nproc": 2, "threads": 2, "torch": "x", "python": "3", "platform": "p"},
+        "settings": {"steps": 3, "warmup": 1, "warm_steps": 2, "gemm_reps": 5},
+        "gemm_peak_gflops": 50.0,
+    }
     line = table(res).splitlines()[2]
     assert line.startswith("| mlp | lazy | - |") and "error: TimeoutError: step / took" in line

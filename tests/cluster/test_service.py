@@ -134,9 +134,7 @@ def race(url: str, seed_base: int, n_procs: int, n_threads: int, calls: int) -> 
     """``n_procs`` forked processes and ``n_threads`` threads run ``_worker`` against one store
     at once; every caller must finish cleanly (each checks the invariants after every call)."""
     ctx = multiprocessing.get_context("fork")
-    procs = [
-        ctx.Process(target=_worker, args=(url, seed_base + i, calls)) for i in range(n_procs)
-    ]
+    procs = [ctx.Process(target=_worker, args=(url, seed_base + i, calls)) for i in range(n_procs)]
     for p in procs:
         p.start()
     errors: list[BaseException] = []

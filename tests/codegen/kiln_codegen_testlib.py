@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from kiln.codegen.cpp import build
-from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType
+from kiln.ir.graph import Graph, GraphBuilder, Node, TensorType
 from kiln.passes.fuse import fuse
 from kiln.runtime.interpreter import Interpreter
 
@@ -18,8 +18,9 @@ def t(shape: Sequence, dtype: torch.dtype = F32) -> TensorType:
     return TensorType(tuple(shape), dtype)
 
 
-def op(b: GraphBuilder, name: str, ins: Sequence[int], args: tuple, out: TensorType,
-       **kwargs: Any) -> int:
+def op(
+    b: GraphBuilder, name: str, ins: Sequence[int], args: tuple, out: TensorType, **kwargs: Any
+) -> int:
     return b.add(Node(name, tuple(ins), args, tuple(kwargs.items()), (out,)))
 
 
@@ -30,4 +31,3 @@ def run_both(g: Graph, inputs: list) -> tuple[list, list, dict]:
     expected = Interpreter(g)(inputs)
     got = run(inputs)
     return expected, got, info
-

@@ -35,8 +35,14 @@ def test_mlp_block_forward_backward():
         h = F.layer_norm(h, (h.shape[-1],), g, beta)
         return torch.tanh(h) * torch.sigmoid(h)
 
-    _check(f, torch.randn(7, 33), torch.randn(33, 65) * 0.2, torch.randn(65), torch.randn(65),
-           torch.randn(65))
+    _check(
+        f,
+        torch.randn(7, 33),
+        torch.randn(33, 65) * 0.2,
+        torch.randn(65),
+        torch.randn(65),
+        torch.randn(65),
+    )
 
 
 def test_attention_softmax_and_loss():

@@ -27,14 +27,14 @@ def _chain_graph(shape: tuple, bias_shape: tuple):
         rs = op(b, "sum.dim_IntList", (e,), (In(0), [-1], True), t(shape[:-1] + (1,)))
         outs.append(rs)
     if len(shape) >= 2:
-        cs = op(b, "sum.dim_IntList", (ge,), (In(0), list(range(len(shape) - 1))),
-                t(shape[-1:]))
+        cs = op(b, "sum.dim_IntList", (ge,), (In(0), list(range(len(shape) - 1))), t(shape[-1:]))
         outs.append(cs)
     return b.build(outs)
 
 
-@pytest.mark.parametrize("shape", [(1,), (7,), (33,), (1023,), (1, 1), (7, 33), (3, 5, 33),
-                                   (2, 1023)])
+@pytest.mark.parametrize(
+    "shape", [(1,), (7,), (33,), (1023,), (1, 1), (7, 33), (3, 5, 33), (2, 1023)]
+)
 def test_pointwise_and_reductions_match_eager(shape):
     g = _chain_graph(shape, shape[-1:])
     inputs = [torch.randn(shape), torch.randn(shape[-1:]), 0.75]

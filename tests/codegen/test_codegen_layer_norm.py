@@ -29,8 +29,9 @@ def _ln_graph(shape, affine: bool, eps: float):
         ins += [b.input(_t(shape[-1:])), b.input(_t(shape[-1:]))]
         args[2:4] = [In(1), In(2)]
     stat = _t(tuple(shape[:-1]) + (1,))
-    ln = b.add(Node("native_layer_norm.default", tuple(ins), tuple(args), (),
-                    (_t(shape), stat, stat)))
+    ln = b.add(
+        Node("native_layer_norm.default", tuple(ins), tuple(args), (), (_t(shape), stat, stat))
+    )
     outs = [b.getitem(ln, k) for k in range(3)]
     return b.build(outs)
 
@@ -67,8 +68,9 @@ def test_forward_backward_through_compile():
 
 def test_lazy_layer_norm_forward_backward_uses_kernels():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(9, 45), torch.nn.LayerNorm(45),
-                                torch.nn.Linear(45, 3))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(9, 45), torch.nn.LayerNorm(45), torch.nn.Linear(45, 3)
+    )
     dev = kiln.device()
     lazy = copy.deepcopy(model).to(dev)
     x = torch.randn(3, 7, 9)

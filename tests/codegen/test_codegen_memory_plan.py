@@ -60,9 +60,14 @@ def test_pointwise_takes_dying_input_in_place():
             slot_of[i] = n.kwarg("placement")[0]
         elif n.op == "getitem" and g.nodes[n.inputs[0]].op == "fused":
             slot_of[i] = g.nodes[n.inputs[0]].kwarg("placement")[n.args[1]]
-    in_place = [i for i, n in enumerate(g.nodes) if n.op == "fused"
-                and n.kwarg("kind") == "pointwise" and n.kwarg("placement")[0] is not None
-                and any(slot_of.get(j) == n.kwarg("placement")[0] for j in n.inputs)]
+    in_place = [
+        i
+        for i, n in enumerate(g.nodes)
+        if n.op == "fused"
+        and n.kwarg("kind") == "pointwise"
+        and n.kwarg("placement")[0] is not None
+        and any(slot_of.get(j) == n.kwarg("placement")[0] for j in n.inputs)
+    ]
     assert in_place, str(g)
     run, _ = build(g)
     x, y = torch.randn(8, 33) * 0.1, torch.randn(33, 33) * 0.1

@@ -16,8 +16,9 @@ from kiln.runtime.interpreter import Interpreter
 F32 = torch.float32
 
 
-@pytest.mark.parametrize("op", ["_softmax_backward_data.default",
-                                "_log_softmax_backward_data.default"])
+@pytest.mark.parametrize(
+    "op", ["_softmax_backward_data.default", "_log_softmax_backward_data.default"]
+)
 @pytest.mark.parametrize("shape", [(3, 5, 37), (129,), (4, 1)])
 def test_kernel_matches_aten(op, shape):
     b = GraphBuilder()

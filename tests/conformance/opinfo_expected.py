@@ -11,41 +11,69 @@ from __future__ import annotations
 # Random ops: Kiln's lazy device seeds each step's random ops from its own per-step seed, so the
 # values cannot match eager's stream; only shapes and dtypes are compared.  Same for ops whose
 # output is uninitialized memory.
-RANDOM: frozenset[str] = frozenset({
-    "bernoulli", "multinomial", "normal", "normal.number_mean", "normal.in_place", "log_normal",
-    "rand_like", "randn", "randn_like", "randint", "randint_like", "uniform", "cauchy",
-    "exponential", "geometric",
-    "nn.functional.dropout", "nn.functional.dropout2d", "nn.functional.dropout3d",
-    "nn.functional.alpha_dropout", "nn.functional.feature_alpha_dropout.with_train",
-    "nn.functional.rrelu",
-    "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted",
-})
+RANDOM: frozenset[str] = frozenset(
+    {
+        "bernoulli",
+        "multinomial",
+        "normal",
+        "normal.number_mean",
+        "normal.in_place",
+        "log_normal",
+        "rand_like",
+        "randn",
+        "randn_like",
+        "randint",
+        "randint_like",
+        "uniform",
+        "cauchy",
+        "exponential",
+        "geometric",
+        "nn.functional.dropout",
+        "nn.functional.dropout2d",
+        "nn.functional.dropout3d",
+        "nn.functional.alpha_dropout",
+        "nn.functional.feature_alpha_dropout.with_train",
+        "nn.functional.rrelu",
+        "empty",
+        "empty_like",
+        "new_empty",
+        "new_empty_strided",
+        "empty_strided",
+        "empty_permuted",
+    }
+)
 
 # Wrapped in OpInfo's wrapper_set_seed but deterministic: compared by value.
-NOT_RANDOM: frozenset[str] = frozenset({
-    "item", "nn.functional.feature_alpha_dropout.without_train",
-})
+NOT_RANDOM: frozenset[str] = frozenset(
+    {
+        "item",
+        "nn.functional.feature_alpha_dropout.without_train",
+    }
+)
 
 _SPARSE = "sparse tensors are not supported on the lazy device"
 
 EXPECTED: dict[tuple[str, str, str], str] = {
     # --- lazy: wrong results
     ("linalg.eigvals", "lazy", "grad"): "wrong result: max abs diff 0.465 (complex eigenvalue "
-                                         "gradient; likely the conj bit of lazy views)",
+    "gradient; likely the conj bit of lazy views)",
     ("nn.functional.linear_cross_entropy.chunked_none", "lazy", "grad"): (
-        "wrong result: max abs diff 0.174"),
+        "wrong result: max abs diff 0.174"
+    ),
     # --- lazy: errors
     ("tensor_split", "lazy", "*"): (
         "tensor_split needs its indices tensor on the CPU ('expected tensor_indices_or_sections "
         "to be on cpu, but it's on kiln:0'), while the lazy device rejects CPU tensors of rank > 0 "
-        "next to kiln tensors"),
+        "next to kiln tensors"
+    ),
     ("to", "lazy", "grad"): (
         "backward of a kiln->cpu copy: 'opt_ready_stream && opt_parent_stream INTERNAL ASSERT "
-        "FAILED' (autograd engine.cpp:1096; streams of the Python device guard)"),
+        "FAILED' (autograd engine.cpp:1096; streams of the Python device guard)"
+    ),
     ("sparse.sampled_addmm", "lazy", "*"): _SPARSE,
     ("sparse.mm.reduce", "lazy", "*"): _SPARSE,
     ("to_sparse", "lazy", "fwd"): _SPARSE + " ('to(options) doesn't support converting to a "
-                                            "different layout')",
+    "different layout')",
 }
 
 
@@ -55,7 +83,8 @@ CRASHES: dict[tuple[str, str, str], str] = {
         "process abort: the backward calls view_as_real on a conjugated lazy tensor ('view_as_real "
         "doesn't work on unresolved conjugated tensors'); an exception raised inside "
         "__torch_dispatch__ during backward unwinds through torch's Python device guard "
-        "(PythonDeviceGuard::exchangeStream in ~InlineStreamGuard) and std::terminate()s"),
+        "(PythonDeviceGuard::exchangeStream in ~InlineStreamGuard) and std::terminate()s"
+    ),
 }
 
 

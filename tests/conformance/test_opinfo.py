@@ -112,8 +112,11 @@ def call_args(sample: Any, to: Callable[[torch.Tensor], torch.Tensor], dev: Any 
 
 
 def _grad_parts(args: Any, kwargs: Any, out: Any) -> tuple[list, list, list[int]]:
-    ins = [t for t in tree_flatten((args, kwargs))[0]
-           if isinstance(t, torch.Tensor) and t.requires_grad]
+    ins = [
+        t
+        for t in tree_flatten((args, kwargs))[0]
+        if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
     flat = tree_flatten(out)[0]
     pos = [i for i, o in enumerate(flat) if isinstance(o, torch.Tensor) and o.requires_grad]
     return ins, [flat[i] for i in pos], pos
@@ -201,8 +204,9 @@ def compare(actual: Any, expected: Any, random_op: bool) -> str | None:
     """None when equal (as eager), else a one-line description of the difference."""
     if random_op:
         fa, fe = tree_flatten(actual)[0], tree_flatten(expected)[0]
-        meta = lambda xs: [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x)
-                           for x in xs]  # noqa: E731
+        meta = lambda xs: [
+            (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in xs
+        ]  # noqa: E731
         if meta(fa) != meta(fe):
             return f"wrong result: shapes/dtypes {meta(fa)} vs eager {meta(fe)}"
         return None

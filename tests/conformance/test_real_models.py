@@ -46,9 +46,16 @@ class TinyGPT(nn.Module):
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(SEQ, d) * 0.02)
         self.blocks = nn.ModuleList(
-            nn.ModuleDict(dict(ln1=nn.LayerNorm(d), qkv=nn.Linear(d, 3 * d), proj=nn.Linear(d, d),
-                               ln2=nn.LayerNorm(d), up=nn.Linear(d, 4 * d),
-                               down=nn.Linear(4 * d, d)))
+            nn.ModuleDict(
+                dict(
+                    ln1=nn.LayerNorm(d),
+                    qkv=nn.Linear(d, 3 * d),
+                    proj=nn.Linear(d, d),
+                    ln2=nn.LayerNorm(d),
+                    up=nn.Linear(d, 4 * d),
+                    down=nn.Linear(4 * d, d),
+                )
+            )
             for _ in range(layers)
         )
         self.ln = nn.LayerNorm(d)
@@ -81,30 +88,54 @@ class HFLoss(nn.Module):
 
 
 def gpt2() -> nn.Module:
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB,
-                                  n_positions=64, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0,
-                                  attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=64,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return HFLoss(transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager"))
 
 
 def bert() -> nn.Module:
-    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                  intermediate_size=128, vocab_size=VOCAB,
-                                  max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0)
+    cfg = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return HFLoss(transformers.BertForMaskedLM._from_config(cfg, attn_implementation="eager"))
 
 
 def llama() -> nn.Module:
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=128,
-                                   vocab_size=VOCAB, max_position_embeddings=64,
-                                   attention_dropout=0.0, use_cache=False)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        attention_dropout=0.0,
+        use_cache=False,
+    )
     return HFLoss(transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager"))
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
-    "tiny_gpt": TinyGPT, "gpt2": gpt2, "bert": bert, "llama": llama,
+    "tiny_gpt": TinyGPT,
+    "gpt2": gpt2,
+    "bert": bert,
+    "llama": llama,
 }
 
 
@@ -205,7 +236,7 @@ def test_lazy_training_matches_eager(name: str, data: list, eager_losses: dict) 
     assert after_last["graphs_compiled"] == after2["graphs_compiled"], (
         f"{name}: steps 3..{STEPS} compiled "
         f"{after_last['graphs_compiled'] - after2['graphs_compiled']} new graphs; recompiles: "
-        f"{after_last['recompile_reasons'][len(after2['recompile_reasons']):]}"
+        f"{after_last['recompile_reasons'][len(after2['recompile_reasons']) :]}"
     )
     assert after_last["recompile_reasons"] == after2["recompile_reasons"]
     assert after_last.get("cache_hits_memory", 0) >= STEPS - 2
@@ -257,8 +288,9 @@ def test_second_process_hits_disk_cache(tmp_path: Path) -> None:
     env["KILN_CACHE_DIR"] = str(tmp_path / "cache")
 
     def run() -> dict:
-        p = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
-                           text=True, timeout=240)
+        p = subprocess.run(
+            [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=240
+        )
         assert p.returncode == 0, p.stderr[-3000:]
         return json.loads(p.stdout.strip().splitlines()[-1])
 

@@ -229,7 +229,9 @@ def test_cpu_index_tensors_are_allowed_like_eager():
     x = torch.arange(6.0).reshape(2, 3)
     lx = lazy(x)
     torch.testing.assert_close(lx[torch.tensor([1, 0])].cpu(), x[torch.tensor([1, 0])])
-    torch.testing.assert_close(lx[torch.tensor([True, False])].cpu(), x[torch.tensor([True, False])])
+    torch.testing.assert_close(
+        lx[torch.tensor([True, False])].cpu(), x[torch.tensor([True, False])]
+    )
     lx[torch.tensor([0])] = 7.0
     x[torch.tensor([0])] = 7.0
     torch.testing.assert_close(lx.cpu(), x)

@@ -33,8 +33,13 @@ def f32(*shape: int) -> TensorType:
     return TensorType(tuple(shape), torch.float32)
 
 
-def call(b: GraphBuilder, op: str, args: Sequence[Any], out: TensorType | Sequence[TensorType],
-         **kwargs: Any) -> int:
+def call(
+    b: GraphBuilder,
+    op: str,
+    args: Sequence[Any],
+    out: TensorType | Sequence[TensorType],
+    **kwargs: Any,
+) -> int:
     """Add node ``op``; a :class:`V` in ``args`` or ``kwargs`` is a graph value (an input)."""
     inputs: list[int] = []
 

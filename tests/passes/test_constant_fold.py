@@ -28,7 +28,10 @@ def _graph():
 
 def test_chains_of_constants_fold():
     g = _graph()
-    out = check_pass(constant_fold, g, """
+    out = check_pass(
+        constant_fold,
+        g,
+        """
         graph(%0: f32[4], %8: float) {
           %1 = constant[0] : f32[4]
           %2 = constant[1] : f32[4]
@@ -40,7 +43,8 @@ def test_chains_of_constants_fold():
           %9 = mul.Tensor(%1, %8) : f32[4]
           %10 = neg.default(%1) : f32[4]
           return (%4, %6, %7, %9, %10)
-        }""")
+        }""",
+    )
     torch.testing.assert_close(out.constants[2], torch.exp(torch.arange(4.0) * 2.0))
     # After dce the intermediate constant is gone from the constant list too.
     cleaned = verify(dce(out))
@@ -66,7 +70,10 @@ def test_factories_fold_but_empty_never_does():
     f = call(b, "fill.Scalar", [V(e), 1.0], f32(3))
     w = call(b, "mul.Tensor", [V(y), V(f)], f32(3))
     g = b.build([w])
-    check_pass(constant_fold, g, """
+    check_pass(
+        constant_fold,
+        g,
+        """
         graph(%0: f32[3]) {
           %1 = constant[0] : f32[3]
           %2 = empty.memory_format([3], dtype=torch.float32) : f32[3]
@@ -74,7 +81,8 @@ def test_factories_fold_but_empty_never_does():
           %4 = fill.Scalar(%2, 1.0) : f32[3]
           %5 = mul.Tensor(%3, %4) : f32[3]
           return (%5)
-        }""")
+        }""",
+    )
 
 
 def test_symbolic_shapes_and_failures_leave_nodes_alone():

@@ -11,14 +11,18 @@ from kiln.passes.cse import cse
 
 def test_duplicates_merge_transitively():
     g = capture(lambda x: (x.exp() + 1).sin() * (x.exp() + 1).sin(), torch.randn(4))
-    check_pass(cse, g, """
+    check_pass(
+        cse,
+        g,
+        """
         graph(%0: f32[4]) {
           %1 = exp.default(%0) : f32[4]
           %2 = add.Tensor(%1, 1) : f32[4]
           %3 = sin.default(%2) : f32[4]
           %4 = mul.Tensor(%3, %3) : f32[4]
           return (%4)
-        }""")
+        }""",
+    )
 
 
 def test_literals_compare_exactly():
@@ -58,7 +62,10 @@ def test_equal_constants_merge():
     m = call(b, "mul.Tensor", [V(a), V(c2)], f32(3))
     d = call(b, "div.Tensor", [V(m), V(c3)], f32(3))
     g = b.build([d])
-    out = check_pass(cse, g, """
+    out = check_pass(
+        cse,
+        g,
+        """
         graph(%0: f32[3]) {
           %1 = constant[0] : f32[3]
           %2 = constant[1] : f32[3]
@@ -66,17 +73,22 @@ def test_equal_constants_merge():
           %4 = mul.Tensor(%3, %1) : f32[3]
           %5 = div.Tensor(%4, %2) : f32[3]
           return (%5)
-        }""")
+        }""",
+    )
     assert len(out.constants) == 2
 
 
 def test_two_outputs_stay_two_tensors():
     # Eager returns two distinct tensors; the caller may mutate one of them.
     g = capture(lambda x: (x.exp(), x.exp(), x.view(2, 2), x.view(2, 2)), torch.randn(4))
-    check_pass(cse, g, """
+    check_pass(
+        cse,
+        g,
+        """
         graph(%0: f32[4]) {
           %1 = exp.default(%0) : f32[4]
           %2 = exp.default(%0) : f32[4]
           %3 = view.default(%0, [2, 2]) : f32[2,2]
           return (%1, %2, %3, %3)
-        }""")
+        }""",
+    )

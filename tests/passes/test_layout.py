@@ -16,7 +16,10 @@ def test_contiguous_copies_feeding_a_matmul_are_bypassed():
         torch.randn(8, 4),
         torch.randn(16, 8),
     )
-    out = check_pass(layout, g, """
+    out = check_pass(
+        layout,
+        g,
+        """
         graph(%0: f32[8,4], %1: f32[16,8]) {
           %2 = permute.default(%0, [1, 0]) : f32[4,8]
           %3 = clone.default(%2, memory_format=torch.contiguous_format) : f32[4,8]
@@ -28,16 +31,23 @@ def test_contiguous_copies_feeding_a_matmul_are_bypassed():
           %9 = mm.default(%6, %7) : f32[4,16]
           %10 = view.default(%9, [-1]) : f32[64]
           return (%5, %10)
-        }""")
+        }""",
+    )
     assert dce(out).count(lambda n: n.op.startswith("clone")) == 0
 
 
 def test_reshape_of_a_contiguous_copy_becomes_reshape():
     g = capture(
-        lambda x: (x.permute(1, 0, 2).reshape(6, 4).exp(), torch.bmm(x, x.transpose(1, 2).contiguous())),
+        lambda x: (
+            x.permute(1, 0, 2).reshape(6, 4).exp(),
+            torch.bmm(x, x.transpose(1, 2).contiguous()),
+        ),
         torch.randn(2, 3, 4),
     )
-    check_pass(layout, g, """
+    check_pass(
+        layout,
+        g,
+        """
         graph(%0: f32[2,3,4]) {
           %1 = permute.default(%0, [1, 0, 2]) : f32[3,2,4]
           %2 = clone.default(%1, memory_format=torch.contiguous_format) : f32[3,2,4]
@@ -47,7 +57,8 @@ def test_reshape_of_a_contiguous_copy_becomes_reshape():
           %6 = clone.default(%5, memory_format=torch.contiguous_format) : f32[2,4,3]
           %7 = bmm.default(%0, %5) : f32[2,3,3]
           return (%4, %7)
-        }""")
+        }""",
+    )
 
 
 def test_reshape_returned_to_the_caller_keeps_its_copy():
@@ -63,12 +74,16 @@ def test_unsafe_view_is_spelled_view():
     m = call(b, "mm.default", [V(x), V(w)], f32(4, 2))
     u = call(b, "_unsafe_view.default", [V(m), (8,)], f32(8))
     g = b.build([u])
-    check_pass(layout, g, """
+    check_pass(
+        layout,
+        g,
+        """
         graph(%0: f32[4,6], %1: f32[6,2]) {
           %2 = mm.default(%0, %1) : f32[4,2]
           %3 = view.default(%2, [8]) : f32[8]
           return (%3)
-        }""")
+        }""",
+    )
 
 
 def test_copy_with_a_second_reader_is_not_duplicated():

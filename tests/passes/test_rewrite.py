@@ -23,8 +23,12 @@ def _swap(to: str):
 
 def test_rules_that_undo_each_other_terminate():
     # sin -> cos -> sin -> ... : the per-node cap stops it inside a sweep, the sweep cap overall.
-    table = RuleTable([Rule("sin2cos", ("sin.default",), _swap("cos.default")),
-                       Rule("cos2sin", ("cos.default",), _swap("sin.default"))])
+    table = RuleTable(
+        [
+            Rule("sin2cos", ("sin.default",), _swap("cos.default")),
+            Rule("cos2sin", ("cos.default",), _swap("sin.default")),
+        ]
+    )
     out = verify(apply_rules(_sin_cos_graph(), table, max_iters=3, max_per_node=5))
     assert out.nodes[1].op in ("sin.default", "cos.default")
     assert sum(table.hits.values()) <= 3 * 5
@@ -47,8 +51,12 @@ def test_default_caps_are_small():
 
 def test_first_matching_rule_wins_and_chains_are_seen_rewritten():
     # Both exps become logs: the first rule wins, the second never runs.
-    table = RuleTable([Rule("to_log", ("exp.default",), _swap("log.default")),
-                       Rule("to_neg", ("exp.default",), _swap("neg.default"))])
+    table = RuleTable(
+        [
+            Rule("to_log", ("exp.default",), _swap("log.default")),
+            Rule("to_neg", ("exp.default",), _swap("neg.default")),
+        ]
+    )
     b = GraphBuilder()
     x = b.input(f32(4))
     e = call(b, "exp.default", [V(x)], f32(4))

@@ -12,34 +12,46 @@ from kiln.passes.simplify import simplify
 
 def test_neutral_elements_disappear():
     g = capture(lambda x: (((x * 1 + 0 - 0) / 1) ** 1).exp(), torch.randn(4))
-    check_pass(simplify, g, """
+    check_pass(
+        simplify,
+        g,
+        """
         graph(%0: f32[4]) {
           %1 = exp.default(%0) : f32[4]
           return (%1)
-        }""")
+        }""",
+    )
 
 
 def test_square_and_double_negation():
     g = capture(lambda x: (x**2).neg().neg().sin(), torch.randn(4))
-    out = check_pass(simplify, g, """
+    out = check_pass(
+        simplify,
+        g,
+        """
         graph(%0: f32[4]) {
           %1 = mul.Tensor(%0, %0) : f32[4]
           %2 = neg.default(%1) : f32[4]
           %3 = sin.default(%1) : f32[4]
           return (%3)
-        }""")
+        }""",
+    )
     assert len(dce(out)) == 3  # the outer neg's input is dead now
 
 
 def test_double_transpose_cancels_but_matmul_operand_stays():
     g = capture(lambda x, w: x.t().t() @ w.t(), torch.randn(4, 3), torch.randn(5, 3))
-    check_pass(simplify, g, """
+    check_pass(
+        simplify,
+        g,
+        """
         graph(%0: f32[4,3], %1: f32[5,3]) {
           %2 = permute.default(%0, [1, 0]) : f32[3,4]
           %3 = permute.default(%1, [1, 0]) : f32[3,5]
           %4 = mm.default(%0, %3) : f32[4,5]
           return (%4)
-        }""")
+        }""",
+    )
 
 
 def test_permute_chains_compose():
@@ -47,14 +59,18 @@ def test_permute_chains_compose():
         lambda x: (x.permute(1, 2, 0).permute(2, 0, 1).exp(), x.permute(2, 0, 1).transpose(0, 1)),
         torch.randn(2, 3, 4),
     )
-    check_pass(simplify, g, """
+    check_pass(
+        simplify,
+        g,
+        """
         graph(%0: f32[2,3,4]) {
           %1 = permute.default(%0, [1, 2, 0]) : f32[3,4,2]
           %2 = exp.default(%0) : f32[2,3,4]
           %3 = permute.default(%0, [2, 0, 1]) : f32[4,2,3]
           %4 = permute.default(%0, [0, 2, 1]) : f32[2,4,3]
           return (%2, %4)
-        }""")
+        }""",
+    )
 
 
 def test_view_chains_and_noop_views():
@@ -62,7 +78,10 @@ def test_view_chains_and_noop_views():
         lambda x: x.reshape(-1).view(2, -1).exp() + x.view(4, 3).expand(4, 3).view(2, 6).exp(),
         torch.randn(4, 3),
     )
-    check_pass(simplify, g, """
+    check_pass(
+        simplify,
+        g,
+        """
         graph(%0: f32[4,3]) {
           %1 = view.default(%0, [-1]) : f32[12]
           %2 = view.default(%0, [2, -1]) : f32[2,6]
@@ -71,7 +90,8 @@ def test_view_chains_and_noop_views():
           %5 = exp.default(%4) : f32[2,6]
           %6 = add.Tensor(%3, %5) : f32[2,6]
           return (%6)
-        }""")
+        }""",
+    )
 
 
 def test_unsafe_rewrites_are_not_done():
@@ -92,20 +112,25 @@ def test_neutral_cast_and_clone():
     x = b.input(f32(4, 3))
     same = call(b, "_to_copy.default", [V(x)], f32(4, 3), dtype=torch.float32)
     e1 = call(b, "exp.default", [V(same)], f32(4, 3))
-    wider = call(b, "_to_copy.default", [V(x)], TensorType((4, 3), torch.float64),
-                 dtype=torch.float64)
+    wider = call(
+        b, "_to_copy.default", [V(x)], TensorType((4, 3), torch.float64), dtype=torch.float64
+    )
     c = call(b, "clone.default", [V(e1)], f32(4, 3))
     s = call(b, "add.Tensor", [V(c), V(wider)], TensorType((4, 3), torch.float64))
     out_copy = call(b, "clone.default", [V(x)], f32(4, 3))  # a graph output: must stay a copy
     g = b.build([s, out_copy])
-    check_pass(simplify, g, """
+    check_pass(
+        simplify,
+        g,
+        """
         graph(%0: f32[4,3]) {
           %1 = exp.default(%0) : f32[4,3]
           %2 = _to_copy.default(%0, dtype=torch.float64) : f64[4,3]
           %3 = add.Tensor(%1, %2) : f64[4,3]
           %4 = clone.default(%0) : f32[4,3]
           return (%3, %4)
-        }""")
+        }""",
+    )
 
 
 def test_copy_read_through_strides_stays():

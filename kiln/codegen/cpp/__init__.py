@@ -60,8 +60,9 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
         unique.setdefault(name, spec.source)
         specs[i] = spec
     names = sorted(unique)
-    units: list[list[str]] = [names] if len(names) <= SPLIT_AT else [
-        names[: len(names) // 2], names[len(names) // 2 :]]
+    units: list[list[str]] = (
+        [names] if len(names) <= SPLIT_AT else [names[: len(names) // 2], names[len(names) // 2 :]]
+    )
     units = [u for u in units if u]
     sources = [PRELUDE + "\n".join(unique[k] for k in u) for u in units]
     if config.log_enabled("kernels"):
@@ -83,8 +84,13 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
         "backend": "cpp",
         "units": len(sources),
         "kernels": [
-            {"name": s.name, "node": i, "kind": s.kind, "members": list(s.members),
-             "source": s.source}
+            {
+                "name": s.name,
+                "node": i,
+                "kind": s.kind,
+                "members": list(s.members),
+                "source": s.source,
+            }
             for i, s in specs.items()
         ],
     }

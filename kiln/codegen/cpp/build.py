@@ -24,8 +24,16 @@ from kiln import metrics
 from kiln.config import config
 
 # -O2: half the compile time of -O3 on generated units; the omp simd pragmas still vectorize.
-FLAGS = ["-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
-         "-std=c++17", "-w"]
+FLAGS = [
+    "-O2",
+    "-march=native",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-fno-math-errno",
+    "-std=c++17",
+    "-w",
+]
 LIBS = ["-lmvec"]  # glibc's vector math (the prelude declares its SIMD variants); after the source
 CXX = os.environ.get("CXX", "g++")
 
@@ -90,8 +98,12 @@ def _start_compile(source: str, key: str, d: Path) -> tuple[subprocess.Popen, Pa
     cpp = d / f".{key}.{os.getpid()}.cpp"
     cpp.write_text(source)
     tmp_so = d / f".{key}.{os.getpid()}.so.tmp"
-    proc = subprocess.Popen([CXX, *FLAGS, str(cpp), *LIBS, "-o", str(tmp_so)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [CXX, *FLAGS, str(cpp), *LIBS, "-o", str(tmp_so)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return proc, cpp, tmp_so
 
 
@@ -124,8 +136,7 @@ def build_many(sources: list[str]) -> list[ctypes.CDLL]:
                     raise BuildError(f"g++ failed for kernel unit {key}:\n{err[-4000:]}")
                 data = tmp_so.read_bytes()
                 _write_atomic(so, data)
-                _write_atomic(so.with_suffix(".sha256"),
-                              hashlib.sha256(data).hexdigest().encode())
+                _write_atomic(so.with_suffix(".sha256"), hashlib.sha256(data).hexdigest().encode())
                 metrics.incr("kernel_builds")
             finally:
                 for p in (cpp, tmp_so):

@@ -78,8 +78,9 @@ def emit_kernel(name: str, node: Node, in_types: list) -> tuple[str, KernelSpec]
         else:
             tensor_inputs.append(k)
             modes.append(_mode(t.shape, shape))
-    spec = KernelSpec(name, kind, rank, shape, tensor_inputs, modes, scalars, [],
-                      members=node.kwarg("members"))
+    spec = KernelSpec(
+        name, kind, rank, shape, tensor_inputs, modes, scalars, [], members=node.kwarg("members")
+    )
     e = _Emitter(spec, node, in_types, body, outs)
     src = e.source()
     spec.source = src
@@ -136,9 +137,7 @@ class _Emitter:
                 continue
             ct = _ABBR_CT[dt]
             ops = [self.operand(a, vals) for a in args]
-            kw = {
-                k: self.operand(v, vals) if isinstance(v, In) else v for k, v in kwargs
-            }
+            kw = {k: self.operand(v, vals) if isinstance(v, In) else v for k, v in kwargs}
             expr = FORMULAS[op](ops, kw, ct)
             self.w(f"{indent}const {ct} v{idx} = ({ct})({expr});")
             vals[idx] = (f"v{idx}", ct)
@@ -147,8 +146,10 @@ class _Emitter:
         nm = self.spec.name
         self.w(f'extern "C" void {nm}(void** P, const int64_t* I, const double* D) {{')
         for p, k in enumerate(self.spec.tensor_inputs):
-            self.w(f"  const {self.ctype_of_input(k)}* in{k} = "
-                   f"(const {self.ctype_of_input(k)}*)P[{p}];")
+            self.w(
+                f"  const {self.ctype_of_input(k)}* in{k} = "
+                f"(const {self.ctype_of_input(k)}*)P[{p}];"
+            )
         nin = len(self.spec.tensor_inputs)
         for o, b in enumerate(self.outs):
             ct = _ABBR_CT[self.body[b][3]]
@@ -162,8 +163,11 @@ class _Emitter:
         self.w(f"  const int64_t N = {n};")
         self.w("  if (N == 0) return;")
         slot = self.R
-        self.bcast = [k for p, k in enumerate(self.spec.tensor_inputs)
-                      if self.spec.input_modes[p] in ("bcast", "bcast_inner")]
+        self.bcast = [
+            k
+            for p, k in enumerate(self.spec.tensor_inputs)
+            if self.spec.input_modes[p] in ("bcast", "bcast_inner")
+        ]
         for k in self.bcast:
             for d in range(self.R - 1):
                 self.w(f"  const int64_t st{k}_{d} = I[{slot + d}];")
@@ -199,7 +203,8 @@ class _Emitter:
                 self.spec.out_kinds.append("full")
             else:
                 keep = bool(dict(self.body[b][2]).get("keepdim", False)) or (
-                    len(self.body[b][1]) > 2 and bool(self.body[b][1][2]))
+                    len(self.body[b][1]) > 2 and bool(self.body[b][1][2])
+                )
                 base = "row" if kind == "rows" else "col"
                 self.spec.out_kinds.append(base + ("k" if keep else ""))
         if kind == "pointwise":
@@ -264,8 +269,10 @@ class _Emitter:
             self.w("    float s = 0.0f;")
             if e[0] == "_softmax.default":
                 self.w("    #pragma omp simd reduction(+:s)")
-                self.w("    for (int64_t j = 0; j < L; ++j) { const float t = km::exp(y[j] - mx); "
-                       "y[j] = t; s += t; }")
+                self.w(
+                    "    for (int64_t j = 0; j < L; ++j) { const float t = km::exp(y[j] - mx); "
+                    "y[j] = t; s += t; }"
+                )
                 self.w("    const float inv = 1.0f / s;")
                 self.w("    #pragma omp simd")
                 self.w("    for (int64_t j = 0; j < L; ++j) y[j] *= inv;")
@@ -293,7 +300,9 @@ class _Emitter:
         for b, e in reds:
             x = self._reduce_operand(b, vals)
             if e[0] == "amax.default":
-                self.w(f"      {{ const float t = (float)({x}); acc{b} = t > acc{b} ? t : acc{b}; }}")
+                self.w(
+                    f"      {{ const float t = (float)({x}); acc{b} = t > acc{b} ? t : acc{b}; }}"
+                )
             else:
                 self.w(f"      acc{b} += (double)({x});")
         self.w("    }")

@@ -121,13 +121,16 @@ def prepare_aten_call(n: Node) -> Callable[[Sequence[Any]], Any]:
     fn = resolve(n.op)
     template = list(n.args)
     direct = [(p, v.k) for p, v in enumerate(template) if isinstance(v, In)]
-    nested = [(p, _filler(v)) for p, v in enumerate(template)
-              if not isinstance(v, In) and _has_in(v)]
+    nested = [
+        (p, _filler(v)) for p, v in enumerate(template) if not isinstance(v, In) and _has_in(v)
+    ]
     kw_const = {k: v for k, v in n.kwargs if not _has_in(v)}
     kw_fill = [(k, _filler(v)) for k, v in n.kwargs if _has_in(v)]
     if not nested and not kw_fill:
         if not kw_const:
-            if len(direct) == len(template) == len(n.inputs) and [k for _, k in direct] == list(range(len(direct))):
+            if len(direct) == len(template) == len(n.inputs) and [k for _, k in direct] == list(
+                range(len(direct))
+            ):
                 return lambda ins: fn(*ins)  # args are exactly the inputs, in order
         if not direct:
             return lambda ins: fn(*template, **kw_const)

@@ -44,8 +44,9 @@ def layer_norm_ok(n: Node, in_types: list) -> bool:
     elif n.op == "native_layer_norm_backward.default":
         if len(n.args) < 8 or list(n.args[7]) != [True, True, True]:
             return False
-        if not all(isinstance(a, In) for a in (n.args[0], n.args[1], n.args[3], n.args[4],
-                                                n.args[5])):
+        if not all(
+            isinstance(a, In) for a in (n.args[0], n.args[1], n.args[3], n.args[4], n.args[5])
+        ):
             return False
         if any(t is None for t in n.types):
             return False
@@ -67,12 +68,23 @@ def emit_layer_norm(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec
     return _backward(name, n, in_types)
 
 
-def _spec(name: str, n: Node, in_types: list, order: list[int], kind: str,
-          out_kinds: list[str]) -> KernelSpec:
+def _spec(
+    name: str, n: Node, in_types: list, order: list[int], kind: str, out_kinds: list[str]
+) -> KernelSpec:
     shape = tuple(in_types[order[0]].shape)
     modes = [_mode(in_types[k].shape, shape) for k in order]
-    return KernelSpec(name, kind, len(shape), shape, order, modes, [], out_kinds,
-                      out_dtypes=[F32] * len(out_kinds), members=(n.op,))
+    return KernelSpec(
+        name,
+        kind,
+        len(shape),
+        shape,
+        order,
+        modes,
+        [],
+        out_kinds,
+        out_dtypes=[F32] * len(out_kinds),
+        members=(n.op,),
+    )
 
 
 def _head(name: str, spec: KernelSpec, names: list[str], n_out: int) -> list[str]:
@@ -104,8 +116,9 @@ def _row_off(spec: KernelSpec, p: int) -> list[str]:
     R = spec.rank
     L = [f"    int64_t rem{p} = r;", f"    int64_t off{p} = 0;"]
     for d in range(R - 2, -1, -1):
-        L.append(f"    {{ const int64_t id = rem{p} % s{d}; rem{p} /= s{d}; "
-                 f"off{p} += id * st{p}_{d}; }}")
+        L.append(
+            f"    {{ const int64_t id = rem{p} % s{d}; rem{p} /= s{d}; off{p} += id * st{p}_{d}; }}"
+        )
     return L
 
 
@@ -115,27 +128,30 @@ def _forward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
     spec = _spec(name, n, in_types, order, "layer_norm", ["full", "rowk", "rowk"])
     eps = repr(float(n.args[4]))
     L = _head(name, spec, ["x", "w", "b"][: len(order)], 3)
-    L += [f"  #pragma omp parallel for if(N >= {PARALLEL_MIN})",
-          "  for (int64_t r = 0; r < rows; ++r) {",
-          "    const float* xr = x + r * L;",
-          "    float* yr = out0 + r * L;",
-          "    double s = 0.0;",
-          "    #pragma omp simd reduction(+:s)",
-          "    for (int64_t j = 0; j < L; ++j) s += (double)xr[j];",
-          "    const double mean = s / (double)L;",
-          "    double v = 0.0;",
-          "    #pragma omp simd reduction(+:v)",
-          "    for (int64_t j = 0; j < L; ++j) { const double d = (double)xr[j] - mean; v += d * d; }",
-          f"    const float rstd = (float)(1.0 / __builtin_sqrt(v / (double)L + {eps}));",
-          "    const float m = (float)mean;",
-          "    #pragma omp simd",
-          "    for (int64_t j = 0; j < L; ++j) "
-          + ("yr[j] = (xr[j] - m) * rstd * w[j] + b[j];" if affine else
-             "yr[j] = (xr[j] - m) * rstd;"),
-          "    out1[r] = m;",
-          "    out2[r] = rstd;",
-          "  }",
-          "}"]
+    L += [
+        f"  #pragma omp parallel for if(N >= {PARALLEL_MIN})",
+        "  for (int64_t r = 0; r < rows; ++r) {",
+        "    const float* xr = x + r * L;",
+        "    float* yr = out0 + r * L;",
+        "    double s = 0.0;",
+        "    #pragma omp simd reduction(+:s)",
+        "    for (int64_t j = 0; j < L; ++j) s += (double)xr[j];",
+        "    const double mean = s / (double)L;",
+        "    double v = 0.0;",
+        "    #pragma omp simd reduction(+:v)",
+        "    for (int64_t j = 0; j < L; ++j) { const double d = (double)xr[j] - mean; v += d * d; }",
+        f"    const float rstd = (float)(1.0 / __builtin_sqrt(v / (double)L + {eps}));",
+        "    const float m = (float)mean;",
+        "    #pragma omp simd",
+        "    for (int64_t j = 0; j < L; ++j) "
+        + (
+            "yr[j] = (xr[j] - m) * rstd * w[j] + b[j];" if affine else "yr[j] = (xr[j] - m) * rstd;"
+        ),
+        "    out1[r] = m;",
+        "    out2[r] = rstd;",
+        "  }",
+        "}",
+    ]
     src = "\n".join(L) + "\n"
     spec.source = src
     return src, spec
@@ -145,54 +161,61 @@ def _backward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
     dy, x, mean, rstd, w = (n.args[i].k for i in (0, 1, 3, 4, 5))
     order = [dy, x, mean, rstd, w]
     spec = _spec(name, n, in_types, order, "layer_norm_backward", ["full", "col", "col"])
-    if spec.input_modes[:2] != ["full", "full"] or spec.input_modes[4] != "bcast_inner" or \
-            any(m not in ("bcast", "one") for m in spec.input_modes[2:4]):
+    if (
+        spec.input_modes[:2] != ["full", "full"]
+        or spec.input_modes[4] != "bcast_inner"
+        or any(m not in ("bcast", "one") for m in spec.input_modes[2:4])
+    ):
         raise ValueError("layer norm backward: unexpected input shapes")
     L = _head(name, spec, ["dy", "x", "mean", "rstd", "w"], 3)
     mi = "mean[0]" if spec.input_modes[2] == "one" else "mean[off2]"
     ri = "rstd[0]" if spec.input_modes[3] == "one" else "rstd[off3]"
-    L += ["  double* tw = new double[L]();",
-          "  double* tb = new double[L]();",
-          f"  #pragma omp parallel if(N >= {PARALLEL_MIN})",
-          "  {",
-          "  double* pw = new double[L]();",
-          "  double* pb = new double[L]();",
-          "  #pragma omp for schedule(static)",
-          "  for (int64_t r = 0; r < rows; ++r) {"]
+    L += [
+        "  double* tw = new double[L]();",
+        "  double* tb = new double[L]();",
+        f"  #pragma omp parallel if(N >= {PARALLEL_MIN})",
+        "  {",
+        "  double* pw = new double[L]();",
+        "  double* pb = new double[L]();",
+        "  #pragma omp for schedule(static)",
+        "  for (int64_t r = 0; r < rows; ++r) {",
+    ]
     for p in (2, 3):
         if spec.input_modes[p] == "bcast":
             L += _row_off(spec, p)
-    L += [f"    const float mu = {mi}, rs = {ri};",
-          "    const float* dyr = dy + r * L;",
-          "    const float* xr = x + r * L;",
-          "    float* dxr = out0 + r * L;",
-          "    double sg = 0.0, sgx = 0.0;",
-          "    #pragma omp simd reduction(+:sg, sgx)",
-          "    for (int64_t j = 0; j < L; ++j) {",
-          "      const float xh = (xr[j] - mu) * rs;",
-          "      const float g = dyr[j] * w[j];",
-          "      sg += (double)g; sgx += (double)g * (double)xh;",
-          "      pw[j] += (double)dyr[j] * (double)xh;",
-          "      pb[j] += (double)dyr[j];",
-          "    }",
-          "    const float mg = (float)(sg / (double)L), mgx = (float)(sgx / (double)L);",
-          "    #pragma omp simd",
-          "    for (int64_t j = 0; j < L; ++j) {",
-          "      const float xh = (xr[j] - mu) * rs;",
-          "      dxr[j] = rs * (dyr[j] * w[j] - mg - xh * mgx);",
-          "    }",
-          "  }",
-          "  #pragma omp critical",
-          "  {",
-          "    for (int64_t j = 0; j < L; ++j) { tw[j] += pw[j]; tb[j] += pb[j]; }",
-          "  }",
-          "  delete[] pw;",
-          "  delete[] pb;",
-          "  }",
-          "  for (int64_t j = 0; j < L; ++j) { out1[j] = (float)tw[j]; out2[j] = (float)tb[j]; }",
-          "  delete[] tw;",
-          "  delete[] tb;",
-          "}"]
+    L += [
+        f"    const float mu = {mi}, rs = {ri};",
+        "    const float* dyr = dy + r * L;",
+        "    const float* xr = x + r * L;",
+        "    float* dxr = out0 + r * L;",
+        "    double sg = 0.0, sgx = 0.0;",
+        "    #pragma omp simd reduction(+:sg, sgx)",
+        "    for (int64_t j = 0; j < L; ++j) {",
+        "      const float xh = (xr[j] - mu) * rs;",
+        "      const float g = dyr[j] * w[j];",
+        "      sg += (double)g; sgx += (double)g * (double)xh;",
+        "      pw[j] += (double)dyr[j] * (double)xh;",
+        "      pb[j] += (double)dyr[j];",
+        "    }",
+        "    const float mg = (float)(sg / (double)L), mgx = (float)(sgx / (double)L);",
+        "    #pragma omp simd",
+        "    for (int64_t j = 0; j < L; ++j) {",
+        "      const float xh = (xr[j] - mu) * rs;",
+        "      dxr[j] = rs * (dyr[j] * w[j] - mg - xh * mgx);",
+        "    }",
+        "  }",
+        "  #pragma omp critical",
+        "  {",
+        "    for (int64_t j = 0; j < L; ++j) { tw[j] += pw[j]; tb[j] += pb[j]; }",
+        "  }",
+        "  delete[] pw;",
+        "  delete[] pb;",
+        "  }",
+        "  for (int64_t j = 0; j < L; ++j) { out1[j] = (float)tw[j]; out2[j] = (float)tb[j]; }",
+        "  delete[] tw;",
+        "  delete[] tb;",
+        "}",
+    ]
     src = "\n".join(L) + "\n"
     spec.source = src
     return src, spec

@@ -57,8 +57,11 @@ def _compute_type(ops: list[Operand]) -> str:
         return "float"
     if any(o.ctype == "double" for o in ops):
         return "float"
-    if any(o.ctype == "int64_t" or (o.ctype is None and isinstance(o.literal, int)
-                                    and not isinstance(o.literal, bool)) for o in ops):
+    if any(
+        o.ctype == "int64_t"
+        or (o.ctype is None and isinstance(o.literal, int) and not isinstance(o.literal, bool))
+        for o in ops
+    ):
         return "int64_t"
     return "bool"
 
@@ -102,9 +105,15 @@ def _unary(tmpl: str) -> Formula:
 
 def _pow_tensor_scalar(a: list[Operand], kw: dict, out: str) -> str:
     x, e = _cast(a[0], out), a[1].literal
-    special = {2: f"({x} * {x})", 3: f"({x} * {x} * {x})", 0.5: f"km::sqrt({x})",
-               -0.5: f"((({out})1) / km::sqrt({x}))", -1: f"((({out})1) / {x})",
-               -2: f"((({out})1) / ({x} * {x}))", 1: x}
+    special = {
+        2: f"({x} * {x})",
+        3: f"({x} * {x} * {x})",
+        0.5: f"km::sqrt({x})",
+        -0.5: f"((({out})1) / km::sqrt({x}))",
+        -1: f"((({out})1) / {x})",
+        -2: f"((({out})1) / ({x} * {x}))",
+        1: x,
+    }
     if a[1].ctype is None and e in special:
         return special[e]
     return f"km::pow({x}, {_cast(a[1], out)})"
@@ -113,15 +122,17 @@ def _pow_tensor_scalar(a: list[Operand], kw: dict, out: str) -> str:
 def _gelu(a: list[Operand], kw: dict, out: str) -> str:
     x = _cast(a[0], out)
     if kw.get("approximate", "none") == "tanh":
-        return (f"(0.5f * {x} * (1.0f + km::tanh(0.7978845608028654f * "
-                f"({x} + 0.044715f * {x} * {x} * {x}))))")
+        return (
+            f"(0.5f * {x} * (1.0f + km::tanh(0.7978845608028654f * "
+            f"({x} + 0.044715f * {x} * {x} * {x}))))"
+        )
     return f"({x} * 0.5f * (1.0f + km::erf({x} * 0.7071067811865476f)))"
 
 
 def _gelu_backward(a: list[Operand], kw: dict, out: str) -> str:
     g, x = _cast(a[0], out), _cast(a[1], out)
     if kw.get("approximate", "none") == "tanh":
-        return (f"kiln_gelu_tanh_bwd({g}, {x})")
+        return f"kiln_gelu_tanh_bwd({g}, {x})"
     return f"kiln_gelu_bwd({g}, {x})"
 
 
@@ -150,6 +161,7 @@ def _fma(a: list[Operand], kw: dict, out: str) -> str:
 
 def _addc(sym: str) -> Formula:
     """addcmul / addcdiv: ``self + value * (t1 sym t2)``, as ATen's CPU kernel computes it."""
+
     def f(a: list[Operand], kw: dict, out: str) -> str:
         x, t1, t2 = (_cast(o, out) for o in a[:3])
         value = kw.get("value", 1)
@@ -162,8 +174,10 @@ def _addc(sym: str) -> Formula:
 def _lerp(a: list[Operand], kw: dict, out: str) -> str:
     """ATen's lerp: ``w < 0.5 ? self + w * (end - self) : end - (end - self) * (1 - w)``."""
     x, e, w = _cast(a[0], out), _cast(a[1], out), _cast(a[2], out)
-    return (f"((kiln_abs({w}) < ({out})0.5) ? ({x} + {w} * ({e} - {x})) : "
-            f"({e} - ({e} - {x}) * ((({out})1) - {w})))")
+    return (
+        f"((kiln_abs({w}) < ({out})0.5) ? ({x} + {w} * ({e} - {x})) : "
+        f"({e} - ({e} - {x}) * ((({out})1) - {w})))"
+    )
 
 
 def _copy(a: list[Operand], kw: dict, out: str) -> str:
@@ -175,21 +189,32 @@ def _ident(a: list[Operand], kw: dict, out: str) -> str:
 
 
 FORMULAS: dict[str, Formula] = {
-    "add.Tensor": _alpha("+"), "add.Scalar": _alpha("+"),
-    "sub.Tensor": _alpha("-"), "sub.Scalar": _alpha("-"),
-    "mul.Tensor": _binary("*"), "mul.Scalar": _binary("*"),
-    "div.Tensor": _binary("/"), "div.Scalar": _binary("/"),
-    "eq.Tensor": _compare("=="), "eq.Scalar": _compare("=="),
-    "ne.Tensor": _compare("!="), "ne.Scalar": _compare("!="),
-    "lt.Tensor": _compare("<"), "lt.Scalar": _compare("<"),
-    "le.Tensor": _compare("<="), "le.Scalar": _compare("<="),
-    "gt.Tensor": _compare(">"), "gt.Scalar": _compare(">"),
-    "ge.Tensor": _compare(">="), "ge.Scalar": _compare(">="),
+    "add.Tensor": _alpha("+"),
+    "add.Scalar": _alpha("+"),
+    "sub.Tensor": _alpha("-"),
+    "sub.Scalar": _alpha("-"),
+    "mul.Tensor": _binary("*"),
+    "mul.Scalar": _binary("*"),
+    "div.Tensor": _binary("/"),
+    "div.Scalar": _binary("/"),
+    "eq.Tensor": _compare("=="),
+    "eq.Scalar": _compare("=="),
+    "ne.Tensor": _compare("!="),
+    "ne.Scalar": _compare("!="),
+    "lt.Tensor": _compare("<"),
+    "lt.Scalar": _compare("<"),
+    "le.Tensor": _compare("<="),
+    "le.Scalar": _compare("<="),
+    "gt.Tensor": _compare(">"),
+    "gt.Scalar": _compare(">"),
+    "ge.Tensor": _compare(">="),
+    "ge.Scalar": _compare(">="),
     "logical_and.default": lambda a, kw, o: f"({_cast(a[0], 'bool')} && {_cast(a[1], 'bool')})",
     "logical_or.default": lambda a, kw, o: f"({_cast(a[0], 'bool')} || {_cast(a[1], 'bool')})",
     "logical_not.default": lambda a, kw, o: f"(!{_cast(a[0], 'bool')})",
     "bitwise_not.default": lambda a, kw, o: (
-        f"(!{a[0].expr})" if o == "bool" else f"(~{_cast(a[0], o)})"),
+        f"(!{a[0].expr})" if o == "bool" else f"(~{_cast(a[0], o)})"
+    ),
     "neg.default": _unary("(-{x})"),
     "abs.default": _unary("km::abs({x})"),
     "exp.default": _unary("km::exp({x})"),
@@ -223,11 +248,14 @@ FORMULAS: dict[str, Formula] = {
     "masked_fill.Scalar": _masked_fill,
     "masked_fill.Tensor": _masked_fill,
     "sigmoid_backward.default": lambda a, kw, o: (
-        f"({_cast(a[0], o)} * ((({o})1) - {_cast(a[1], o)}) * {_cast(a[1], o)})"),
+        f"({_cast(a[0], o)} * ((({o})1) - {_cast(a[1], o)}) * {_cast(a[1], o)})"
+    ),
     "tanh_backward.default": lambda a, kw, o: (
-        f"({_cast(a[0], o)} * ((({o})1) - {_cast(a[1], o)} * {_cast(a[1], o)}))"),
+        f"({_cast(a[0], o)} * ((({o})1) - {_cast(a[1], o)} * {_cast(a[1], o)}))"
+    ),
     "threshold_backward.default": lambda a, kw, o: (
-        f"(({_cast(a[1], 'float')} <= {_cast(a[2], 'float')}) ? ({o})0 : {_cast(a[0], o)})"),
+        f"(({_cast(a[1], 'float')} <= {_cast(a[2], 'float')}) ? ({o})0 : {_cast(a[0], o)})"
+    ),
     "silu_backward.default": lambda a, kw, o: f"kiln_silu_bwd({_cast(a[0], o)}, {_cast(a[1], o)})",
     "opaque.prims::fma.default": _fma,
     "addcmul.default": _addc("*"),
@@ -327,8 +355,11 @@ def supported(op: str, args: tuple, kwargs: dict) -> bool:
             return False
         if kwargs.get("layout") not in (None, torch.strided):
             return False
-    if op == "clone.default" and kwargs.get("memory_format") not in (None, torch.contiguous_format,
-                                                                    torch.preserve_format):
+    if op == "clone.default" and kwargs.get("memory_format") not in (
+        None,
+        torch.contiguous_format,
+        torch.preserve_format,
+    ):
         return False
     if op in ("gelu.default", "gelu_backward.default"):
         if kwargs.get("approximate", "none") not in ("none", "tanh"):

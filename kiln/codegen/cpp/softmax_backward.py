@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.codegen.cpp.emit import PARALLEL_MIN, KernelSpec, _mode
+from kiln.codegen.cpp.emit import PARALLEL_MIN, KernelSpec
 from kiln.ir.graph import In, Node
 
 OPS = ("_softmax_backward_data.default", "_log_softmax_backward_data.default")
@@ -42,32 +42,44 @@ def emit_softmax_backward(name: str, n: Node, in_types: list) -> tuple[str, Kern
     """C++ source and call spec for one node accepted by :func:`softmax_backward_ok`."""
     order = [n.args[0].k, n.args[1].k]
     shape = tuple(in_types[order[0]].shape)
-    spec = KernelSpec(name, "softmax_backward", len(shape), shape, order, ["full", "full"], [],
-                      ["full"], out_dtypes=[torch.float32], members=(n.op,))
+    spec = KernelSpec(
+        name,
+        "softmax_backward",
+        len(shape),
+        shape,
+        order,
+        ["full", "full"],
+        [],
+        ["full"],
+        out_dtypes=[torch.float32],
+        members=(n.op,),
+    )
     log = n.op.startswith("_log")
-    L = [f'extern "C" void {name}(void** P, const int64_t* I, const double* D) {{',
-         "  const float* dy = (const float*)P[0];",
-         "  const float* y = (const float*)P[1];",
-         "  float* dx = (float*)P[2];",
-         "  const int64_t N = " + " * ".join(f"I[{d}]" for d in range(len(shape))) + ";",
-         f"  const int64_t L = I[{len(shape) - 1}];",
-         "  if (N == 0) return;",
-         "  const int64_t rows = N / L;",
-         f"  #pragma omp parallel for if(N >= {PARALLEL_MIN})",
-         "  for (int64_t r = 0; r < rows; ++r) {",
-         "    const float* a = dy + r * L;",
-         "    const float* b = y + r * L;",
-         "    float* o = dx + r * L;",
-         "    double s = 0.0;",
-         "    #pragma omp simd reduction(+:s)",
-         "    for (int64_t j = 0; j < L; ++j) s += " + ("(double)a[j];" if log else
-                                                         "(double)a[j] * (double)b[j];"),
-         "    const float sf = (float)s;",
-         "    #pragma omp simd",
-         "    for (int64_t j = 0; j < L; ++j) " + (
-             "o[j] = a[j] - km::exp(b[j]) * sf;" if log else "o[j] = b[j] * (a[j] - sf);"),
-         "  }",
-         "}"]
+    L = [
+        f'extern "C" void {name}(void** P, const int64_t* I, const double* D) {{',
+        "  const float* dy = (const float*)P[0];",
+        "  const float* y = (const float*)P[1];",
+        "  float* dx = (float*)P[2];",
+        "  const int64_t N = " + " * ".join(f"I[{d}]" for d in range(len(shape))) + ";",
+        f"  const int64_t L = I[{len(shape) - 1}];",
+        "  if (N == 0) return;",
+        "  const int64_t rows = N / L;",
+        f"  #pragma omp parallel for if(N >= {PARALLEL_MIN})",
+        "  for (int64_t r = 0; r < rows; ++r) {",
+        "    const float* a = dy + r * L;",
+        "    const float* b = y + r * L;",
+        "    float* o = dx + r * L;",
+        "    double s = 0.0;",
+        "    #pragma omp simd reduction(+:s)",
+        "    for (int64_t j = 0; j < L; ++j) s += "
+        + ("(double)a[j];" if log else "(double)a[j] * (double)b[j];"),
+        "    const float sf = (float)s;",
+        "    #pragma omp simd",
+        "    for (int64_t j = 0; j < L; ++j) "
+        + ("o[j] = a[j] - km::exp(b[j]) * sf;" if log else "o[j] = b[j] * (a[j] - sf);"),
+        "  }",
+        "}",
+    ]
     src = "\n".join(L) + "\n"
     spec.source = src
     return src, spec

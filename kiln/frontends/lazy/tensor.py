@@ -27,9 +27,8 @@ from kiln.config import config
 from kiln.frontends.lazy import trace as T
 from kiln.frontends.lazy.shapes import _map, infer
 from kiln.frontends.lazy.views import Link, inverse, split_links
-from kiln.ir.graph import Node
 from kiln.ir.ops import OPS, Category
-from kiln.lowering.aten import Ref, lower_call, op_name
+from kiln.lowering.aten import Ref, lower_call
 
 aten = torch.ops.aten
 DEVICE = torch.device("kiln", 0)
@@ -38,13 +37,37 @@ _DECOMPS = core_aten_decompositions()
 
 # Ops whose float arguments describe the op itself (not a value that changes per step): kept in
 # the graph so passes can see them (pow(x, 2.0) -> x*x).
-_STRUCTURAL_FLOATS = {"pow", "native_dropout", "leaky_relu", "elu", "hardtanh", "softplus",
-                      "threshold", "rrelu", "celu", "gelu", "clamp", "clamp_min", "clamp_max",
-                      "native_layer_norm", "native_group_norm", "native_batch_norm",
-                      "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
-                      "_fused_rms_norm", "full", "fill", "scalar_tensor", "arange",
-                      "linspace", "bernoulli", "uniform", "normal_functional", "masked_fill",
-                      "nan_to_num"}
+_STRUCTURAL_FLOATS = {
+    "pow",
+    "native_dropout",
+    "leaky_relu",
+    "elu",
+    "hardtanh",
+    "softplus",
+    "threshold",
+    "rrelu",
+    "celu",
+    "gelu",
+    "clamp",
+    "clamp_min",
+    "clamp_max",
+    "native_layer_norm",
+    "native_group_norm",
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training",
+    "_fused_rms_norm",
+    "full",
+    "fill",
+    "scalar_tensor",
+    "arange",
+    "linspace",
+    "bernoulli",
+    "uniform",
+    "normal_functional",
+    "masked_fill",
+    "nan_to_num",
+}
 # Ops that take CPU index tensors next to device tensors, as in eager PyTorch (x_cuda[cpu_idx]).
 _CPU_INDICES_OK = {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index"}
 # In-place ops whose functional variant is not just the name without the trailing underscore.
@@ -249,8 +272,11 @@ def _arg_sig(func: Any) -> list[tuple[str, str]]:
 
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     name = func._schema.name.split("::")[1]
-    if func is aten._to_copy.default and _cpu_device(kwargs.get("device")) == _CPU \
-            and kwargs.get("device") is not None:
+    if (
+        func is aten._to_copy.default
+        and _cpu_device(kwargs.get("device")) == _CPU
+        and kwargs.get("device") is not None
+    ):
         v = materialize(args[0], "to_cpu")
         return aten._to_copy.default(v, **kwargs)
     if func is aten.copy_.default or func is aten.copy.default:
@@ -349,8 +375,10 @@ def _inplace(func: Any, fn: Any, args: tuple, kwargs: dict, mutated: list[int]) 
         a = args[i] if i < len(args) else kwargs[func._schema.arguments[i].name]
         targets.extend(a if isinstance(a, (list, tuple)) else [a])
     if len(targets) != len(outs):
-        raise RuntimeError(f"Kiln internal error: {func} mutates {len(targets)} tensors, "
-                           f"its functional form returns {len(outs)}")
+        raise RuntimeError(
+            f"Kiln internal error: {func} mutates {len(targets)} tensors, "
+            f"its functional form returns {len(outs)}"
+        )
     for t, v in zip(targets, outs):
         vn = read(v)
         if v.dtype != t.dtype or v.shape != t.shape:
@@ -368,9 +396,14 @@ def _record(func: Any, args: tuple, kwargs: dict) -> Any:
     except Exception:  # noqa: BLE001 - data-dependent shape or no meta kernel: run it for real
         return _eager(func, args, kwargs, f"op:{func._schema.name.split('::')[1]}")
     if not _has_tensor_out(out_meta):
-        if func._schema.returns and all(
-            str(r.type) in ("int", "bool", "float", "Scalar", "SymInt") for r in func._schema.returns
-        ) and not any(isinstance(a, LazyTensor) for a in tree_flatten(args)[0]):
+        if (
+            func._schema.returns
+            and all(
+                str(r.type) in ("int", "bool", "float", "Scalar", "SymInt")
+                for r in func._schema.returns
+            )
+            and not any(isinstance(a, LazyTensor) for a in tree_flatten(args)[0])
+        ):
             return out_meta
         return _eager(func, args, kwargs, f"op:{func._schema.name.split('::')[1]}")
     lift = func._schema.name.split("::")[1] not in _STRUCTURAL_FLOATS

@@ -203,9 +203,7 @@ def sync(reason: str | None = None) -> None:
         g, values = _prune(tr, outs)
         metrics.traced(time.perf_counter() - tr.t0)
         if tr.seed_node is not None:
-            seed_idx = next(
-                (n.kwarg("index") for n in g.nodes if n.kwarg("role") == "seed"), None
-            )
+            seed_idx = next((n.kwarg("index") for n in g.nodes if n.kwarg("role") == "seed"), None)
             if seed_idx is not None:
                 values[seed_idx] = int(torch.randint(0, 2**62, (), dtype=torch.int64))
         site = _site()
