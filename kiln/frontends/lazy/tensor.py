@@ -142,8 +142,10 @@ def read(x: LazyTensor) -> int:
     tr = T.current()
     node = tr.import_storage(x._st)
     meta = x._st.meta
-    for func, args, kw in x._chain:
-        out_meta = func(meta, *args, **dict(kw))
+    last = len(x._chain) - 1
+    for k, (func, args, kw) in enumerate(x._chain):
+        # the chain's last link yields x itself: its meta is known, no need to re-run the view
+        out_meta = x._meta if k == last else func(meta, *args, **dict(kw))
         n = lower_call(func, (Ref(node), *args), dict(kw), _ref_only, T.out_types(out_meta))
         node = tr.add(n)
         meta = out_meta
@@ -270,8 +272,29 @@ def _arg_sig(func: Any) -> list[tuple[str, str]]:
     return [(a.name, str(a.type)) for a in func._schema.arguments]
 
 
+class _Facts:
+    """What ``_dispatch`` needs to know about one ATen overload, worked out once."""
+
+    __slots__ = ("name", "composite", "view", "inplace_view", "mutated", "functional", "decomp")
+
+    def __init__(self, func: Any) -> None:
+        self.name = func._schema.name.split("::")[1]
+        self.composite = self.name not in OPS and _is_composite_implicit(func)
+        self.view = func.is_view
+        self.inplace_view = torch.Tag.inplace_view in func.tags and func is not aten.set_.source_Tensor
+        self.mutated = _mutated_args(func)
+        self.functional = _functional(func) if self.mutated else None
+        self.decomp = _DECOMPS.get(func) if self.name not in OPS else None
+
+
+_FACTS: dict[Any, _Facts] = {}
+
+
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
-    name = func._schema.name.split("::")[1]
+    f = _FACTS.get(func)
+    if f is None:
+        f = _FACTS[func] = _Facts(func)
+    name = f.name
     if (
         func is aten._to_copy.default
         and _cpu_device(kwargs.get("device")) == _CPU
@@ -284,25 +307,24 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             return args[0]
     elif name not in _CPU_INDICES_OK:
         _check_devices(func, args, kwargs)
-    if name not in OPS and _is_composite_implicit(func):
+    if f.composite:
         # Reached from inside a decomposition (aten.to.dtype_layout from type_as): decompose it as
         # autograd would have.  (Recorded whole, to.dtype_layout was taken for a view -- its
         # schema may alias -- and replayed with device=kiln inside the graph.)
         out = func.decompose(*args, **kwargs)
         if out is not NotImplemented:
             return out
-    if func.is_view:
+    if f.view:
         return _view(func, args, kwargs)
-    if torch.Tag.inplace_view in func.tags and func is not aten.set_.source_Tensor:
+    if f.inplace_view:
         return _inplace_view(func, args, kwargs)
-    mutated = _mutated_args(func)
-    if mutated:
-        fn = _functional(func)
+    if f.mutated:
+        fn = f.functional
         if fn is None or "out" in kwargs or func._overloadname.endswith("out"):
             return _eager(func, args, kwargs, f"op:{name}")
-        return _inplace(func, fn, args, kwargs, mutated)
-    if name not in OPS and func in _DECOMPS:
-        out = _DECOMPS[func](*args, **kwargs)
+        return _inplace(func, fn, args, kwargs, f.mutated)
+    if f.decomp is not None:
+        out = f.decomp(*args, **kwargs)
         if out is not NotImplemented:
             return out
     return _record(func, args, kwargs)
