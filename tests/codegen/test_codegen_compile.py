@@ -3,30 +3,13 @@
 from __future__ import annotations
 
 import torch
+from kiln_codegen_testlib import check_compiled_vs_eager
 import torch.nn.functional as F
 
 import kiln  # noqa: F401 - registers the backend
-from kiln import metrics
-from kiln.config import config
 
 
-def _grads(fn, *xs):
-    xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in xs]
-    out = fn(*xs)
-    gs = torch.autograd.grad(out.sum(), [x for x in xs if x.requires_grad])
-    return out.detach(), gs
-
-
-def _check(fn, *xs):
-    assert config.backend == "cpp"
-    torch._dynamo.reset()
-    eo, eg = _grads(fn, *xs)
-    before = metrics.get("fused_kernels")
-    ko, kg = _grads(torch.compile(fn, backend="kiln"), *xs)
-    assert metrics.get("fused_kernels") > before, "no generated kernel ran"  # fwd + bwd graphs
-    torch.testing.assert_close(ko, eo)
-    for a, b in zip(kg, eg):
-        torch.testing.assert_close(a, b)
+_check = check_compiled_vs_eager
 
 
 def test_mlp_block_forward_backward():

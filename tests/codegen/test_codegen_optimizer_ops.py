@@ -10,29 +10,13 @@ from __future__ import annotations
 import copy
 
 import torch
+from kiln_codegen_testlib import check_compiled_vs_eager
 
 import kiln
 from kiln import metrics
-from kiln.config import config
 
 
-def _grads(fn, *xs):
-    xs = [x.detach().clone().requires_grad_(True) for x in xs]
-    out = fn(*xs)
-    gs = torch.autograd.grad(out.sum(), xs)
-    return out.detach(), gs
-
-
-def _check(fn, *xs):
-    assert config.backend == "cpp"
-    torch._dynamo.reset()
-    eo, eg = _grads(fn, *xs)
-    before = metrics.get("fused_kernels")
-    ko, kg = _grads(torch.compile(fn, backend="kiln"), *xs)
-    assert metrics.get("fused_kernels") > before, "no generated kernel ran"
-    torch.testing.assert_close(ko, eo)
-    for a, b in zip(kg, eg):
-        torch.testing.assert_close(a, b)
+_check = check_compiled_vs_eager
 
 
 def test_lerp_scalar_both_branches_and_tensor_weight():
