@@ -235,3 +235,16 @@ def test_cpu_index_tensors_are_allowed_like_eager():
     lx[torch.tensor([0])] = 7.0
     x[torch.tensor([0])] = 7.0
     torch.testing.assert_close(lx.cpu(), x)
+
+
+def test_eager_out_op_does_not_change_what_earlier_ops_read():
+    # mm(out=) has no functional form here: it runs eagerly, writing into x's storage; the
+    # recorded y = x * 2 must still see the old x
+    a, b = torch.randn(3, 3), torch.randn(3, 3)
+    x = torch.ones(3, 3)
+    lx = lazy(x)
+    kiln.mark_step()
+    ly = lx * 2
+    torch.mm(lazy(a), lazy(b), out=lx)
+    torch.testing.assert_close(ly.cpu(), x * 2)
+    torch.testing.assert_close(lx.cpu(), a @ b)

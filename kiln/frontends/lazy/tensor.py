@@ -473,8 +473,11 @@ def _eager(func: Any, args: tuple, kwargs: dict, reason: str) -> Any:
         return _cpu_device(a)
 
     # materialize pending work once, then take values (views alias storage data, so in-place
-    # eager ops write straight into the storages)
-    if any(isinstance(a, LazyTensor) and a._st.pending for a in tree_flatten((args, kwargs))[0]):
+    # eager ops write straight into the storages).  An op that writes its arguments runs only
+    # after *all* recorded work: ops recorded earlier may read the old value of what it writes.
+    if _mutated_args(func) or any(
+        isinstance(a, LazyTensor) and a._st.pending for a in tree_flatten((args, kwargs))[0]
+    ):
         T.sync(reason)
     cargs = tree_map(conc, args)
     ckwargs = tree_map(conc, kwargs)
