@@ -228,13 +228,13 @@ def _check_devices(func: Any, args: Any, kwargs: dict) -> None:
 
 
 def _check_one(func: Any, a: Any) -> None:
-    if True:
-        if isinstance(a, torch.Tensor) and not isinstance(a, LazyTensor) and a.dim() > 0:
-            raise RuntimeError(
-                "Expected all tensors to be on the same device, but found at least two devices, "
-                f"{DEVICE} and {a.device}! (when checking arguments for {func}); move the "
-                f"{a.device} tensor with .to(kiln.device()) or the kiln tensor with .cpu()"
-            )
+    # a CPU tensor next to kiln tensors is an error, as for cuda/cpu, except 0-dim ones (scalars)
+    if isinstance(a, torch.Tensor) and not isinstance(a, LazyTensor) and a.dim() > 0:
+        raise RuntimeError(
+            "Expected all tensors to be on the same device, but found at least two devices, "
+            f"{DEVICE} and {a.device}! (when checking arguments for {func}); move the "
+            f"{a.device} tensor with .to(kiln.device()) or the kiln tensor with .cpu()"
+        )
 
 
 def _mutated_args(func: Any) -> list[int]:
@@ -281,7 +281,9 @@ class _Facts:
         self.name = func._schema.name.split("::")[1]
         self.composite = self.name not in OPS and _is_composite_implicit(func)
         self.view = func.is_view
-        self.inplace_view = torch.Tag.inplace_view in func.tags and func is not aten.set_.source_Tensor
+        self.inplace_view = (
+            torch.Tag.inplace_view in func.tags and func is not aten.set_.source_Tensor
+        )
         self.mutated = _mutated_args(func)
         self.functional = _functional(func) if self.mutated else None
         self.decomp = _DECOMPS.get(func) if self.name not in OPS else None
