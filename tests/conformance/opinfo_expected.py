@@ -57,9 +57,6 @@ EXPECTED: dict[tuple[str, str, str], str] = {
     # --- lazy: wrong results
     ("linalg.eigvals", "lazy", "grad"): "wrong result: max abs diff 0.465 (complex eigenvalue "
     "gradient; likely the conj bit of lazy views)",
-    ("nn.functional.linear_cross_entropy.chunked_none", "lazy", "grad"): (
-        "wrong result: max abs diff 0.174"
-    ),
     # --- lazy: errors
     ("tensor_split", "lazy", "*"): (
         "tensor_split needs its indices tensor on the CPU ('expected tensor_indices_or_sections "
