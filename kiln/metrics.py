@@ -143,7 +143,7 @@ def report() -> str:
         lines.append(f"  {'compile time':<28} {_fmt_times(m.compile_s)}")
         lines.append(f"  {'disk-cache load time':<28} {_fmt_times(m.load_s)}")
         lines.append(f"  {'execute time':<28} {_fmt_times(m.execute_s)}")
-        lines.append(f"  {'trace time':<28} {_fmt_times(m.trace_s)}")
+        lines.append(f"  {'wall time between cuts':<28} {_fmt_times(m.trace_s)}")
         if m.graph_sizes:
             lines.append(
                 f"  {'graph sizes (nodes)':<28} min={min(m.graph_sizes)} max={max(m.graph_sizes)}"

@@ -248,3 +248,8 @@ def test_eager_out_op_does_not_change_what_earlier_ops_read():
     torch.mm(lazy(a), lazy(b), out=lx)
     torch.testing.assert_close(ly.cpu(), x * 2)
     torch.testing.assert_close(lx.cpu(), a @ b)
+
+
+def test_device_index_other_than_zero_is_rejected():
+    with pytest.raises(ValueError, match=r"Kiln has one lazy device \(index 0\); got index 1"):
+        kiln.device(1)

@@ -65,3 +65,9 @@ def test_explain_lists_passes_and_kernels_with_source(tmp_path):
     assert "kernel kiln_" in text and "fuses" in text
     assert 'extern "C" void kiln_' in text  # --source prints the generated C++
     assert "pass fuse" in text
+
+
+def test_precompile_without_a_command_says_how_to_give_one():
+    out = _kiln("precompile", env=dict(os.environ))
+    assert out.returncode == 2
+    assert "give the command to run after --, e.g. -- python train.py" in out.stderr

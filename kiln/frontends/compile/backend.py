@@ -22,9 +22,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from kiln import metrics
 from kiln.config import config
-from kiln.frontends.lazy.trace import stop_after_max_steps
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
-from kiln.runtime.compiler import compile_graph
+from kiln.runtime.compiler import compile_graph, stop_after_max_steps
 
 _last_shapes: dict[str, list] = {}
 

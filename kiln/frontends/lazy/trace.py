@@ -21,7 +21,7 @@ import torch
 from kiln import metrics
 from kiln.config import config
 from kiln.ir.graph import Graph, GraphBuilder, Node, TensorType, _canon, _tensor_digest
-from kiln.runtime.compiler import compile_graph
+from kiln.runtime.compiler import compile_graph, stop_after_max_steps
 from kiln.runtime.interpreter import types_of
 
 
@@ -228,18 +228,6 @@ def sync(reason: str | None = None) -> None:
             st.gen = -1
     if reason is None and config.max_steps and metrics.get("mark_steps") >= config.max_steps:
         stop_after_max_steps()
-
-
-def stop_after_max_steps() -> None:
-    """``KILN_MAX_STEPS`` (set by ``kiln precompile`` / ``kiln explain``): end the process cleanly
-    once that many steps have run; the compile cache already holds every graph they needed."""
-    print(
-        f"[kiln] stopping after {config.max_steps} steps (KILN_MAX_STEPS): "
-        f"{metrics.get('graphs_compiled')} graphs compiled, "
-        f"{metrics.get('cache_hits_disk')} loaded from the disk cache",
-        file=sys.stderr,
-    )
-    raise SystemExit(0)
 
 
 def out_types(meta: Any) -> tuple[TensorType | None, ...]:
