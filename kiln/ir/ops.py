@@ -11,6 +11,10 @@ fuses by category.  A handful of ops are Kiln's own:
   pyop         integer arithmetic on sizes (``pyop.mul``): dynamic-shape bookkeeping
   opaque       an ATen op Kiln has no rule for: runs eagerly, counted as a fallback
   fused        a kernel built by the fusion pass (attrs: kernel)
+  writeback    ``writeback(dst, src)``: store ``src`` into graph input ``dst`` (an in-place update
+               the caller asked for, e.g. a parameter after the optimizer step); returns ``dst``.
+               The memory planner may let the kernel that computes ``src`` write into ``dst``
+               directly, and then nothing is copied.
 """
 
 from __future__ import annotations
@@ -113,9 +117,10 @@ for _n in ("input", "scalar", "constant", "getitem", "sym_size", "sym_numel", "s
     OPS[_n] = OpDef(_n, Category.META)
 OPS["opaque"] = OpDef("opaque", Category.OPAQUE)
 OPS["fused"] = OpDef("fused", Category.ELEMENTWISE)
+OPS["writeback"] = OpDef("writeback", Category.META)
 
 # Ops whose value depends on data and which no pass may duplicate or drop.
-SIDE_EFFECTS: frozenset[str] = frozenset({"opaque"})
+SIDE_EFFECTS: frozenset[str] = frozenset({"opaque", "writeback"})
 
 
 def packet_of(op: str) -> str:

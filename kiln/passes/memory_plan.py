@@ -17,6 +17,15 @@ Example::
 
 Lifetimes are taken through aliases: a view (or any op that may return one, such as ``opaque``
 calls) keeps the buffer it views alive.
+
+A pointwise output that a ``writeback`` stores into a graph input it reads (the optimizer's new
+parameter, computed from the old one) is placed in that input itself, ``("arg", q)`` = the node's
+q-th input, when no later node reads the old value: the kernel updates the input in place and the
+writeback has nothing to copy.  The executor checks at run time that the input is contiguous and
+of the output's shape and dtype, and allocates a fresh buffer (then the writeback copies) if not::
+
+    %5 = fused[pointwise](%0, %3)      placement=(("arg", 0),)   # new %0, written into %0
+    %6 = writeback(%0, %5)                                       # nothing left to copy
 """
 
 from __future__ import annotations
@@ -55,13 +64,23 @@ def memory_plan(g: Graph) -> Graph:
             or (n.op == "getitem" and g.nodes[n.inputs[0]].op == "fused")
         ):
             roots.append(frozenset((i,)))
+        elif n.op == "writeback":
+            roots.append(roots[n.inputs[0]])  # returns its destination
         else:
             r: set[int] = set()
             for j in n.inputs:
                 r |= roots[j]
             roots.append(frozenset(r) or frozenset((i,)))
     end = list(range(n_nodes))  # last step at which each root's buffer may be read
+    writes: dict[int, int] = {}  # value -> the graph input a writeback stores it into
     for i, n in enumerate(g.nodes):
+        if n.op == "writeback":  # writes its destination, reads only its source
+            dst, src = n.inputs
+            if g.nodes[dst].op == "input":
+                writes[src] = -1 if src in writes else dst  # -1: stored twice, leave it
+            for r in roots[src]:
+                end[r] = max(end[r], i)
+            continue
         for j in n.inputs:
             for r in roots[j]:
                 end[r] = max(end[r], i)
@@ -91,8 +110,12 @@ def memory_plan(g: Graph) -> Graph:
                 else {}
             )
             owner = {s: r for rs in inplace.values() for r, s in rs}
+            into = _into_inputs(g, i, out_ids[i], writes, end, roots, escaping)
             for p, vid in enumerate(out_ids[i]):
                 t = n.types[p]
+                if p in into:
+                    place.append(("arg", into[p]))
+                    continue
                 if vid in escaping or t is None:
                     place.append(None)
                     continue
@@ -138,6 +161,28 @@ def _output_ids(g: Graph) -> dict[int, tuple[int, ...]]:
         if n.op == "getitem" and n.inputs[0] in res and len(g.nodes[n.inputs[0]].types) > 1:
             res[n.inputs[0]][n.args[1]] = i
     return {k: tuple(v) for k, v in res.items()}
+
+
+def _into_inputs(g, i, outs, writes, end, roots, escaping) -> dict[int, int]:
+    """Outputs of pointwise node ``i`` that may be written into the graph input they update:
+    output position -> position of that input among the node's inputs."""
+    n = g.nodes[i]
+    if n.kwarg("kind") != "pointwise":
+        return {}
+    shape = tuple(n.kwarg("shape"))
+    res: dict[int, int] = {}
+    used: set[int] = set()
+    for p, vid in enumerate(outs):
+        k = writes.get(vid, -1)
+        if k < 0 or vid in escaping or k not in n.inputs or k in used:
+            continue
+        if end[k] > i or n.types[p] != g.nodes[k].types[0] or tuple(n.types[p].shape) != shape:
+            continue  # the old value is read later, or the shapes differ
+        if any(k in roots[j] for j in n.inputs if j != k):
+            continue  # the kernel also reads the input through a view
+        res[p] = n.inputs.index(k)
+        used.add(k)
+    return res
 
 
 def _inplace_candidates(g, i, end, roots, slot_of) -> dict[tuple, list[tuple[int, int]]]:

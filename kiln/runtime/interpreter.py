@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kiln import metrics
 from kiln.ir.graph import Graph, In, Node, TensorType
 from kiln.ir.ops import Category, opaque_target, packet_of
 
@@ -64,10 +65,22 @@ def fill(template: Any, values: Sequence[Any]) -> Any:
     return template
 
 
+def writeback(dst: torch.Tensor, src: Any) -> torch.Tensor:
+    """``dst.copy_(src)``, skipped when a kernel already wrote ``src`` into ``dst`` itself."""
+    if src is not dst:
+        dst.copy_(src)
+        metrics.incr("input_update_copies")
+    else:  # written in place by a kernel: tell autograd, as copy_ would
+        torch.autograd.graph.increment_version(dst)
+    return dst
+
+
 def call_node(node: Node, ins: Sequence[Any]) -> Any:
     """Run one (non-meta) node on concrete input values."""
     if node.op == "getitem":
         return ins[0][node.args[1]]
+    if node.op == "writeback":
+        return writeback(ins[0], ins[1])
     fn = resolve(node.op)
     args = fill(node.args, ins)
     kwargs = {k: fill(v, ins) for k, v in node.kwargs}

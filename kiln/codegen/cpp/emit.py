@@ -34,6 +34,7 @@ from kiln.ir.graph import In, Node
 PARALLEL_MIN = 32768
 
 _ABBR_CT = {"f32": "float", "b8": "bool", "i64": "int64_t"}
+_STORE_CT = {"bool": "uint8_t"}  # how a dtype sits in memory (torch.bool is one byte, 0 or 1)
 _DTYPE = {"f32": torch.float32, "b8": torch.bool, "i64": torch.int64}
 
 
@@ -110,12 +111,15 @@ class _Emitter:
             return f"d{k}"
         mode = self.spec.input_modes[self.pos[k]]
         if mode == "full":
-            return f"in{k}[i]"
-        if mode == "one":
-            return f"in{k}[0]"
-        if mode == "bcast_inner":
-            return f"in{k}[off{k} + j]"
-        return f"in{k}[off{k}]"
+            ref = f"in{k}[i]"
+        elif mode == "one":
+            ref = f"in{k}[0]"
+        elif mode == "bcast_inner":
+            ref = f"in{k}[off{k} + j]"
+        else:
+            ref = f"in{k}[off{k}]"
+        # bool tensors are read as bytes: gcc vectorizes uint8_t loads, not bool ones
+        return f"({ref} != 0)" if self.ctype_of_input(k) == "bool" else ref
 
     def operand(self, v: Any, vals: dict[int, tuple[str, str]]) -> Operand:
         if isinstance(v, In):
@@ -146,13 +150,11 @@ class _Emitter:
         nm = self.spec.name
         self.w(f'extern "C" void {nm}(void** P, const int64_t* I, const double* D) {{')
         for p, k in enumerate(self.spec.tensor_inputs):
-            self.w(
-                f"  const {self.ctype_of_input(k)}* in{k} = "
-                f"(const {self.ctype_of_input(k)}*)P[{p}];"
-            )
+            ct = _STORE_CT.get(self.ctype_of_input(k), self.ctype_of_input(k))
+            self.w(f"  const {ct}* in{k} = (const {ct}*)P[{p}];")
         nin = len(self.spec.tensor_inputs)
         for o, b in enumerate(self.outs):
-            ct = _ABBR_CT[self.body[b][3]]
+            ct = _STORE_CT.get(_ABBR_CT[self.body[b][3]], _ABBR_CT[self.body[b][3]])
             self.w(f"  {ct}* out{o} = ({ct}*)P[{nin + o}];")
             self.spec.out_dtypes.append(_DTYPE[self.body[b][3]])
         for p, k in enumerate(self.spec.scalar_inputs):

@@ -17,7 +17,7 @@ import torch
 
 from kiln.codegen.cpp.emit import KernelSpec
 from kiln.ir.graph import Graph, In, Node
-from kiln.runtime.interpreter import call_node, last_uses, resolve
+from kiln.runtime.interpreter import call_node, last_uses, resolve, writeback
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -81,6 +81,10 @@ def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) 
             slot = out_plan[o]
             if slot is None:
                 buf = torch.empty(osh, dtype=dt)
+            elif type(slot) is tuple:  # ("arg", q): update input q in place (memory_plan)
+                buf = ins[slot[1]]
+                if not (buf.is_contiguous() and buf.shape == osh and buf.dtype == dt):
+                    buf = torch.empty(osh, dtype=dt)  # the writeback copies instead
             else:
                 buf = slots.get(slot)
                 if buf is None or buf.shape != osh or buf.dtype != dt:
@@ -118,6 +122,8 @@ def prepare_aten_call(n: Node) -> Callable[[Sequence[Any]], Any]:
     if n.op == "getitem":
         idx = n.args[1]
         return lambda ins: ins[0][idx]
+    if n.op == "writeback":
+        return lambda ins: writeback(ins[0], ins[1])
     fn = resolve(n.op)
     template = list(n.args)
     direct = [(p, v.k) for p, v in enumerate(template) if isinstance(v, In)]

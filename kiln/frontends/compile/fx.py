@@ -4,7 +4,10 @@ Placeholders become ``input`` nodes (tensors) or ``scalar`` nodes (SymInt / Pyth
 attributes (``get_attr``, constants lifted by Dynamo) become ``constant`` nodes, ATen
 calls go through :func:`kiln.lowering.lower_call`, integer arithmetic on symbolic sizes becomes
 ``pyop`` nodes.  The output spec says, per output position, which graph output fills it or which
-constant (``None`` for a gradient that does not exist).
+constant (``None`` for a gradient that does not exist).  ``copy_`` into a placeholder (an input
+mutation AOTAutograd kept in the graph, e.g. an optimizer's parameter update) becomes a
+``writeback`` node; a source that aliases an input is cloned first, before any writeback, so that
+writebacks never read a value another one has overwritten.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
 
     out_spec: list[tuple[str, Any]] = []
     outputs: list[int] = []
+    pending: list[tuple[torch.fx.Node, torch.fx.Node]] = []  # copy_(dst placeholder, src)
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder":
@@ -67,6 +71,9 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
             tgt = node.target
             if tgt is operator.getitem:
                 env[node] = b.getitem(env[node.args[0]], node.args[1])
+            elif _is_input_copy(node):
+                pending.append((node.args[0], node.args[1]))
+                env[node] = env[node.args[1]]  # the value after the copy (types checked)
             elif isinstance(tgt, torch._ops.OpOverload):
                 n = lower_call(tgt, node.args, dict(node.kwargs), ref_of, _types(val))
                 env[node] = b.add(n)
@@ -83,6 +90,7 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
                 raise UnsupportedGraph(f"get_attr {node.target} is not a tensor ({type(value)})")
             env[node] = b.constant(value)
         elif node.op == "output":
+            _writebacks(b, env, pending, gm)
             for o in node.args[0]:
                 if isinstance(o, torch.fx.Node):
                     out_spec.append(("out", len(outputs)))
@@ -92,3 +100,51 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
         else:
             raise UnsupportedGraph(f"fx node kind {node.op} ({node.target})")
     return b.build(outputs), out_spec
+
+
+def _is_input_copy(node: torch.fx.Node) -> bool:
+    if node.target is not torch.ops.aten.copy_.default or len(node.args) != 2 or node.kwargs:
+        return False
+    dst, src = node.args
+    if not isinstance(dst, torch.fx.Node) or dst.op != "placeholder":
+        return False
+    if not isinstance(src, torch.fx.Node):
+        return False
+    d, s = dst.meta.get("val"), src.meta.get("val")
+    # a broadcasting or casting copy keeps its ATen form (the copy's value is not the source's)
+    return (
+        isinstance(d, torch.Tensor)
+        and isinstance(s, torch.Tensor)
+        and d.shape == s.shape
+        and d.dtype == s.dtype
+    )
+
+
+def _storage(v: Any) -> Any:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    try:
+        return StorageWeakRef(v.untyped_storage())
+    except Exception:  # noqa: BLE001 - no storage (e.g. a sparse value): assume it aliases
+        return None
+
+
+def _writebacks(b: GraphBuilder, env: dict, pending: list, gm: torch.fx.GraphModule) -> None:
+    """Emit the collected input updates, cloning sources that alias a graph input first."""
+    if not pending:
+        return
+    inputs = {
+        _storage(p.meta["val"])
+        for p in gm.graph.nodes
+        if p.op == "placeholder" and isinstance(p.meta.get("val"), torch.Tensor)
+    }
+    srcs = []
+    for _, src in pending:
+        s = env[src]
+        st = _storage(src.meta["val"])
+        if st is None or st in inputs:
+            t = b.nodes[s].types
+            s = b.add(Node("clone.default", (s,), (In(0),), (), t))
+        srcs.append(s)
+    for (dst, _), s in zip(pending, srcs):
+        b.add(Node("writeback", (env[dst], s), (In(0), In(1)), (), b.nodes[env[dst]].types))
