@@ -32,6 +32,10 @@ from kiln.ir.graph import In, Node
 # on a quiet 2-core machine, 32k beats 1M (tiny GPT step 25.4 vs 29.7 ms); on a heavily loaded one,
 # a descheduled team member stalls a parallel kernel at its barrier, but that hurts ATen alike.
 PARALLEL_MIN = 32768
+# On every `omp simd reduction` loop: gcc 12 keeps one accumulator per possible lane (64 when a
+# byte-sized input is in the loop) and folds them with a scalar loop after every row; capping the
+# lane count at 16 (one AVX-512 register of floats) cut a causal-softmax row kernel ~2x.
+SAFELEN = "safelen(16)"
 
 _ABBR_CT = {"f32": "float", "b8": "bool", "i64": "int64_t"}
 _STORE_CT = {"bool": "uint8_t"}  # how a dtype sits in memory (torch.bool is one byte, 0 or 1)
@@ -109,11 +113,15 @@ class _Emitter:
     def load(self, k: int) -> str:
         if k in self.spos:
             return f"d{k}"
+        if self.spec.input_modes[self.pos[k]] == "one":
+            return f"one{k}"  # loaded once, before the loops (see prologue)
+        return f"x{k}"  # loaded at the top of the loop body (see pointwise)
+
+    def element(self, k: int) -> str:
+        """The expression that reads tensor input ``k``'s element inside the loops."""
         mode = self.spec.input_modes[self.pos[k]]
         if mode == "full":
             ref = f"in{k}[i]"
-        elif mode == "one":
-            ref = f"in{k}[0]"
         elif mode == "bcast_inner":
             ref = f"in{k}[off{k} + j]"
         else:
@@ -135,7 +143,14 @@ class _Emitter:
         return Operand(literal(v), None, v)
 
     def pointwise(self, vals: dict[int, tuple[str, str]], indent: str) -> None:
-        """Statements computing every pointwise body entry (reductions are skipped)."""
+        """Statements computing every pointwise body entry (reductions are skipped).
+
+        Every input is read first, unconditionally, into a local: a load under a condition
+        (``where(mask, c, x)`` reads ``x`` only where the mask is false) becomes a masked load
+        that keeps gcc from vectorizing mixed-width loops."""
+        for p, k in enumerate(self.spec.tensor_inputs):
+            if self.spec.input_modes[p] != "one":
+                self.w(f"{indent}const {self.ctype_of_input(k)} x{k} = {self.element(k)};")
         for idx, (op, args, kwargs, dt) in enumerate(self.body):
             if op not in FORMULAS:
                 continue
@@ -164,6 +179,11 @@ class _Emitter:
         n = " * ".join(f"s{d}" for d in range(self.R)) or "1"
         self.w(f"  const int64_t N = {n};")
         self.w("  if (N == 0) return;")
+        for p, k in enumerate(self.spec.tensor_inputs):
+            if self.spec.input_modes[p] == "one":
+                # hoisted: a load under a condition (where(mask, c, x)) keeps gcc from vectorizing
+                ct, load = self.ctype_of_input(k), f"in{k}[0]"
+                self.w(f"  const {ct} one{k} = {f'({load} != 0)' if ct == 'bool' else load};")
         slot = self.R
         self.bcast = [
             k
@@ -256,7 +276,7 @@ class _Emitter:
             o = out_of[b]
             self.w(f"    float* y = out{o} + r * L;")
             self.w("    float mx = -INFINITY;")
-            self.w("    #pragma omp simd reduction(max:mx)")
+            self.w(f"    #pragma omp simd reduction(max:mx) {SAFELEN}")
             self.w("    for (int64_t j = 0; j < L; ++j) {")
             self.w("      const int64_t i = r * L + j;")
             vals: dict = {}
@@ -270,7 +290,7 @@ class _Emitter:
             self.w("    if (mx == -INFINITY) mx = 0.0f;")
             self.w("    float s = 0.0f;")
             if e[0] == "_softmax.default":
-                self.w("    #pragma omp simd reduction(+:s)")
+                self.w(f"    #pragma omp simd reduction(+:s) {SAFELEN}")
                 self.w(
                     "    for (int64_t j = 0; j < L; ++j) { const float t = km::exp(y[j] - mx); "
                     "y[j] = t; s += t; }"
@@ -279,7 +299,7 @@ class _Emitter:
                 self.w("    #pragma omp simd")
                 self.w("    for (int64_t j = 0; j < L; ++j) y[j] *= inv;")
             else:
-                self.w("    #pragma omp simd reduction(+:s)")
+                self.w(f"    #pragma omp simd reduction(+:s) {SAFELEN}")
                 self.w("    for (int64_t j = 0; j < L; ++j) s += km::exp(y[j] - mx);")
                 self.w("    const float sh = mx + km::log(s);")
                 self.w("    #pragma omp simd")
@@ -293,7 +313,7 @@ class _Emitter:
             else:  # double accumulation: stays close to ATen's cascade sum under cancellation
                 self.w(f"    double acc{b} = 0.0;")
             clauses.append(f"reduction({'max' if e[0] == 'amax.default' else '+'}:acc{b})")
-        self.w(f"    #pragma omp simd {' '.join(clauses)}")
+        self.w(f"    #pragma omp simd {' '.join(clauses)} {SAFELEN}")
         self.w("    for (int64_t j = 0; j < L; ++j) {")
         self.w("      const int64_t i = r * L + j;")
         vals = {}

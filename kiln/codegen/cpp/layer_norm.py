@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.codegen.cpp.emit import PARALLEL_MIN, KernelSpec, _mode
+from kiln.codegen.cpp.emit import PARALLEL_MIN, SAFELEN, KernelSpec, _mode
 from kiln.ir.graph import In, Node
 
 F32 = torch.float32
@@ -134,11 +134,11 @@ def _forward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
         "    const float* xr = x + r * L;",
         "    float* yr = out0 + r * L;",
         "    double s = 0.0;",
-        "    #pragma omp simd reduction(+:s)",
+        f"    #pragma omp simd reduction(+:s) {SAFELEN}",
         "    for (int64_t j = 0; j < L; ++j) s += (double)xr[j];",
         "    const double mean = s / (double)L;",
         "    double v = 0.0;",
-        "    #pragma omp simd reduction(+:v)",
+        f"    #pragma omp simd reduction(+:v) {SAFELEN}",
         "    for (int64_t j = 0; j < L; ++j) { const double d = (double)xr[j] - mean; v += d * d; }",
         f"    const float rstd = (float)(1.0 / __builtin_sqrt(v / (double)L + {eps}));",
         "    const float m = (float)mean;",
@@ -189,7 +189,7 @@ def _backward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
         "    const float* xr = x + r * L;",
         "    float* dxr = out0 + r * L;",
         "    double sg = 0.0, sgx = 0.0;",
-        "    #pragma omp simd reduction(+:sg, sgx)",
+        f"    #pragma omp simd reduction(+:sg, sgx) {SAFELEN}",
         "    for (int64_t j = 0; j < L; ++j) {",
         "      const float xh = (xr[j] - mu) * rs;",
         "      const float g = dyr[j] * w[j];",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.codegen.cpp.emit import PARALLEL_MIN, KernelSpec
+from kiln.codegen.cpp.emit import PARALLEL_MIN, SAFELEN, KernelSpec
 from kiln.ir.graph import In, Node
 
 OPS = ("_softmax_backward_data.default", "_log_softmax_backward_data.default")
@@ -70,7 +70,7 @@ def emit_softmax_backward(name: str, n: Node, in_types: list) -> tuple[str, Kern
         "    const float* b = y + r * L;",
         "    float* o = dx + r * L;",
         "    double s = 0.0;",
-        "    #pragma omp simd reduction(+:s)",
+        f"    #pragma omp simd reduction(+:s) {SAFELEN}",
         "    for (int64_t j = 0; j < L; ++j) s += "
         + ("(double)a[j];" if log else "(double)a[j] * (double)b[j];"),
         "    const float sf = (float)s;",
