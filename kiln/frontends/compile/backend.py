@@ -90,9 +90,17 @@ def _kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     return run
 
 
-# Ops kept whole because ATen's own kernel beats what their decomposition turns into on CPU:
-# embedding_dense_backward decomposes to an accumulating index_put, 4-5x slower than ATen's.
-_KEEP = (torch.ops.aten.embedding_dense_backward.default,)
+# Ops kept whole: Kiln has one kernel for each (kiln/codegen/cpp: layer norm and softmax
+# backward, GELU backward as one fused formula), or ATen's own beats the decomposition on CPU
+# (embedding_dense_backward decomposes to an accumulating index_put, 4-5x slower).  Decomposed,
+# a layer norm backward became five row/column kernels, ~6x the time of the one kernel.
+_KEEP = (
+    torch.ops.aten.embedding_dense_backward.default,
+    torch.ops.aten.native_layer_norm_backward.default,
+    torch.ops.aten._softmax_backward_data.default,
+    torch.ops.aten._log_softmax_backward_data.default,
+    torch.ops.aten.gelu_backward.default,
+)
 _DECOMPS = {k: v for k, v in core_aten_decompositions().items() if k not in _KEEP}
 
 kiln_backend = aot_autograd(
