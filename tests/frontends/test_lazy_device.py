@@ -253,3 +253,18 @@ def test_eager_out_op_does_not_change_what_earlier_ops_read():
 def test_device_index_other_than_zero_is_rejected():
     with pytest.raises(ValueError, match=r"Kiln has one lazy device \(index 0\); got index 1"):
         kiln.device(1)
+
+
+def test_new_graph_freezes_the_heap_for_the_garbage_collector():
+    import gc
+
+    from kiln.frontends.lazy import trace
+
+    if trace._settled >= trace._SETTLE_MAX:
+        pytest.skip("this process already froze the heap the maximum number of times")
+    dev = kiln.device()
+    before = kiln.metrics.get("heap_freezes")
+    x = torch.randn(7, 13).to(dev)
+    (x * 3.5 + 1.25).relu().sum().item()  # a graph no other test makes
+    assert kiln.metrics.get("heap_freezes") == before + 1
+    assert gc.get_freeze_count() > 0
