@@ -255,16 +255,24 @@ def test_device_index_other_than_zero_is_rejected():
         kiln.device(1)
 
 
-def test_new_graph_freezes_the_heap_for_the_garbage_collector():
+def test_new_graph_freezes_the_heap_for_the_garbage_collector(monkeypatch):
     import gc
 
     from kiln.frontends.lazy import trace
 
-    if trace._settled >= trace._SETTLE_MAX:
-        pytest.skip("this process already froze the heap the maximum number of times")
+    monkeypatch.setattr(trace, "_settled", trace._SETTLE_MAX - 1)  # one freeze left
     dev = kiln.device()
     before = kiln.metrics.get("heap_freezes")
     x = torch.randn(7, 13).to(dev)
     (x * 3.5 + 1.25).relu().sum().item()  # a graph no other test makes
     assert kiln.metrics.get("heap_freezes") == before + 1
     assert gc.get_freeze_count() > 0
+    (x * 4.5 + 2.25).relu().sum().item()  # another new graph: the cap is reached, no freeze
+    assert kiln.metrics.get("heap_freezes") == before + 1
+
+
+def test_optimizers_take_the_foreach_path_for_lazy_tensors():
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    params = list(torch.nn.Linear(4, 3).to(kiln.device()).parameters())
+    assert _default_to_fused_or_foreach(params, differentiable=False) == (False, True)

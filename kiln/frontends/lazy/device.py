@@ -138,7 +138,27 @@ def _register() -> None:
         # excluded: copy_ then needs a kiln kernel of its own (the fallback cannot serve it).
         impl.impl("copy_", _copy_kernel, "PrivateUse1")
         _register.lib = (lib, impl)  # type: ignore[attr-defined]  # keep registrations alive
+        _allow_foreach()
         _registered = True
+
+
+def _allow_foreach() -> None:
+    """Let torch.optim (and grad clipping) take their multi-tensor ``_foreach_*`` path for lazy
+    tensors, as PyTorch does for its own tensor subclass DTensor: they check ``type(p)`` against
+    these lists, and "kiln" is already a foreach device.  One foreach call records a whole
+    parameter list; the per-parameter loop dispatched ~12 ops per parameter (tiny-GPT AdamW step:
+    700 dispatches, 124 -> 80 ms per lazy step)."""
+    import torch.optim.optimizer as optim_mod
+    import torch.utils._foreach_utils as foreach_utils
+
+    from kiln.frontends.lazy.tensor import LazyTensor
+
+    for lst in (
+        getattr(optim_mod, "_foreach_supported_types", None),
+        getattr(foreach_utils, "_foreach_supported_types", None),
+    ):
+        if isinstance(lst, list) and LazyTensor not in lst:
+            lst.append(LazyTensor)
 
 
 def device(index: int = 0) -> torch.device:
