@@ -121,14 +121,17 @@ def _prune(tr: Trace, outs: list[int]) -> tuple[Graph, list[Any]]:
     A steady loop records the same trace every step, so the pruned graph is cached by the raw
     trace's fingerprint: from the second step on, only the input values are picked out.
     """
-    h = hashlib.sha256()
-    for n in tr.b.nodes:
-        h.update(_canon(n).encode())
-    h.update(repr(outs).encode())
-    for c in tr.b.constants:
-        h.update(_tensor_digest(c).encode())
-    key = h.hexdigest()
-    hit = _pruned.get(key)
+    consts = tuple(_tensor_digest(c) for c in tr.b.constants)
+    key: Any = (tuple(tr.b.nodes), tuple(outs), consts)
+    try:
+        hit = _pruned.get(key)  # nodes are frozen dataclasses: hashed and compared field by field
+    except TypeError:  # an unhashable attribute somewhere: fingerprint the text instead
+        h = hashlib.sha256()
+        for n in tr.b.nodes:
+            h.update(_canon(n).encode())
+        h.update(repr((outs, consts)).encode())
+        key = h.hexdigest()
+        hit = _pruned.get(key)
     if hit is None:
         hit = _prune_uncached(tr, outs)
         if len(_pruned) >= 256:
@@ -138,7 +141,7 @@ def _prune(tr: Trace, outs: list[int]) -> tuple[Graph, list[Any]]:
     return g, [tr.values[k] for k in picks]
 
 
-_pruned: dict[str, tuple[Graph, list[int]]] = {}
+_pruned: dict[Any, tuple[Graph, list[int]]] = {}
 
 
 def _prune_uncached(tr: Trace, outs: list[int]) -> tuple[Graph, list[int]]:
