@@ -34,6 +34,7 @@ import torch
 from kiln.codegen.cpp.ops import CTYPE, supported
 from kiln import metrics
 from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType, dtype_abbr
+from kiln.ir.ops import Category
 
 MAX_GROUP = 256  # members per kernel: keeps generated functions small enough to compile fast
 HORIZONTAL_WINDOW = 6  # how many open groups of the same shape a node may join horizontally
@@ -294,7 +295,8 @@ def _worth_it(g: Graph, gr: _Group, lits: dict[int, Lit]) -> bool:
         return False
     if gr.kind != "pointwise":
         return True
-    # A lone copy/clone/alias is better left to ATen (it may be a no-op or memcpy).
+    # A lone copy/clone/alias is better left to ATen (it may be a no-op or memcpy; a strided
+    # gather of a permuted view measured no faster as a kernel of its own).
     ops = {g.nodes[m].op for m in gr.members}
     return not ops <= {"clone.default", "alias.default", "copy.default", "_to_copy.default"}
 
@@ -435,5 +437,36 @@ def _fused_node(g: Graph, gr: _Group, outs: list[int], lits: dict[int, Lit]):
         ("outputs", tuple(local[m] for m in outs)),
         ("members", tuple(gr.members)),
     )
+    strided = tuple(k for k, j in enumerate(ext) if _maybe_strided(g, j))
+    if strided:
+        kwargs += (("strided", strided),)
     types = tuple(g.nodes[m].types[0] for m in outs)
     return Node("fused", (), (), kwargs, types), ext
+
+
+# Views that change the memory layout: a value reached through one of them is likely strided.
+_LAYOUT_VIEWS = frozenset(
+    {
+        "permute.default",
+        "transpose.int",
+        "t.default",
+        "expand.default",
+        "slice.Tensor",
+        "select.int",
+        "diagonal.default",
+        "as_strided.default",
+    }
+)
+
+
+def _maybe_strided(g: Graph, j: int) -> bool:
+    """Whether value ``j`` comes out of a layout-changing view (possibly through more views): the
+    kernel then reads it through its strides instead of a contiguous copy made first."""
+    for _ in range(16):
+        n = g.nodes[j]
+        if n.op in _LAYOUT_VIEWS:
+            return True
+        if n.category is not Category.VIEW or not n.inputs:
+            return False
+        j = n.inputs[0]
+    return False

@@ -73,7 +73,7 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
     for u, lib in zip(units, libs):
         for name in u:
             f = getattr(lib, name)
-            f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            f.argtypes = None  # called with ctypes arrays only: no per-call conversion
             f.restype = None
             fns[name] = f
     plan = dict(_memory_plan(g))

@@ -77,12 +77,15 @@ def emit_kernel(name: str, node: Node, in_types: list) -> tuple[str, KernelSpec]
     outs = node.kwarg("outputs")
     rank = len(shape)
     tensor_inputs, modes, scalars = [], [], []
+    strided = set(node.kwarg("strided") or ())
     for k, t in enumerate(in_types):
         if t.dtype is None:
             scalars.append(k)
         else:
             tensor_inputs.append(k)
-            modes.append(_mode(t.shape, shape))
+            m = _mode(t.shape, shape)
+            # a permuted/sliced view is read through its strides (rows of the last dim)
+            modes.append("bcast_inner" if m == "full" and k in strided and rank > 1 else m)
     spec = KernelSpec(
         name, kind, rank, shape, tensor_inputs, modes, scalars, [], members=node.kwarg("members")
     )
@@ -198,17 +201,44 @@ class _Emitter:
             self.w(f"  const int64_t L = s{self.R - 1};")
             self.w("  const int64_t rows = N / L;")
 
-    def row_offsets(self, indent: str) -> None:
-        if not self.bcast:
-            return
-        self.w(f"{indent}int64_t rem = r;")
-        for k in self.bcast:
-            self.w(f"{indent}int64_t off{k} = 0;")
-        for d in range(self.R - 2, -1, -1):
-            self.w(f"{indent}{{ const int64_t id = rem % s{d}; rem /= s{d};")
+    def rows_begin(self, parallel: bool = True) -> None:
+        """Open the loop over rows ``r``.  Each thread takes one contiguous block of rows; the
+        offsets of broadcast / strided inputs are computed for the block's first row and then
+        advanced row by row (a division per dim per row dominated rows of 32 elements).
+        ``parallel=False``: already inside a parallel region."""
+        if parallel:
+            self.w(f"  #pragma omp parallel if(N >= {PARALLEL_MIN})")
+        self.w("  {")
+        self.w("  const int64_t nt_ = omp_get_num_threads(), t_ = omp_get_thread_num();")
+        self.w("  const int64_t r0_ = rows * t_ / nt_, r1_ = rows * (t_ + 1) / nt_;")
+        outer = range(self.R - 1)
+        if self.bcast:
+            self.w("  int64_t rem_ = r0_;")
+            for d in reversed(outer):
+                self.w(f"  int64_t id{d}_ = rem_ % s{d}; rem_ /= s{d};")
             for k in self.bcast:
-                self.w(f"{indent}  off{k} += id * st{k}_{d};")
-            self.w(f"{indent}}}")
+                terms = " + ".join(f"id{d}_ * st{k}_{d}" for d in outer) or "0"
+                self.w(f"  int64_t off{k} = {terms};")
+        self.w("  for (int64_t r = r0_; r < r1_; ++r) {")
+
+    def rows_end(self) -> None:
+        """Advance the offsets to the next row (carrying into outer dims), close the loop."""
+        if self.bcast and self.R > 1:
+            self._advance(self.R - 2, "    ")
+        self.w("  }")
+        self.w("  }")
+
+    def _advance(self, d: int, indent: str) -> None:
+        for k in self.bcast:
+            self.w(f"{indent}off{k} += st{k}_{d};")
+        if d == 0:
+            return
+        self.w(f"{indent}if (++id{d}_ == s{d}) {{")
+        self.w(f"{indent}  id{d}_ = 0;")
+        for k in self.bcast:
+            self.w(f"{indent}  off{k} -= st{k}_{d} * s{d};")
+        self._advance(d - 1, indent + "  ")
+        self.w(f"{indent}}}")
 
     def store_full(self, vals, indent: str) -> None:
         for o, b in enumerate(self.outs):
@@ -249,9 +279,7 @@ class _Emitter:
             self.store_full(vals, "    ")
             self.w("  }")
             return
-        self.w(f"  #pragma omp parallel for if(N >= {PARALLEL_MIN})")
-        self.w("  for (int64_t r = 0; r < rows; ++r) {")
-        self.row_offsets("    ")
+        self.rows_begin()
         self.w("    #pragma omp simd")
         self.w("    for (int64_t j = 0; j < L; ++j) {")
         self.w("      const int64_t i = r * L + j;")
@@ -259,7 +287,7 @@ class _Emitter:
         self.pointwise(vals, "      ")
         self.store_full(vals, "      ")
         self.w("    }")
-        self.w("  }")
+        self.rows_end()
 
     def _reduce_operand(self, b: int, vals) -> str:
         return self.operand(self.body[b][1][0], vals).expr
@@ -267,9 +295,7 @@ class _Emitter:
     def k_rows(self) -> None:
         reds = [(b, e) for b, e in enumerate(self.body) if e[0] not in FORMULAS]
         out_of = {b: o for o, b in enumerate(self.outs)}
-        self.w(f"  #pragma omp parallel for if(N >= {PARALLEL_MIN})")
-        self.w("  for (int64_t r = 0; r < rows; ++r) {")
-        self.row_offsets("    ")
+        self.rows_begin()
         special = [(b, e) for b, e in reds if e[0] in ("_softmax.default", "_log_softmax.default")]
         if special:
             b, e = special[0]
@@ -304,7 +330,7 @@ class _Emitter:
                 self.w("    const float sh = mx + km::log(s);")
                 self.w("    #pragma omp simd")
                 self.w("    for (int64_t j = 0; j < L; ++j) y[j] -= sh;")
-            self.w("  }")
+            self.rows_end()
             return
         clauses = []
         for b, e in reds:
@@ -331,7 +357,7 @@ class _Emitter:
         for b, e in reds:
             val = f"acc{b} / (double)L" if e[0] == "mean.dim" else f"acc{b}"
             self.w(f"    out{out_of[b]}[r] = (float)({val});")
-        self.w("  }")
+        self.rows_end()
 
     def k_cols(self) -> None:
         reds = [b for b, e in enumerate(self.body) if e[0] not in FORMULAS]
@@ -342,9 +368,7 @@ class _Emitter:
         self.w("  {")
         for b in reds:
             self.w(f"    double* p{b} = new double[L]();")
-        self.w("    #pragma omp for schedule(static)")
-        self.w("    for (int64_t r = 0; r < rows; ++r) {")
-        self.row_offsets("      ")
+        self.rows_begin(parallel=False)
         self.w("      #pragma omp simd")
         self.w("      for (int64_t j = 0; j < L; ++j) {")
         self.w("        const int64_t i = r * L + j;")
@@ -354,7 +378,7 @@ class _Emitter:
         for b in reds:
             self.w(f"        p{b}[j] += (double)({self._reduce_operand(b, vals)});")
         self.w("      }")
-        self.w("    }")
+        self.rows_end()
         self.w("    #pragma omp critical")
         self.w("    {")
         for b in reds:

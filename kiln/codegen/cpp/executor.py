@@ -37,7 +37,12 @@ def _out_shape(kind: str, s: tuple) -> tuple:
 
 
 def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) -> Callable:
-    """A callable ``(input values) -> output tensors`` for one fused node."""
+    """A callable ``(input values) -> output tensors`` for one fused node.
+
+    Per call it only checks layouts, allocates (or reuses) outputs and passes pointers: the size
+    and stride array and the output shapes are cached per input geometry (a training loop sees
+    the same few), and ``fn`` takes the ctypes arrays as they are (no argtypes conversion).
+    """
     tin = spec.tensor_inputs
     modes = spec.input_modes
     sins = spec.scalar_inputs
@@ -47,20 +52,24 @@ def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) 
     static = spec.static_shape if all(isinstance(s, int) for s in spec.static_shape) else None
     anchor = next((p for p, m in enumerate(modes) if m == "full"), None)
     bcast = [p for p, m in enumerate(modes) if m in ("bcast", "bcast_inner")]
+    full = [p for p, m in enumerate(modes) if m == "full"]
+    inner = [p for p, m in enumerate(modes) if m == "bcast_inner"]
     n_i = R + R * len(bcast)
     IA = _I * max(n_i, 1)
     DA = _D * max(len(sins), 1)
+    no_scalars = DA()
     outs = list(zip(spec.out_kinds, spec.out_dtypes))
     out_plan = plan or tuple(None for _ in outs)
+    geometry: dict[tuple, tuple] = {}  # sizes + strides -> (int array, output shapes)
 
     def call(ins: Sequence[Any]) -> list[torch.Tensor]:
         ts = [ins[k] for k in tin]
-        for p, m in enumerate(modes):
+        for p in full:
+            if not ts[p].is_contiguous():
+                ts[p] = ts[p].contiguous()
+        for p in inner:
             t = ts[p]
-            if m == "full":
-                if not t.is_contiguous():
-                    ts[p] = t.contiguous()
-            elif m == "bcast_inner" and t.stride(-1) != 1 and t.shape[-1] != 1:
+            if t.stride(-1) != 1 and t.shape[-1] != 1:
                 ts[p] = t.contiguous()
         if anchor is not None:
             shape = tuple(ts[anchor].shape)
@@ -68,16 +77,22 @@ def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) 
             shape = static
         else:
             shape = tuple(torch.broadcast_shapes(*(t.shape for t in ts)))
-        ints = list(shape)
-        for p in bcast:
-            t = ts[p]
-            off = R - t.dim()
-            for d in range(R):
-                di = d - off
-                ints.append(0 if di < 0 or t.shape[di] == 1 else t.stride(di))
+        key = (shape, *[(ts[p].shape, ts[p].stride()) for p in bcast]) if bcast else shape
+        geo = geometry.get(key)
+        if geo is None:
+            ints = list(shape)
+            for p in bcast:
+                t = ts[p]
+                off = R - t.dim()
+                for d in range(R):
+                    di = d - off
+                    ints.append(0 if di < 0 or t.shape[di] == 1 else t.stride(di))
+            geo = (IA(*ints), [_out_shape(kind, shape) for kind, _ in outs])
+            if len(geometry) < 64:
+                geometry[key] = geo
+        ia, out_shapes = geo
         results = []
-        for o, (kind, dt) in enumerate(outs):
-            osh = _out_shape(kind, shape)
+        for o, (osh, (_, dt)) in enumerate(zip(out_shapes, outs)):
             slot = out_plan[o]
             if slot is None:
                 buf = torch.empty(osh, dtype=dt)
@@ -92,7 +107,7 @@ def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) 
                     slots[slot] = buf
             results.append(buf)
         ptrs = PA(*[t.data_ptr() for t in ts], *[t.data_ptr() for t in results])
-        fn(ptrs, IA(*ints), DA(*[float(ins[k]) for k in sins]))
+        fn(ptrs, ia, DA(*[float(ins[k]) for k in sins]) if sins else no_scalars)
         return results
 
     return call

@@ -389,12 +389,12 @@ def supported(op: str, args: tuple, kwargs: dict) -> bool:
             return False
         if kwargs.get("layout") not in (None, torch.strided):
             return False
-    if op == "clone.default" and kwargs.get("memory_format") not in (
-        None,
-        torch.contiguous_format,
-        torch.preserve_format,
-    ):
-        return False
+    if op == "clone.default":
+        return set(kwargs) <= {"memory_format"} and kwargs.get("memory_format") in (
+            None,
+            torch.contiguous_format,
+            torch.preserve_format,
+        )
     if op in ("gelu.default", "gelu_backward.default"):
         if kwargs.get("approximate", "none") not in ("none", "tanh"):
             return False
