@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from kiln.runtime.interpreter import types_of
+
 _FLOAT = object()
 _cache: dict[tuple, Any] = {}
 _MAX = 65536
@@ -26,8 +28,10 @@ class _Failed:
 
 def _sig(a: Any, has_tensor: bool) -> Any:
     if isinstance(a, torch.Tensor):
-        m = getattr(a, "_meta", a)
-        return (tuple(m.shape), m.stride(), m.storage_offset(), m.dtype, a.device.type)
+        m = getattr(a, "_meta", None)
+        if m is not None:  # a lazy tensor (always on the kiln device): its meta says it all
+            return (m.shape, m.stride(), m.storage_offset(), m.dtype)
+        return (a.shape, a.stride(), a.storage_offset(), a.dtype, a.device.type)
     if isinstance(a, (list, tuple)):
         return tuple(_sig(x, has_tensor) for x in a)
     if type(a) is float and has_tensor:
@@ -64,6 +68,11 @@ def _has_tensor(args: tuple, kwargs: dict) -> bool:
 
 def infer(func: Any, args: tuple, kwargs: dict, to_meta: Any) -> Any:
     """Output metas of ``func(*args, **kwargs)``; raises what the meta kernel raised."""
+    return infer_typed(func, args, kwargs, to_meta)[0]
+
+
+def infer_typed(func: Any, args: tuple, kwargs: dict, to_meta: Any) -> tuple[Any, Any]:
+    """``(output metas, their Kiln types)``; the types are cached with the metas."""
     ht = _has_tensor(args, kwargs)
     try:
         key = (func, _sig(args, ht), _sig(tuple(sorted(kwargs.items())), ht))
@@ -75,7 +84,7 @@ def infer(func: Any, args: tuple, kwargs: dict, to_meta: Any) -> Any:
         if hit is not None:
             if isinstance(hit, _Failed):
                 raise hit.exc
-            return _build(hit)
+            return _build(hit[0]), hit[1]
     margs = tuple(_map(to_meta, a) for a in args)
     mkwargs = {k: _map(to_meta, v) for k, v in kwargs.items()}
     try:
@@ -84,9 +93,10 @@ def infer(func: Any, args: tuple, kwargs: dict, to_meta: Any) -> Any:
         if key is not None and len(_cache) < _MAX:
             _cache[key] = _Failed(e)
         raise
+    types = types_of(out)
     if key is not None and len(_cache) < _MAX:
-        _cache[key] = _spec(out)
-    return out
+        _cache[key] = (_spec(out), types)
+    return out, types
 
 
 def _map(fn: Any, a: Any) -> Any:

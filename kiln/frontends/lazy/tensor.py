@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from kiln import metrics
 from kiln.config import config
 from kiln.frontends.lazy import trace as T
-from kiln.frontends.lazy.shapes import _map, infer
+from kiln.frontends.lazy.shapes import _map, infer_typed
 from kiln.frontends.lazy.views import Link, inverse, split_links
 from kiln.ir.ops import OPS, Category
 from kiln.lowering.aten import Ref, lower_call
@@ -416,7 +416,7 @@ def _inplace(func: Any, fn: Any, args: tuple, kwargs: dict, mutated: list[int]) 
 def _record(func: Any, args: tuple, kwargs: dict) -> Any:
     tr = T.current()
     try:
-        out_meta = infer(func, args, kwargs, _to_meta)
+        out_meta, out_types = infer_typed(func, args, kwargs, _to_meta)
     except Exception:  # noqa: BLE001 - data-dependent shape or no meta kernel: run it for real
         return _eager(func, args, kwargs, f"op:{func._schema.name.split('::')[1]}")
     if not _has_tensor_out(out_meta):
@@ -442,7 +442,7 @@ def _record(func: Any, args: tuple, kwargs: dict) -> Any:
         return None
 
     kw = {k: _cpu_device(v) for k, v in kwargs.items()}
-    node = lower_call(func, args, kw, ref_of, T.out_types(out_meta))
+    node = lower_call(func, args, kw, ref_of, out_types)
     if node.category is Category.RANDOM:
         tr.seed()
     nid = tr.add(node)
