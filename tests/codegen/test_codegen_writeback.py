@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from kiln_codegen_testlib import op, t
 
@@ -126,3 +127,42 @@ def test_compiled_swap_of_two_inputs_reads_old_values():
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(x, xe)
     torch.testing.assert_close(y, ye)
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+        lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True),
+        lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+    ],
+    ids=["sgd-nesterov", "adam-amsgrad", "rmsprop-centered", "adagrad", "adamw-loop"],
+)
+def test_compiled_optimizers_match_eager(make_opt):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 2))
+    twin = copy.deepcopy(model)
+    opts = [make_opt(model.parameters()), make_opt(twin.parameters())]
+
+    def make(m, opt):
+        def step(x, y):
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return step
+
+    eager, compiled = make(model, opts[0]), kiln.compile(make(twin, opts[1]))
+    for _ in range(4):
+        x, y = torch.randn(8, 6), torch.randn(8, 2)
+        torch.testing.assert_close(compiled(x, y), eager(x, y))
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b)
+    for sa, sb in zip(opts[0].state.values(), opts[1].state.values()):
+        for k in sa:
+            if isinstance(sa[k], torch.Tensor):
+                torch.testing.assert_close(sa[k], sb[k], msg=f"optimizer state {k}")
