@@ -96,6 +96,7 @@ def test_compiled_adamw_updates_parameters_in_place_and_matches_eager():
     compiled = kiln.compile(compiled)
     ptrs = None
     copies = kiln.metrics.get("input_update_copies")
+    fallbacks = kiln.metrics.counters()["fallbacks"]
     for i in range(4):
         x, y = torch.randn(16, 12), torch.randn(16, 3)
         torch.testing.assert_close(compiled(x, y), eager(x, y))
@@ -109,6 +110,9 @@ def test_compiled_adamw_updates_parameters_in_place_and_matches_eager():
         torch.testing.assert_close(a, b)
     # step 1 creates the state (its own graph); later steps update everything in place
     assert kiln.metrics.get("input_update_copies") == copies
+    # ... in Kiln-compiled graphs, not in ATen graphs handed back to eager
+    after = kiln.metrics.counters()["fallbacks"]
+    assert not [k for k in after if k.startswith("graph:") and after[k] != fallbacks.get(k)]
 
 
 def test_compiled_swap_of_two_inputs_reads_old_values():
@@ -166,3 +170,46 @@ def test_compiled_optimizers_match_eager(make_opt):
         for k in sa:
             if isinstance(sa[k], torch.Tensor):
                 torch.testing.assert_close(sa[k], sb[k], msg=f"optimizer state {k}")
+
+
+def test_read_of_an_updated_input_is_refused_not_reordered():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx import Graph as FxGraph
+    from torch.fx import GraphModule
+
+    from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
+
+    fg = FxGraph()
+    a, b = fg.placeholder("a"), fg.placeholder("b")
+    mode = FakeTensorMode()
+    with mode:
+        a.meta["val"], b.meta["val"] = torch.empty(3), torch.empty(3)
+    c = fg.call_function(torch.ops.aten.copy_.default, (a, b))
+    d = fg.call_function(torch.ops.aten.mul.Tensor, (a, 2.0))  # reads a after the update
+    with mode:
+        c.meta["val"], d.meta["val"] = torch.empty(3), torch.empty(3)
+    fg.output((d,))
+    with pytest.raises(UnsupportedGraph, match="after updating it"):
+        fx_to_kiln(GraphModule(torch.nn.Module(), fg))
+
+
+def test_copy_from_an_updated_input_is_refused():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx import Graph as FxGraph
+    from torch.fx import GraphModule
+
+    from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
+
+    fg = FxGraph()
+    a, b, x = fg.placeholder("a"), fg.placeholder("b"), fg.placeholder("x")
+    mode = FakeTensorMode()
+    with mode:
+        for p in (a, b, x):
+            p.meta["val"] = torch.empty(3)
+    c1 = fg.call_function(torch.ops.aten.copy_.default, (a, x))
+    c2 = fg.call_function(torch.ops.aten.copy_.default, (b, a))  # b gets a's *new* value
+    with mode:
+        c1.meta["val"], c2.meta["val"] = torch.empty(3), torch.empty(3)
+    fg.output(())
+    with pytest.raises(UnsupportedGraph, match="after updating it"):
+        fx_to_kiln(GraphModule(torch.nn.Module(), fg))

@@ -60,6 +60,7 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
     out_spec: list[tuple[str, Any]] = []
     outputs: list[int] = []
     pending: list[tuple[torch.fx.Node, torch.fx.Node]] = []  # copy_(dst placeholder, src)
+    updated: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder":
@@ -69,10 +70,15 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
             env[node] = b.input(t) if t.py is None else b.scalar(t.py)
         elif node.op == "call_function":
             tgt = node.target
+            reads = [node.args[1]] if _is_input_copy(node) else node.all_input_nodes
+            if updated and any(a in updated for a in reads):
+                # writebacks run at the end: a read of an updated input would see its old value
+                raise UnsupportedGraph(f"{node.name} reads a graph input after updating it")
             if tgt is operator.getitem:
                 env[node] = b.getitem(env[node.args[0]], node.args[1])
             elif _is_input_copy(node):
                 pending.append((node.args[0], node.args[1]))
+                updated.add(node.args[0])
                 env[node] = env[node.args[1]]  # the value after the copy (types checked)
             elif isinstance(tgt, torch._ops.OpOverload):
                 n = lower_call(tgt, node.args, dict(node.kwargs), ref_of, _types(val))
