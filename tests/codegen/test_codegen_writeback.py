@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from kiln_codegen_testlib import op, t
+from optim_cases import OPTIMIZERS, mse_step
 
 import kiln
 from kiln.codegen.cpp import build
@@ -79,20 +80,9 @@ def test_compiled_adamw_updates_parameters_in_place_and_matches_eager():
     model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 3))
     twin = copy.deepcopy(model)
 
-    def make(m):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01)
-
-        def step(x, y):
-            loss = torch.nn.functional.mse_loss(m(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        return step, opt
-
-    eager, _ = make(model)
-    compiled, opt = make(twin)
+    opt = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.01)
+    eager = mse_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
+    compiled = mse_step(twin, opt)
     compiled = kiln.compile(compiled)
     ptrs = None
     copies = kiln.metrics.get("input_update_copies")
@@ -133,34 +123,14 @@ def test_compiled_swap_of_two_inputs_reads_old_values():
     torch.testing.assert_close(y, ye)
 
 
-@pytest.mark.parametrize(
-    "make_opt",
-    [
-        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
-        lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
-        lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True),
-        lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
-        lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
-    ],
-    ids=["sgd-nesterov", "adam-amsgrad", "rmsprop-centered", "adagrad", "adamw-loop"],
-)
+@pytest.mark.parametrize("make_opt", [m for _, m in OPTIMIZERS], ids=[i for i, _ in OPTIMIZERS])
 def test_compiled_optimizers_match_eager(make_opt):
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 2))
     twin = copy.deepcopy(model)
     opts = [make_opt(model.parameters()), make_opt(twin.parameters())]
 
-    def make(m, opt):
-        def step(x, y):
-            loss = torch.nn.functional.mse_loss(m(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        return step
-
-    eager, compiled = make(model, opts[0]), kiln.compile(make(twin, opts[1]))
+    eager, compiled = mse_step(model, opts[0]), kiln.compile(mse_step(twin, opts[1]))
     for _ in range(4):
         x, y = torch.randn(8, 6), torch.randn(8, 2)
         torch.testing.assert_close(compiled(x, y), eager(x, y))

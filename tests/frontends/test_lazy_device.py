@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from optim_cases import OPTIMIZERS, mse_step
 
 import kiln
 from kiln import metrics
@@ -278,17 +279,7 @@ def test_optimizers_take_the_foreach_path_for_lazy_tensors():
     assert _default_to_fused_or_foreach(params, differentiable=False) == (False, True)
 
 
-@pytest.mark.parametrize(
-    "make_opt",
-    [
-        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
-        lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
-        lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True),
-        lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
-        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-    ],
-    ids=["sgd-nesterov", "adam-amsgrad", "rmsprop-centered", "adagrad", "adamw"],
-)
+@pytest.mark.parametrize("make_opt", [m for _, m in OPTIMIZERS], ids=[i for i, _ in OPTIMIZERS])
 def test_foreach_optimizers_on_the_lazy_device_match_eager(make_opt):
     import copy
 
@@ -297,13 +288,11 @@ def test_foreach_optimizers_on_the_lazy_device_match_eager(make_opt):
     model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 2))
     lazy = copy.deepcopy(model).to(dev)
     opt, lazy_opt = make_opt(model.parameters()), make_opt(lazy.parameters())
+    eager, lazy_step = mse_step(model, opt), mse_step(lazy, lazy_opt)
     for _ in range(3):
         x, y = torch.randn(8, 6), torch.randn(8, 2)
-        for m, o, d in ((model, opt, "cpu"), (lazy, lazy_opt, dev)):
-            loss = torch.nn.functional.mse_loss(m(x.to(d)), y.to(d))
-            loss.backward()
-            o.step()
-            o.zero_grad()
+        eager(x, y)
+        lazy_step(x.to(dev), y.to(dev))
         kiln.mark_step()
     for a, b in zip(model.parameters(), lazy.parameters()):
         torch.testing.assert_close(b.cpu(), a.detach())
