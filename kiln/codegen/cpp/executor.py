@@ -249,7 +249,7 @@ class Executor:
     def _generate(self) -> Callable[[Sequence[Any]], list[Any]]:
         """The graph as one straight-line Python function (locals instead of a value list, ATen
         ops called with their arguments in place, getitem inlined, values deleted after their
-        last use): what :meth:`_run` does, without its per-step interpretation."""
+        last use): no per-step interpretation of the step list at run time."""
         ns: dict[str, Any] = {"writeback": writeback}
         lines = ["def run(inputs):"]
         for i, (kind, x, inp, free) in enumerate(self.steps):
@@ -275,19 +275,3 @@ class Executor:
         self.source = "\n".join(lines) + "\n"
         exec(compile(self.source, f"<kiln graph {self.graph.hash}>", "exec"), ns)
         return ns["run"]
-
-    def _run(self, inputs: Sequence[Any]) -> list[Any]:
-        g = self.graph
-        vals: list[Any] = [None] * len(g.nodes)
-        for i, (kind, x, inp, free) in enumerate(self.steps):
-            if kind == 0:
-                vals[i] = inputs[x]
-            elif kind == 1:
-                vals[i] = x
-            elif kind == 2:
-                vals[i] = x([vals[j] for j in inp])[0]
-            else:  # 3: multi-output kernel, 4: ATen
-                vals[i] = x([vals[j] for j in inp])
-            for j in free:
-                vals[j] = None
-        return [vals[o] for o in g.outputs]
