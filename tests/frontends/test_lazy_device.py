@@ -296,3 +296,27 @@ def test_foreach_optimizers_on_the_lazy_device_match_eager(make_opt):
         kiln.mark_step()
     for a, b in zip(model.parameters(), lazy.parameters()):
         torch.testing.assert_close(b.cpu(), a.detach())
+
+
+def test_parameter_updates_reuse_the_parameter_buffers():
+    """A per-parameter optimizer loop computes each new value with pointwise ops: the graph writes
+    it back into the parameter's own buffer (donation) instead of a new one each step."""
+    dev = kiln.device()
+    torch.manual_seed(3)
+    model = torch.nn.Linear(5, 4)
+    lazy = torch.nn.Linear(5, 4).to(dev)
+    lazy.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
+    lazy_opt = torch.optim.AdamW(lazy.parameters(), lr=0.1, foreach=False)
+    ptrs = None
+    for _ in range(4):
+        x = torch.randn(3, 5)
+        mse_step(model, opt)(x, torch.zeros(3, 4))
+        mse_step(lazy, lazy_opt)(x.to(dev), torch.zeros(3, 4).to(dev))
+        kiln.mark_step()
+        now = [p._st.data.data_ptr() for p in lazy.parameters()]
+        if ptrs is not None:
+            assert now == ptrs
+        ptrs = now
+    for a, b in zip(model.parameters(), lazy.parameters()):
+        torch.testing.assert_close(b.cpu(), a.detach())

@@ -21,7 +21,8 @@ import torch
 
 from kiln import metrics
 from kiln.config import config
-from kiln.ir.graph import Graph, GraphBuilder, Node, TensorType, _canon, _tensor_digest
+from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType, _canon, _tensor_digest
+from kiln.passes.memory_plan import _fresh
 from kiln.runtime.compiler import compile_graph, stop_after_max_steps
 from kiln.runtime.interpreter import types_of
 
@@ -29,7 +30,7 @@ from kiln.runtime.interpreter import types_of
 class Storage:
     """The value behind one lazy tensor and all of its views (its *base* value)."""
 
-    __slots__ = ("data", "node", "gen", "pending", "meta", "__weakref__")
+    __slots__ = ("data", "node", "gen", "pending", "meta", "imported", "__weakref__")
 
     def __init__(self, meta: torch.Tensor, data: torch.Tensor | None = None) -> None:
         self.meta = meta  # meta tensor with the base's shape, strides and dtype
@@ -37,6 +38,7 @@ class Storage:
         self.node: int | None = None  # id in the trace of generation ``gen``
         self.gen = -1
         self.pending = False  # node is a computed value that ``data`` does not hold yet
+        self.imported: tuple[int, int] | None = None  # (trace gen, input node) of ``data``
 
 
 class Trace:
@@ -61,6 +63,7 @@ class Trace:
         st.node = self.b.input(TensorType(tuple(st.data.shape), st.data.dtype))
         st.gen = self.gen
         st.pending = False
+        st.imported = (self.gen, st.node)
         self.values.append(st.data)
         return st.node
 
@@ -186,6 +189,22 @@ def _recompile_reason(prev: Graph, g: Graph) -> str:
     return f"graph structure changed ({len(prev)} -> {len(g)} nodes)"
 
 
+def _donate(tr: Trace, st: Storage) -> int:
+    """The output node for live storage ``st``: its new value, or -- when the storage came into
+    this trace as an input and its new value is freshly computed -- a ``writeback`` of that value
+    into the input's buffer, so that the memory planner can let the kernel update the buffer in
+    place (parameters and optimizer state: no new buffers each step).  A value that aliases some
+    input (a view, or an input itself) stays a plain output: writebacks run in order at the end
+    and must not read a buffer another one has overwritten."""
+    if st.imported is None or st.imported[0] != tr.gen or st.imported[1] == st.node:
+        return st.node
+    dst, src = st.imported[1], st.node
+    n = tr.b.nodes[src]
+    if len(n.types) != 1 or n.types[0] != tr.b.nodes[dst].types[0] or not _fresh(n.op, n.category):
+        return st.node
+    return tr.add(Node("writeback", (dst, src), (In(0), In(1)), (), tr.b.nodes[dst].types))
+
+
 def _settle_heap() -> None:
     """After a step that compiled a new graph: collect garbage once, then freeze what is alive.
 
@@ -227,7 +246,7 @@ def sync(reason: str | None = None) -> None:
         if reason is not None and reason != "eager":
             metrics.forced_sync(reason)
         live.sort(key=lambda s: s.node)
-        outs = [st.node for st in live]
+        outs = [_donate(tr, st) for st in live]
         g, values = _prune(tr, outs)
         metrics.traced(time.perf_counter() - tr.t0)
         if tr.seed_node is not None:
@@ -248,7 +267,7 @@ def sync(reason: str | None = None) -> None:
         settle = after > before
         seen: set[int] = {id(v) for v in values if isinstance(v, torch.Tensor)}
         for st, val in zip(live, results):
-            if id(val) in seen:  # never let two storages share one buffer
+            if val is not st.data and id(val) in seen:  # never let two storages share a buffer
                 val = val.clone()
             seen.add(id(val))
             st.data = val
