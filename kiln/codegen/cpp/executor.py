@@ -147,13 +147,8 @@ _METHODS: dict[str, Callable] = {
 
 
 def prepare_aten_call(n: Node) -> Callable[[Sequence[Any]], Any]:
-    """``ins -> result`` of one non-fused node, with the op resolved and the argument fill plan
-    worked out once (what ``call_node`` redoes on every call)."""
-    if n.op == "getitem":
-        idx = n.args[1]
-        return lambda ins: ins[0][idx]
-    if n.op == "writeback":
-        return lambda ins: writeback(ins[0], ins[1])
+    """``ins -> result`` for a node whose arguments nest graph values (lists of tensors), which
+    :func:`_inline_call` cannot spell out: the op and the fill plan are worked out once."""
     fn = _METHODS.get(n.op) or resolve(n.op)
     template = list(n.args)
     direct = [(p, v.k) for p, v in enumerate(template) if isinstance(v, In)]
@@ -162,22 +157,6 @@ def prepare_aten_call(n: Node) -> Callable[[Sequence[Any]], Any]:
     ]
     kw_const = {k: v for k, v in n.kwargs if not _has_in(v)}
     kw_fill = [(k, _filler(v)) for k, v in n.kwargs if _has_in(v)]
-    if not nested and not kw_fill:
-        if not kw_const:
-            if len(direct) == len(template) == len(n.inputs) and [k for _, k in direct] == list(
-                range(len(direct))
-            ):
-                return lambda ins: fn(*ins)  # args are exactly the inputs, in order
-        if not direct:
-            return lambda ins: fn(*template, **kw_const)
-
-        def call_direct(ins: Sequence[Any]) -> Any:
-            a = template.copy()
-            for p, k in direct:
-                a[p] = ins[k]
-            return fn(*a, **kw_const)
-
-        return call_direct
 
     def call(ins: Sequence[Any]) -> Any:
         a = template.copy()
@@ -217,6 +196,13 @@ def _inline_call(n: Node, i: int, inp: Sequence[int], ns: dict) -> str | None:
     return f"OP{i}({', '.join(parts)})"
 
 
+def _prepared(n: Node) -> Callable[[Sequence[Any]], Any]:
+    try:
+        return prepare_aten_call(n)
+    except (AttributeError, KeyError):  # unresolvable here: call_node reports it when run
+        return lambda ins: call_node(n, ins)
+
+
 class Executor:
     """A graph with its kernels, prepared once, run many times."""
 
@@ -232,11 +218,8 @@ class Executor:
                 steps.append((1, g.constants[n.kwarg("index")], n))
             elif i in calls:
                 steps.append((2 if len(n.types) == 1 else 3, calls[i], n))
-            else:
-                try:
-                    steps.append((4, prepare_aten_call(n), n))
-                except (AttributeError, KeyError):  # unresolvable here: call_node reports it
-                    steps.append((4, lambda ins, n=n: call_node(n, ins), n))
+            else:  # an ATen call (or getitem / writeback): spelled out by _generate
+                steps.append((4, None, n))
         # (kind, callable or value, input ids, ids freed after this step)
         self.steps = [(k, x, n.inputs, tuple(self.free[i])) for i, (k, x, n) in enumerate(steps)]
 
@@ -267,7 +250,7 @@ class Executor:
             elif kind == 4 and (call := _inline_call(n, i, inp, ns)) is not None:
                 lines.append(f"    v{i} = {call}")
             else:
-                ns[f"F{i}"] = x
+                ns[f"F{i}"] = x if kind != 4 else _prepared(n)
                 lines.append(f"    v{i} = F{i}([{args}])" + ("[0]" if kind == 2 else ""))
             if free:
                 lines.append(f"    del {', '.join(f'v{j}' for j in sorted(set(free)))}")

@@ -66,13 +66,9 @@ def _has_tensor(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(v, torch.Tensor) for v in kwargs.values())
 
 
-def infer(func: Any, args: tuple, kwargs: dict, to_meta: Any) -> Any:
-    """Output metas of ``func(*args, **kwargs)``; raises what the meta kernel raised."""
-    return infer_typed(func, args, kwargs, to_meta)[0]
-
-
 def infer_typed(func: Any, args: tuple, kwargs: dict, to_meta: Any) -> tuple[Any, Any]:
-    """``(output metas, their Kiln types)``; the types are cached with the metas."""
+    """``(output metas of func(*args, **kwargs), their Kiln types)``, cached together; raises
+    what the meta kernel raised."""
     ht = _has_tensor(args, kwargs)
     try:
         key = (func, _sig(args, ht), _sig(tuple(sorted(kwargs.items())), ht))
