@@ -8,7 +8,7 @@ refine the record; without them the name and memory come from the core count's c
 
 GPUs: NVML through ``pynvml`` when it imports and initializes; otherwise none.
 
-Simulated: the devices an instance type of ``kiln.cluster.catalog`` would have.
+Simulated: the devices an instance type of ``kiln.devices.instances`` would have.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from kiln.devices.instances import lookup_instance_type
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +150,9 @@ def simulated_devices(instance_type: str) -> list[Device]:
 
     Simulated GPUs have no UUID (None), so consumers fall back to the index, which is what
     NVIDIA_VISIBLE_DEVICES needs if the host has real GPUs after all.
-    Raises InvalidParameterException for an unknown type.
+    Raises UnknownInstanceType (a ValueError) for a type that is not in the catalog.
     """
-    from kiln.cluster.catalog import get_instance_type
-
-    itype = get_instance_type(instance_type)
+    itype = lookup_instance_type(instance_type)
     memory = itype.memory_per_device_mib
     name = itype.accelerator_name or ""
     if itype.accelerator_kind == "neuron":

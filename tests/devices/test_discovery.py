@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from kiln.cluster.errors import InvalidParameterException
 from kiln.devices.discovery import (
     Device,
     discover,
@@ -18,6 +17,7 @@ from kiln.devices.discovery import (
     neuron_core_ranges,
     simulated_devices,
 )
+from kiln.devices.instances import UnknownInstanceType
 
 
 def fake_neuron(
@@ -187,7 +187,7 @@ def test_simulated_gpus() -> None:
 
 
 def test_simulated_unknown_type() -> None:
-    with pytest.raises(InvalidParameterException):
+    with pytest.raises(UnknownInstanceType, match="x1.large"):
         simulated_devices("x1.large")
 
 
