@@ -94,7 +94,13 @@ def _kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
 # backward, GELU backward as one fused formula), or ATen's own beats the decomposition on CPU
 # (embedding_dense_backward decomposes to an accumulating index_put, 4-5x slower).  Decomposed,
 # a layer norm backward became five row/column kernels, ~6x the time of the one kernel.
+# SDPA's CPU kernel must stay whole: torch's decomposition of it returns the attention
+# probabilities (B, H, L, S) where the kernel returns the log-sum-exp (B, H, L), and the backward
+# kernel (not decomposed: ATen runs it) reads that second output as the log-sum-exp, so every
+# gradient came out wrong.  tests/passes/test_decomp_contract.py checks that every decomposition
+# this backend uses reproduces all outputs of its op, not only the first.
 _KEEP = (
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten.embedding_dense_backward.default,
     torch.ops.aten.native_layer_norm_backward.default,
     torch.ops.aten._softmax_backward_data.default,
