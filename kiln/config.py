@@ -51,6 +51,10 @@ class Config:
     recompile_warn: int = 4  # warn when one call site compiles more graphs than this
     max_steps: int = 0  # stop the process after this many steps (precompile/explain); 0 = never
     explain_dir: str = ""  # write a report of every compiled graph here (kiln explain)
+    stochastic_rounding: bool = (
+        False  # fp32 -> bf16/fp16 casts round stochastically (kiln.precision)
+    )
+    sr_seed: int = 0  # seed of the stochastic-rounding random bits (kiln.precision.manual_seed)
 
     _CHOICES = {"backend": ("cpp", "interpreter")}
     _LOG_CHOICES = ("graphs", "passes", "kernels", "recompiles", "fallbacks", "all")
