@@ -56,3 +56,19 @@ def check_compiled_vs_eager(fn, *xs):
     torch.testing.assert_close(ko, eo)
     for a, b in zip(kg, eg):
         torch.testing.assert_close(a, b)
+
+
+def _poison(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=dtype)
+    if dtype == torch.bool:
+        return torch.ones(shape, dtype=dtype)
+    return torch.full(shape, -(2**62), dtype=dtype)
+
+
+def poison_outputs(monkeypatch) -> None:
+    """Every generated kernel's output buffer starts as NaN (ints: -2**62, bools: True), so a
+    kernel that leaves an element unwritten fails the comparison instead of passing by luck."""
+    from kiln.codegen.cpp import executor
+
+    monkeypatch.setattr(executor, "new_output", _poison)

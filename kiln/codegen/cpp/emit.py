@@ -181,7 +181,7 @@ class _Emitter:
             self.w(f"  const int64_t s{d} = I[{d}];")
         n = " * ".join(f"s{d}" for d in range(self.R)) or "1"
         self.w(f"  const int64_t N = {n};")
-        self.w("  if (N == 0) return;")
+        self.zero_size_exit()
         for p, k in enumerate(self.spec.tensor_inputs):
             if self.spec.input_modes[p] == "one":
                 # hoisted: a load under a condition (where(mask, c, x)) keeps gcc from vectorizing
@@ -200,6 +200,32 @@ class _Emitter:
         if self.R:
             self.w(f"  const int64_t L = s{self.R - 1};")
             self.w("  const int64_t rows = N / L;")
+
+    def zero_size_exit(self) -> None:
+        """No elements to iterate: a reduction output still has elements when only the reduced
+        dims are empty (a bias gradient over an empty batch), and gets the reduction's identity
+        (sum 0, mean NaN as ATen's 0/0, amax -inf) instead of being left uninitialized."""
+        fills = []
+        for o, b in enumerate(self.outs):
+            kind = self.spec.out_kinds[o]
+            if kind == "full":
+                continue
+            ct = _ABBR_CT[self.body[b][3]]
+            ident = {"amax.default": "-INFINITY", "mean.dim": "NAN"}.get(self.body[b][0], "0")
+            if kind.startswith("row"):
+                count = " * ".join(f"s{d}" for d in range(self.R - 1)) or "1"
+            else:
+                count = f"s{self.R - 1}"
+            fills.append(
+                f"    for (int64_t q = 0; q < {count}; ++q) out{o}[q] = ({ct})({ident});"
+            )
+        if not fills:
+            self.w("  if (N == 0) return;")
+            return
+        self.w("  if (N == 0) {")
+        self.lines += fills
+        self.w("    return;")
+        self.w("  }")
 
     def rows_begin(self, parallel: bool = True) -> None:
         """Open the loop over rows ``r``.  Each thread takes one contiguous block of rows; the
@@ -247,7 +273,6 @@ class _Emitter:
 
     # ---- kernels -------------------------------------------------------------------------
     def source(self) -> str:
-        self.prologue()
         kind = self.spec.kind
         for b in self.outs:
             op = self.body[b][0]
@@ -259,6 +284,7 @@ class _Emitter:
                 )
                 base = "row" if kind == "rows" else "col"
                 self.spec.out_kinds.append(base + ("k" if keep else ""))
+        self.prologue()
         if kind == "pointwise":
             self.k_pointwise()
         elif kind == "rows":

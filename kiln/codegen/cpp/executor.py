@@ -36,6 +36,12 @@ def _out_shape(kind: str, s: tuple) -> tuple:
     return (1,) * (len(s) - 1) + s[-1:]
 
 
+def new_output(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A kernel's output buffer: uninitialized, every element is the kernel's to write (the
+    tests replace this with a NaN-filled allocation to catch a kernel that skips elements)."""
+    return torch.empty(shape, dtype=dtype)
+
+
 def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) -> Callable:
     """A callable ``(input values) -> output tensors`` for one fused node.
 
@@ -95,15 +101,15 @@ def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) 
         for o, (osh, (_, dt)) in enumerate(zip(out_shapes, outs)):
             slot = out_plan[o]
             if slot is None:
-                buf = torch.empty(osh, dtype=dt)
+                buf = new_output(osh, dt)
             elif type(slot) is tuple:  # ("arg", q): update input q in place (memory_plan)
                 buf = ins[slot[1]]
                 if not (buf.is_contiguous() and buf.shape == osh and buf.dtype == dt):
-                    buf = torch.empty(osh, dtype=dt)  # the writeback copies instead
+                    buf = new_output(osh, dt)  # the writeback copies instead
             else:
                 buf = slots.get(slot)
                 if buf is None or buf.shape != osh or buf.dtype != dt:
-                    buf = torch.empty(osh, dtype=dt)
+                    buf = new_output(osh, dt)
                     slots[slot] = buf
             results.append(buf)
         ptrs = PA(*[t.data_ptr() for t in ts], *[t.data_ptr() for t in results])

@@ -58,7 +58,13 @@ def layer_norm_ok(n: Node, in_types: list) -> bool:
     if not (isinstance(ns, (list, tuple)) and len(ns) == 1 and isinstance(ns[0], int)):
         return False
     shape = in_types[n.args[1].k if n.op.startswith("native_layer_norm_b") else n.args[0].k].shape
-    return len(shape) >= 1 and shape[-1] == ns[0] and all(isinstance(s, int) for s in shape)
+    # a zero-size normalized dim (mean and rstd of nothing) is left to ATen
+    return (
+        len(shape) >= 1
+        and shape[-1] == ns[0]
+        and ns[0] > 0
+        and all(isinstance(s, int) for s in shape)
+    )
 
 
 def emit_layer_norm(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
@@ -100,7 +106,14 @@ def _head(name: str, spec: KernelSpec, names: list[str], n_out: int) -> list[str
         L.append(f"  const int64_t s{d} = I[{d}];")
     L.append("  const int64_t L = s%d;" % (R - 1))
     L.append("  const int64_t N = " + " * ".join(f"s{d}" for d in range(R)) + ";")
-    L.append("  if (N == 0) return;")
+    if n_out == 3 and spec.out_kinds[1] == "col":
+        # backward over zero rows: the weight and bias gradients are sums over nothing
+        L.append("  if (N == 0) {")
+        L.append("    for (int64_t j = 0; j < L; ++j) { out1[j] = 0.0f; out2[j] = 0.0f; }")
+        L.append("    return;")
+        L.append("  }")
+    else:
+        L.append("  if (N == 0) return;")
     L.append("  const int64_t rows = N / L;")
     slot = R
     for p, m in enumerate(spec.input_modes):
