@@ -4,26 +4,33 @@ One agent serves one or more container instances (``kiln cluster serve`` embeds 
 instance in its store; ``kiln cluster agent --instance ARN`` runs one elsewhere against a shared
 PostgreSQL store).  Run only one agent per instance.
 
-Each container is started as ``sh -c WRAPPER <workdir>/cN <command...>`` in its own session.  The
-wrapper writes its pid to ``cN.pid`` before running the command and the exit status to ``cN.exit``
-after, so an agent that crashed at any point can, on restart:
+Containers start as described in ``kiln.cluster.procs`` (own session, pid and exit files, task
+marker in the environment), in ``dependsOn`` order.  A task stops when an *essential* container
+exits, when every container has exited, or when StopTask asks: then every process of the task
+(its process groups and anything carrying its marker) gets SIGTERM, after the task's
+``stopTimeout`` (largest over its containers, ECS default 30 s) SIGKILL, and only when none is
+left is the task marked STOPPED and its devices freed.  A launch failure stops that task with a
+reason; it never stops the agent loop or other tasks.
 
-* re-adopt a live process (pid *and* psutil create-time must match the record: no pid reuse),
-* find a process it launched but never recorded (pid file or command line naming the work dir),
-* mark a dead one STOPPED with the exit status from ``cN.exit`` and free its devices.
+After a crash the agent, on restart, re-adopts live processes (pid *and* create time must match:
+no pid reuse), finds ones it launched but never recorded (pid file), and stops tasks whose
+processes are gone.  A periodic sweep kills leftover processes of tasks the store shows STOPPED.
 
-Devices reach the process through the environment: ``AWS_NEURON_VISIBLE_DEVICES`` and
-``NEURON_RT_VISIBLE_CORES`` for Neuron devices, ``NVIDIA_VISIBLE_DEVICES`` and
-``CUDA_VISIBLE_DEVICES`` for GPUs.  Before starting, device files are checked under the
-instance's device root (``/`` for real devices).  A *simulated* instance registered without a
-device root has no device files, and the check is skipped for it.
+A task's environment is clean: a minimal base (PATH, LANG, HOME), the task definition's
+variables, its ``secrets`` (from the agent's secrets file), the device variables
+(``AWS_NEURON_VISIBLE_DEVICES``/``NEURON_RT_VISIBLE_CORES``, ``NVIDIA_VISIBLE_DEVICES``/
+``CUDA_VISIBLE_DEVICES``) and ``CLUSTER_TASK_ARN``/``CLUSTER_CONTAINER_NAME``.  ``user`` is
+honoured when the agent runs as root (else only the agent's own user is accepted);
+``workingDirectory`` becomes the process's working directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
+import pwd
 import signal
 import subprocess
 import threading
@@ -32,12 +39,21 @@ from typing import Any
 
 import psutil
 
+from kiln.cluster import procs
+from kiln.cluster.procs import MARKER, WRAPPER, alive, read_exit
 from kiln.cluster.service import ClusterService
 
 log = logging.getLogger(__name__)
 
-WRAPPER = 'p="$0"; echo $$ > "$p.pid"; "$@"; rc=$?; echo $rc > "$p.exit"; exit $rc'
-STOP_GRACE_S = 3.0
+DEFAULT_STOP_TIMEOUT_S = 30.0
+DEFAULT_LOG_CAP = 64 * 1024 * 1024
+SWEEP_INTERVAL_S = 5.0
+HEARTBEAT_INTERVAL_S = 1.0
+_BASE_ENV = ("PATH", "LANG", "LC_ALL", "TZ")
+
+
+class LaunchError(Exception):
+    """A container cannot be started; the message is the task's stop reason."""
 
 
 @dataclasses.dataclass
@@ -56,43 +72,29 @@ class _Proc:
             rc = self.popen.poll()
             if rc is None:
                 return False, None
-            return True, _read_exit(self.prefix, rc)
+            return True, read_exit(self.prefix, rc)
         assert self.ps is not None
         try:
             if self.ps.is_running() and self.ps.status() != psutil.STATUS_ZOMBIE:
                 return False, None
         except psutil.Error:
             pass
-        return True, _read_exit(self.prefix, None)
-
-    def signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        return True, read_exit(self.prefix, None)
 
 
-def _read_exit(prefix: str, fallback: int | None) -> int | None:
-    try:
-        with open(prefix + ".exit") as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        if fallback is not None and fallback < 0:
-            return 128 - fallback  # killed by a signal: shell convention
-        return fallback
+@dataclasses.dataclass
+class _Run:
+    """A task this agent is driving."""
 
+    arn: str
+    procs: dict[int, _Proc] = dataclasses.field(default_factory=dict)  # container -> process
+    codes: dict[int, int | None] = dataclasses.field(default_factory=dict)  # exited containers
+    skipped: set[int] = dataclasses.field(default_factory=set)  # can never start (dependsOn)
+    stop: tuple[str, str] | None = None  # (reason, stop code) once stopping
+    kill_at: float = 0.0
 
-def _alive(pid: int, start: float | None) -> psutil.Process | None:
-    """The process ``pid`` if it is alive and (when given) started at ``start``."""
-    try:
-        ps = psutil.Process(pid)
-        if ps.status() == psutil.STATUS_ZOMBIE:
-            return None
-        if start is not None and abs(ps.create_time() - start) > 0.05:
-            return None
-        return ps
-    except psutil.Error:
-        return None
+    def pgids(self) -> list[int]:
+        return [p.pid for p in self.procs.values()]
 
 
 def device_environment(devices: list[dict[str, Any]]) -> dict[str, str]:
@@ -101,27 +103,43 @@ def device_environment(devices: list[dict[str, Any]]) -> dict[str, str]:
     neuron = sorted((d for d in devices if d["kind"] == "neuron"), key=lambda d: d["idx"])
     gpus = sorted((d for d in devices if d["kind"] == "gpu"), key=lambda d: d["idx"])
     if neuron:
-        from kiln.devices import discovery
-
         env["AWS_NEURON_VISIBLE_DEVICES"] = ",".join(str(d["idx"]) for d in neuron)
-        env["NEURON_RT_VISIBLE_CORES"] = discovery.neuron_core_ranges(
-            [
-                discovery.Device(
-                    kind="neuron",
-                    index=d["idx"],
-                    path=d["path"],
-                    cores=d["cores"],
-                    memory_mib=d.get("memory_mib") or 0,
-                    name=d.get("name") or "neuron",
-                    uuid=d.get("uuid"),
-                )
-                for d in neuron
-            ]
-        )
+        env["NEURON_RT_VISIBLE_CORES"] = neuron_core_ranges(neuron)
     if gpus:
         env["NVIDIA_VISIBLE_DEVICES"] = ",".join(d.get("uuid") or str(d["idx"]) for d in gpus)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d["idx"]) for d in gpus)
     return env
+
+
+def neuron_core_ranges(devices: list[dict[str, Any]]) -> str:
+    """NeuronCore ids of ``devices`` (each device owns ``cores`` consecutive ids) as ranges."""
+    ids: list[int] = []
+    for d in devices:
+        ids.extend(range(d["idx"] * d["cores"], (d["idx"] + 1) * d["cores"]))
+    ranges: list[str] = []
+    for i in sorted(ids):
+        if ranges and int(ranges[-1].split("-")[-1]) == i - 1:
+            ranges[-1] = f"{ranges[-1].split('-')[0]}-{i}"
+        else:
+            ranges.append(str(i))
+    return ",".join(ranges)
+
+
+def _dependencies_state(c: dict[str, Any], names: dict[str, int], run: _Run) -> str:
+    """ "ready", "wait" or "never" for container ``c`` given its ``dependsOn``."""
+    for dep in c.get("dependsOn") or []:
+        i = names[dep["containerName"]]
+        cond = dep["condition"]
+        if i in run.skipped:
+            return "never"
+        if cond == "START":
+            if i not in run.procs and i not in run.codes:
+                return "wait"
+        elif i not in run.codes:
+            return "wait"
+        elif cond == "SUCCESS" and run.codes[i] != 0:
+            return "never"
+    return "ready"
 
 
 class Agent:
@@ -133,16 +151,22 @@ class Agent:
         work_dir: str,
         instance_arns: list[str] | None = None,
         poll_interval: float = 0.1,
+        secrets_file: str | None = None,
+        log_cap_bytes: int = DEFAULT_LOG_CAP,
     ) -> None:
         self.service = service
         self.work_dir = os.path.abspath(work_dir)
         self.instance_arns = instance_arns
         self.poll_interval = poll_interval
-        self._procs: dict[str, list[_Proc]] = {}
-        self._kill_at: dict[str, float] = {}
+        self.secrets_file = secrets_file
+        self.log_cap_bytes = log_cap_bytes
+        self._runs: dict[str, _Run] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        os.makedirs(self.work_dir, exist_ok=True)
+        self._next_sweep = 0.0
+        self._beats: dict[str, float] = {}
+        os.makedirs(self.work_dir, mode=0o700, exist_ok=True)
+        os.chmod(self.work_dir, 0o700)
 
     # -- loop ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -158,7 +182,7 @@ class Agent:
         while not self._stop.is_set():
             try:
                 self.step()
-            except Exception:  # keep serving; the next pass retries
+            except Exception:  # the store is unreachable: keep serving, the next pass retries
                 log.exception("agent step failed")
             self._stop.wait(self.poll_interval)
 
@@ -172,63 +196,144 @@ class Agent:
         return rows
 
     def step(self) -> None:
-        """One pass: start, reconcile, stop and reap every active task of our instances."""
+        """One pass: heartbeat, then start, reconcile, stop and reap every active task."""
+        now = time.monotonic()
         for inst in self._instances():
+            if now >= self._beats.get(inst["arn"], 0.0):
+                self._beats[inst["arn"]] = now + HEARTBEAT_INTERVAL_S
+                self.service.heartbeat(inst["arn"])
             for task in self.service.agent_tasks(inst["arn"]):
-                self._handle(inst, task)
+                try:
+                    self._handle(inst, task)
+                except Exception as e:  # one task's trouble never stalls the others
+                    log.exception("task %s failed in the agent", task["arn"])
+                    self._fail(task["arn"], f"agent error: {type(e).__name__}: {e}")
+        if time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
+            self.sweep_orphans()
+
+    def _fail(self, arn: str, reason: str) -> None:
+        run = self._runs.setdefault(arn, _Run(arn))
+        self._begin_stop(run, reason, "TaskFailedToStart")
+        self._finish_if_gone(run, None)
 
     def _handle(self, inst: dict[str, Any], task: dict[str, Any]) -> None:
         arn = task["arn"]
-        status = task["last_status"]
-        if arn not in self._procs:
-            if status == "PROVISIONING":
+        run = self._runs.get(arn)
+        if run is None:
+            if task["last_status"] == "PROVISIONING":
                 if task["desired_status"] == "RUNNING" and self.service.claim_task(
                     arn, self._task_dir(arn)
                 ):
-                    self._launch(inst, task)
+                    run = self._runs[arn] = _Run(arn)
+                    self._prepare(inst, task, run)
+                    self._launch_ready(task, run)
+                    if run.procs:
+                        self.service.mark_running(arn, self._pids(task, run))
+                    if run.stop is not None:
+                        self._finish_if_gone(run, task["containers"])
                 return
-            if not self._recover(inst, task):
-                return
-        procs = self._procs[arn]
-        if task["desired_status"] == "STOPPED":
-            self._terminate(arn, procs)
-        finished = [p.exit_status() for p in procs]
-        if any(done for done, _ in finished):
-            if not all(done for done, _ in finished):
-                self._terminate(arn, procs)  # an essential container exited: stop the rest
-                finished = [p.exit_status() for p in procs]
-                if not all(done for done, _ in finished):
-                    return
-            codes = [code for _, code in finished]
-            first = next((c for c in codes if c is not None), None)
-            reason = (
-                "Task stopped by user"
-                if task["desired_status"] == "STOPPED"
-                else f"Essential container in task exited (exit code {first})"
-            )
-            self.service.mark_stopped(arn, first, reason)
-            self._procs.pop(arn, None)
-            self._kill_at.pop(arn, None)
+            run = self._recover(task)
+        self._advance(task, run)
 
-    def _terminate(self, arn: str, procs: list[_Proc]) -> None:
-        now = time.monotonic()
-        if arn not in self._kill_at:
-            self._kill_at[arn] = now + STOP_GRACE_S
-            for p in procs:
-                p.signal(signal.SIGTERM)
-        elif now >= self._kill_at[arn]:
-            for p in procs:
-                p.signal(signal.SIGKILL)
-            for p in procs:
-                if p.popen is not None:
-                    try:
-                        p.popen.wait(timeout=2)
-                    except subprocess.TimeoutExpired:
-                        pass
+    # -- the task state machine ---------------------------------------------------------------
+    def _advance(self, task: dict[str, Any], run: _Run) -> None:
+        containers = task["containers"]
+        for i, p in run.procs.items():
+            if i not in run.codes:
+                done, code = p.exit_status()
+                if done:
+                    run.codes[i] = code
+        if run.stop is None:
+            reason = self._stop_reason(task, run)
+            if reason is None and task["last_status"] in ("PENDING", "RUNNING"):
+                started = len(run.procs)
+                self._launch_ready(task, run)
+                if len(run.procs) != started:
+                    self.service.mark_running(task["arn"], self._pids(task, run))
+                reason = self._stop_reason(task, run)
+            if reason is not None:
+                self._begin_stop(run, *reason)
+        if run.stop is None:
+            for i in run.procs:
+                procs.cap_log(self._prefix(task["arn"], i) + ".log", self.log_cap_bytes)
+            return
+        self._finish_if_gone(run, containers)
+
+    def _stop_reason(self, task: dict[str, Any], run: _Run) -> tuple[str, str] | None:
+        if task["desired_status"] == "STOPPED":
+            return task.get("stopped_reason") or "Task stopped by user", "UserInitiated"
+        containers = task["containers"]
+        for i, code in sorted(run.codes.items()):
+            if containers[i].get("essential", True):
+                return (
+                    f"Essential container in task exited (exit code {code})",
+                    "EssentialContainerExited",
+                )
+        names = {c["name"]: i for i, c in enumerate(containers)}
+        for i, c in enumerate(containers):
+            started = i in run.procs or i in run.codes
+            if not started and _dependencies_state(c, names, run) == "never":
+                run.skipped.add(i)
+        if len(run.codes) + len(run.skipped) == len(containers):
+            return "All containers exited", "EssentialContainerExited"
+        return None
+
+    def _begin_stop(self, run: _Run, reason: str, code: str) -> None:
+        if run.stop is not None:
+            return
+        run.stop = (reason, code)
+        timeout = self._stop_timeout(run.arn)
+        run.kill_at = time.monotonic() + timeout
+        found = procs.task_processes(run.arn, run.pgids())
+        procs.signal_all(found, run.pgids(), signal.SIGTERM)
+
+    def _stop_timeout(self, arn: str) -> float:
+        rows = self.service.store.query("SELECT containers FROM tasks WHERE arn = ?", (arn,))
+        if not rows:
+            return DEFAULT_STOP_TIMEOUT_S
+        values = [c.get("stopTimeout") for c in json.loads(rows[0]["containers"])]
+        given = [float(v) for v in values if v is not None]
+        return max(given) if given else DEFAULT_STOP_TIMEOUT_S
+
+    def _finish_if_gone(self, run: _Run, containers: list[dict[str, Any]] | None) -> None:
+        """Mark the task STOPPED once none of its processes is left; SIGKILL after the timeout."""
+        for p in run.procs.values():
+            if p.popen is not None:
+                p.popen.poll()  # reap our direct children
+        left = procs.task_processes(run.arn, run.pgids())
+        if left:
+            if time.monotonic() >= run.kill_at:
+                procs.signal_all(left, run.pgids(), signal.SIGKILL)
+            return
+        for i, p in run.procs.items():
+            if i not in run.codes:
+                run.codes[i] = p.exit_status()[1]
+        n = len(containers) if containers is not None else 0
+        codes = [run.codes.get(i) for i in range(n)]
+        assert run.stop is not None
+        self.service.mark_stopped(run.arn, codes, run.stop[0], run.stop[1])
+        self._runs.pop(run.arn, None)
 
     # -- starting -----------------------------------------------------------------------------
     def _task_dir(self, arn: str) -> str:
         return os.path.join(self.work_dir, arn.rsplit("/", 1)[-1])
+
+    def _prefix(self, arn: str, index: int) -> str:
+        return os.path.join(self._task_dir(arn), f"c{index}")
+
+    @staticmethod
+    def _pids(task: dict[str, Any], run: _Run) -> list[tuple[int, float] | None]:
+        return [
+            (run.procs[i].pid, run.procs[i].start) if i in run.procs else None
+            for i in range(len(task["containers"]))
+        ]
+
+    def _prepare(self, inst: dict[str, Any], task: dict[str, Any], run: _Run) -> None:
+        missing = self._missing_device(inst, task)
+        if missing:
+            self._begin_stop(run, missing, "TaskFailedToStart")
+        os.makedirs(self._task_dir(task["arn"]), mode=0o700, exist_ok=True)
 
     def _missing_device(self, inst: dict[str, Any], task: dict[str, Any]) -> str | None:
         if inst["simulated"] and not inst["device_root"]:
@@ -244,119 +349,189 @@ class Agent:
                     return f"CannotStartContainerError: device {path} not found ({full} is missing)"
         return None
 
-    def _launch(self, inst: dict[str, Any], task: dict[str, Any]) -> None:
-        arn = task["arn"]
-        missing = self._missing_device(inst, task)
-        if missing:
-            self.service.mark_stopped(arn, None, missing, "TaskFailedToStart")
+    def _launch_ready(self, task: dict[str, Any], run: _Run) -> None:
+        """Start every container whose dependencies are met; a failure stops the task."""
+        if run.stop is not None:
             return
-        task_dir = self._task_dir(arn)
-        os.makedirs(task_dir, exist_ok=True)
-        procs: list[_Proc] = []
-        for i, c in enumerate(task["containers"]):
-            if not c.get("command"):
-                for p in procs:
-                    p.signal(signal.SIGKILL)
-                self.service.mark_stopped(
-                    arn,
-                    None,
-                    f"CannotStartContainerError: container {c['name']} has no command",
+        containers = task["containers"]
+        names = {c["name"]: i for i, c in enumerate(containers)}
+        for i, c in enumerate(containers):
+            if i in run.procs or i in run.codes or i in run.skipped:
+                continue
+            if _dependencies_state(c, names, run) != "ready":
+                continue
+            try:
+                run.procs[i] = self._launch_one(task, i, c)
+            except (LaunchError, OSError, ValueError, subprocess.SubprocessError) as e:
+                reason = str(e) if isinstance(e, LaunchError) else f"{type(e).__name__}: {e}"
+                self._begin_stop(
+                    run,
+                    f"CannotStartContainerError: container {c['name']}: {reason}",
                     "TaskFailedToStart",
                 )
                 return
-            env = dict(os.environ)
-            env.update({k: str(v) for k, v in (c.get("environment") or {}).items()})
-            env.update(device_environment(c["devices"]))
-            # not KILN_*: Kiln's config rejects unknown KILN_ variables in the child
-            env.update(CLUSTER_TASK_ARN=arn, CLUSTER_CONTAINER_NAME=c["name"])
-            prefix = os.path.join(task_dir, f"c{i}")
-            with open(prefix + ".log", "ab") as out:
-                try:
-                    popen = subprocess.Popen(
-                        ["sh", "-c", WRAPPER, prefix, *[str(a) for a in c["command"]]],
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        env=env,
-                        cwd=task_dir,
-                        start_new_session=True,
-                    )
-                except OSError as e:
-                    self.service.mark_stopped(
-                        arn, None, f"CannotStartContainerError: {e}", "TaskFailedToStart"
-                    )
-                    return
+
+    def _environment(self, task: dict[str, Any], c: dict[str, Any], home: str) -> dict[str, str]:
+        env = {k: os.environ[k] for k in _BASE_ENV if k in os.environ}
+        env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+        env["HOME"] = home
+        env.update({k: str(v) for k, v in (c.get("environment") or {}).items()})
+        env.update(self._secrets(c.get("secrets") or []))
+        env.update(device_environment(c["devices"]))
+        env[MARKER] = task["arn"]
+        env["CLUSTER_CONTAINER_NAME"] = c["name"]
+        return env
+
+    def _secrets(self, wanted: list[dict[str, str]]) -> dict[str, str]:
+        if not wanted:
+            return {}
+        if not self.secrets_file:
+            raise LaunchError("the task asks for secrets but the agent has no --secrets-file")
+        try:
+            with open(self.secrets_file) as f:
+                source = json.load(f)
+        except (OSError, ValueError) as e:
+            raise LaunchError(f"cannot read the agent's secrets file: {e}") from e
+        out = {}
+        for s in wanted:
+            value = source.get(s["valueFrom"]) if isinstance(source, dict) else None
+            if not isinstance(value, str):
+                raise LaunchError(f"secret {s['valueFrom']!r} is not in the agent's secrets file")
+            out[s["name"]] = value
+        return out
+
+    @staticmethod
+    def _user(spec: str | None) -> tuple[int | None, int | None, str]:
+        """(uid, gid, home) to run as; (None, None, home) for the agent's own user."""
+        me = os.getuid()
+        if not spec:
+            return None, None, pwd.getpwuid(me).pw_dir
+        name, _, group = spec.partition(":")
+        try:
+            entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+        except KeyError as e:
+            raise LaunchError(f"user {name!r} does not exist on this instance") from e
+        gid = entry.pw_gid
+        if group:
+            import grp
+
             try:
-                start = psutil.Process(popen.pid).create_time()
-            except psutil.Error:
-                start = time.time()
-            procs.append(_Proc(prefix, popen.pid, start, popen=popen))
-        self._procs[arn] = procs
-        self.service.mark_running(arn, [(p.pid, p.start) for p in procs])
+                gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+            except KeyError as e:
+                raise LaunchError(f"group {group!r} does not exist on this instance") from e
+        if entry.pw_uid == me and gid == os.getgid():
+            return None, None, entry.pw_dir
+        if me != 0:
+            raise LaunchError(
+                f"the agent runs as uid {me} and cannot switch to user {spec!r}; run the agent"
+                " as root or drop 'user'"
+            )
+        return entry.pw_uid, gid, entry.pw_dir
+
+    def _launch_one(self, task: dict[str, Any], i: int, c: dict[str, Any]) -> _Proc:
+        if not c.get("command"):
+            raise LaunchError("no command")
+        uid, gid, home = self._user(c.get("user"))
+        env = self._environment(task, c, home)
+        task_dir = self._task_dir(task["arn"])
+        os.makedirs(task_dir, mode=0o700, exist_ok=True)
+        cwd = c.get("workingDirectory") or task_dir
+        if not os.path.isdir(cwd):
+            raise LaunchError(f"workingDirectory {cwd!r} does not exist on this instance")
+        if uid is not None:
+            os.chown(task_dir, uid, gid if gid is not None else -1)
+        prefix = self._prefix(task["arn"], i)
+        fd = os.open(prefix + ".log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            popen = subprocess.Popen(
+                ["sh", "-c", WRAPPER, prefix, *[str(a) for a in c["command"]]],
+                stdout=fd,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+                user=uid,
+                group=gid,
+                extra_groups=[] if uid is not None else None,
+            )
+        finally:
+            os.close(fd)
+        try:
+            start = psutil.Process(popen.pid).create_time()
+        except psutil.Error:
+            start = time.time()
+        return _Proc(prefix, popen.pid, start, popen=popen)
 
     # -- after a restart ----------------------------------------------------------------------
-    def _recover(self, inst: dict[str, Any], task: dict[str, Any]) -> bool:
-        """Re-adopt the processes of a task we do not track; False if it was settled here."""
+    def _recover(self, task: dict[str, Any]) -> _Run:
+        """Re-adopt the processes of a task this agent does not track yet."""
         arn = task["arn"]
+        run = self._runs[arn] = _Run(arn)
         task_dir = task["work_dir"] or self._task_dir(arn)
-        procs: list[_Proc] = []
-        dead_codes: list[int | None] = []
-        traces = False
         for i, c in enumerate(task["containers"]):
             prefix = os.path.join(task_dir, f"c{i}")
-            traces = traces or bool(c.get("pid")) or os.path.exists(prefix + ".pid")
             if c.get("pid"):
-                ps = _alive(int(c["pid"]), c.get("pidStart"))
+                ps = alive(int(c["pid"]), c.get("pidStart"))
             else:
                 ps = self._find_unrecorded(prefix)
             if ps is not None:
-                procs.append(_Proc(prefix, ps.pid, ps.create_time(), ps=ps))
-            else:
-                dead_codes.append(_read_exit(prefix, None))
-        if not procs and not traces and task["last_status"] == "PENDING":
-            # claimed, but the agent died before starting anything: start it now (no task lost)
-            if task["desired_status"] == "STOPPED":
-                self.service.mark_stopped(arn, None, "Task stopped by user", "UserInitiated")
-            else:
-                self._launch(inst, task)
-            return False
-        if procs:
-            self._procs[arn] = procs
-            if task["last_status"] != "RUNNING" or any(
-                not c.get("pid") for c in task["containers"]
-            ):
-                self.service.mark_running(arn, [(p.pid, p.start) for p in procs])
-            return True
-        code = next((c for c in dead_codes if c is not None), None)
-        self.service.mark_stopped(
-            arn,
-            code,
-            f"Task process exited while the agent was down (exit code {code})",
-            "EssentialContainerExited",
-        )
-        return False
+                run.procs[i] = _Proc(prefix, ps.pid, ps.create_time(), ps=ps)
+            elif c.get("pid") or os.path.exists(prefix + ".pid"):
+                run.codes[i] = read_exit(prefix, None)  # started, and gone while we were down
+        if run.codes and not run.procs and task["desired_status"] != "STOPPED":
+            code = next((c for c in run.codes.values() if c is not None), None)
+            self._begin_stop(
+                run,
+                f"Task process exited while the agent was down (exit code {code})",
+                "EssentialContainerExited",
+            )
+        if run.procs:
+            self.service.mark_running(arn, self._pids(task, run))
+        return run
 
     @staticmethod
     def _find_unrecorded(prefix: str) -> psutil.Process | None:
         try:
             with open(prefix + ".pid") as f:
-                ps = _alive(int(f.read().strip()), None)
+                ps = alive(int(f.read().strip()), None)
             if ps is not None and prefix in " ".join(ps.cmdline()):
                 return ps
         except (OSError, ValueError, psutil.Error):
             pass
-        for ps in psutil.process_iter(["cmdline"]):
-            cmd = ps.info.get("cmdline") or []
-            if len(cmd) > 3 and cmd[0] == "sh" and cmd[3] == prefix:
-                return _alive(ps.pid, None)
         return None
+
+    # -- orphans ------------------------------------------------------------------------------
+    def sweep_orphans(self) -> int:
+        """SIGKILL live processes of tasks the store shows STOPPED; returns how many."""
+        marked = procs.marked_processes()
+        if not marked:
+            return 0
+        killed = 0
+        arns = list(marked)
+        for start in range(0, len(arns), 100):
+            chunk = arns[start : start + 100]
+            rows = self.service.store.query(
+                "SELECT arn FROM tasks WHERE last_status = 'STOPPED' AND arn IN"
+                f" ({', '.join('?' * len(chunk))})",
+                chunk,
+            )
+            for r in rows:
+                procs.signal_all(marked[r["arn"]], [], signal.SIGKILL)
+                killed += len(marked[r["arn"]])
+        if killed:
+            log.warning("killed %d leftover processes of stopped tasks", killed)
+        return killed
 
 
 def task_output(work_dir: str, task_arn: str, container_index: int = 0) -> str:
-    """The captured stdout/stderr of one container of a task run by an agent in ``work_dir``."""
-    path = os.path.join(work_dir, task_arn.rsplit("/", 1)[-1], f"c{container_index}.log")
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
+    """The captured stdout/stderr of one container of a task run by an agent in ``work_dir``.
+
+    Raises ValueError for a task id that is not a plain id, FileNotFoundError for no output.
+    """
+    task_id = task_arn.rsplit("/", 1)[-1]
+    if not task_id.isalnum():
+        raise ValueError(f"{task_arn!r} is not a task id or ARN")
+    path = os.path.join(work_dir, task_id, f"c{int(container_index)}.log")
+    with open(path, errors="replace") as f:
+        return f.read()

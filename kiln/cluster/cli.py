@@ -357,6 +357,13 @@ def logs(ctx: click.Context, task: str, work_dir: str | None, container: int) ->
     """Print a task's captured output (on the machine whose agent ran it)."""
     from kiln.cluster.agent import task_output
 
-    click.echo(
-        task_output(work_dir or default_work_dir(_store_url(ctx)), task, container), nl=False
-    )
+    try:
+        text = task_output(work_dir or default_work_dir(_store_url(ctx)), task, container)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    except FileNotFoundError as e:
+        raise click.ClickException(
+            f"no output for task {task!r} container {container} under {e.filename};"
+            " run this where the task's agent ran, or pass --work-dir"
+        ) from e
+    click.echo(text, nl=False)

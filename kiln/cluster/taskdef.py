@@ -112,6 +112,7 @@ def _validate(request: Any) -> dict:
             "at least one container must be essential; set 'essential': true on one of them",
         )
     _check_accelerator_consistency(containers)
+    _check_dependencies(containers)
     constraints = _default(task, "placementConstraints", [])
     validate_constraints(constraints, for_task_definition=True)
     for field in ("requiresCompatibilities", "tags", "volumes"):
@@ -178,9 +179,65 @@ def _check_container(where: str, container: dict, task_memory: str | None) -> No
                 "missing required field 'name'; give each variable a name and a value",
             )
     _check_resource_requirements(where, container["resourceRequirements"])
+    _check_launchable(where, container)
     linux = container.get("linuxParameters")
     if linux is not None:
         _check_devices(f"{where}.linuxParameters", linux)
+
+
+def _check_launchable(where: str, container: dict) -> None:
+    """Refuse what the agent could never start: bad variable names, NUL bytes, bad timeouts."""
+    for index, variable in enumerate(container["environment"]):
+        name = variable["name"]
+        if "=" in name or "\0" in name:
+            raise _fail(
+                f"{where}.environment[{index}].name",
+                f"invalid variable name {name!r}: it must not contain '=' or a NUL byte",
+            )
+        if "\0" in (variable.get("value") or ""):
+            raise _fail(f"{where}.environment[{index}].value", "must not contain a NUL byte")
+    for field in ("command", "entryPoint"):
+        for index, arg in enumerate(container.get(field) or []):
+            if "\0" in arg:
+                raise _fail(f"{where}.{field}[{index}]", "must not contain a NUL byte")
+    for field in ("user", "workingDirectory"):
+        if "\0" in (container.get(field) or ""):
+            raise _fail(f"{where}.{field}", "must not contain a NUL byte")
+    timeout = container.get("stopTimeout")
+    if timeout is not None and not 2 <= timeout <= 120:
+        raise _fail(f"{where}.stopTimeout", f"must be 2 to 120 seconds (got {timeout})")
+    for index, secret in enumerate(container.get("secrets") or []):
+        if "=" in secret["name"] or "\0" in secret["name"]:
+            raise _fail(f"{where}.secrets[{index}].name", "must not contain '=' or a NUL byte")
+
+
+def _check_dependencies(containers: list[dict]) -> None:
+    """``dependsOn`` names containers of the task, without cycles; HEALTHY needs health checks."""
+    names = {c["name"] for c in containers}
+    graph: dict[str, list[str]] = {}
+    for index, container in enumerate(containers):
+        deps = container.get("dependsOn") or []
+        for position, dep in enumerate(deps):
+            path = f"containerDefinitions[{index}].dependsOn[{position}]"
+            if dep["containerName"] not in names or dep["containerName"] == container["name"]:
+                raise _fail(path, f"{dep['containerName']!r} is not another container of the task")
+            if dep["condition"] == "HEALTHY":
+                raise _fail(path, "HEALTHY needs health checks, which Kiln does not run; use START")
+        graph[container["name"]] = [d["containerName"] for d in deps]
+    state: dict[str, int] = {}
+
+    def visit(name: str) -> None:
+        state[name] = 1
+        for dep in graph[name]:
+            if state.get(dep) == 1:
+                raise _fail("containerDefinitions", f"dependsOn has a cycle through {dep!r}")
+            if dep not in state:
+                visit(dep)
+        state[name] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name)
 
 
 def _check_sizes(where: str, container: dict, task_memory: str | None) -> None:

@@ -158,6 +158,12 @@ class TaskActions:
                     "hostDevices": [
                         d["hostPath"] for d in (c.get("linuxParameters") or {}).get("devices") or []
                     ],
+                    "essential": bool(c.get("essential", True)),
+                    "dependsOn": list(c.get("dependsOn") or []),
+                    "stopTimeout": c.get("stopTimeout"),
+                    "user": c.get("user"),
+                    "workingDirectory": c.get("workingDirectory"),
+                    "secrets": list(c.get("secrets") or []),
                 }
             )
         return out
@@ -195,6 +201,17 @@ class TaskActions:
                     "cpu": c["cpu"],
                     "memory": c["memory"],
                     "hostDevices": c["hostDevices"],
+                    **{
+                        k: c[k]
+                        for k in (
+                            "essential",
+                            "dependsOn",
+                            "stopTimeout",
+                            "user",
+                            "workingDirectory",
+                            "secrets",
+                        )
+                    },
                     "devices": [
                         {
                             k: d[k]
@@ -370,32 +387,46 @@ class TaskActions:
             )
             return tx.rowcount == 1
 
-    def mark_running(self, arn: str, procs: list[tuple[int, float]]) -> None:
-        """Record each container's pid and psutil create time (for safe re-adoption)."""
+    def mark_running(self, arn: str, procs: list[tuple[int, float] | None]) -> None:
+        """Record each started container's pid and psutil create time (for safe re-adoption).
+
+        ``procs`` has one entry per container; None for one not started yet (``dependsOn``).
+        """
         with self.store.transaction(exclusive=True) as tx:
             t = tx.one("SELECT containers, started_at FROM tasks WHERE arn = ?", (arn,))
             if t is None:
                 return
             containers = loads(t["containers"])
-            for c, (pid, start) in zip(containers, procs):
-                c.update(lastStatus="RUNNING", pid=pid, pidStart=start)
+            for c, proc in zip(containers, procs):
+                if proc is not None:
+                    c.update(lastStatus="RUNNING", pid=proc[0], pidStart=proc[1])
+            first = next((p for p in procs if p is not None), None)
             tx.execute(
                 "UPDATE tasks SET last_status = 'RUNNING', pid = ?, pid_start = ?,"
                 " started_at = ?, containers = ?, version = version + 1"
                 " WHERE arn = ? AND last_status != 'STOPPED'",
                 (
-                    procs[0][0] if procs else None,
-                    procs[0][1] if procs else None,
+                    first[0] if first else None,
+                    first[1] if first else None,
                     t["started_at"] or time.time(),
                     dumps(containers),
                     arn,
                 ),
             )
 
+    def heartbeat(self, instance_arn: str) -> None:
+        """The agent of ``instance_arn`` is alive (``agentConnected`` true until it goes quiet)."""
+        with self.store.transaction(exclusive=True) as tx:
+            tx.execute(
+                "UPDATE container_instances SET heartbeat_at = ?, agent_connected = 1"
+                " WHERE arn = ? AND status != 'DEREGISTERED'",
+                (time.time(), instance_arn),
+            )
+
     def mark_stopped(
         self,
         arn: str,
-        exit_code: int | None,
+        exit_code: int | None | list[int | None],
         reason: str,
         stop_code: str = "EssentialContainerExited",
     ) -> None:
@@ -404,17 +435,24 @@ class TaskActions:
             self._stop_in_tx(tx, arn, exit_code, reason, stop_code)
 
     def _stop_in_tx(
-        self, tx: Tx, arn: str, exit_code: int | None, reason: str, stop_code: str
+        self,
+        tx: Tx,
+        arn: str,
+        exit_code: int | None | list[int | None],
+        reason: str,
+        stop_code: str,
     ) -> None:
         t = tx.one("SELECT * FROM tasks WHERE arn = ?", (arn,))
         if t is None or t["last_status"] == "STOPPED":
             tx.execute("UPDATE devices SET task_arn = NULL WHERE task_arn = ?", (arn,))
             return
         containers = loads(t["containers"])
-        for c in containers:
+        codes = exit_code if isinstance(exit_code, list) else [exit_code] * len(containers)
+        for c, code in zip(containers, codes + [None] * (len(containers) - len(codes))):
             c["lastStatus"] = "STOPPED"
-            c["exitCode"] = exit_code
+            c["exitCode"] = code
             c["reason"] = reason
+        exit_code = next((c for c in codes if c is not None), None)
         now = time.time()
         tx.execute(
             "UPDATE tasks SET last_status = 'STOPPED', desired_status = 'STOPPED', exit_code = ?,"

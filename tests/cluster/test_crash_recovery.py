@@ -144,7 +144,7 @@ def test_unrecorded_process_is_adopted_not_duplicated(svc, tmp_path, monkeypatch
     with monkeypatch.context() as m:  # crash after starting the process, before recording it
         m.setattr(svc, "mark_running", lambda *a, **k: None)
         first.step()
-    [proc] = first._procs[arn]
+    [proc] = first._runs[arn].procs.values()
     wait_for(lambda: os.path.exists(proc.prefix + ".pid"), timeout=10)
     second = Agent(svc, agent_dir)
     second.step()
