@@ -10,7 +10,10 @@ service's order and report its failure reasons per instance:
 
 ``RESOURCE:NEURON`` (Neuron devices of the instance already held) and ``RESOURCE:DEVICE`` (a
 ``linuxParameters.devices`` host path already held) are Kiln's own names in the service's style;
-an instance with no Neuron devices at all fails a NeuronDevice task with ``ATTRIBUTE``.
+an instance with no Neuron devices at all fails a NeuronDevice task with ``ATTRIBUTE``, and so
+does one without a ``/dev/neuronN`` or ``/dev/nvidiaN`` that a task maps by path.  (The task
+definition's ``requiresAttributes`` is not used: the container service derives it from features
+Kiln does not have; use a ``memberOf`` constraint on ``attribute:NAME`` instead.)
 
 Strategies: ``binpack`` (cpu|memory: least remaining first), ``spread`` (instanceId|host|
 attribute:NAME: the value with the fewest tasks of this group first), ``random``; several apply in
@@ -22,8 +25,11 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import random
+import re
 from typing import Any
 
+# Host paths of devices placement tracks: mapping one needs the instance to have that device.
+_TRACKED_PATH = re.compile(r"/dev/(neuron|nvidia)(\d+)")
 MEMBER_OF_FAILED = "MemberOf placement constraint unsatisfied"
 DISTINCT_FAILED = "DistinctInstance placement constraint unsatisfied"
 
@@ -72,7 +78,6 @@ class TaskNeeds:
     containers: list[dict[str, Any]]  # per container: {"gpu": n, "neuron_all": b, "devices": []}
     constraints: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     strategies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    required_attributes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -87,12 +92,30 @@ def _member_of(expression: str, candidate: Candidate) -> bool:
     return bool(query.parse(expression).evaluate(candidate.subject()))
 
 
+def _device_at(c: Candidate, host_path: str) -> tuple[dict | None, bool]:
+    """(the instance's device mapped by ``host_path``, whether the path is one placement tracks).
+
+    ``/dev/neuronN`` and ``/dev/nvidiaN`` are tracked: the instance must have that device (by
+    path, else the device of that kind and index).  Other paths (``/dev/fuse``) are not.
+    """
+    for d in c.all_devices:
+        if d["path"] and d["path"] == host_path:
+            return d, True
+    match = _TRACKED_PATH.fullmatch(host_path)
+    if match is None:
+        return None, False
+    kind = "neuron" if match.group(1) == "neuron" else "gpu"
+    for d in c.all_devices:
+        if d["kind"] == kind and d["idx"] == int(match.group(2)) and not d["path"]:
+            return d, True
+    return None, True
+
+
 def _assign_devices(c: Candidate, needs: TaskNeeds) -> tuple[list[list[dict]] | None, str]:
     """Pick devices for every container or say which resource is short."""
     free = sorted(c.free_devices, key=lambda d: (d["kind"], d["idx"]))
     free_ids = {d["device_id"] for d in free}
     taken: set[str] = set()
-    by_path = {d["path"]: d for d in c.all_devices if d["path"]}
     result: list[list[dict]] = []
     for req in needs.containers:
         mine: list[dict] = []
@@ -111,7 +134,9 @@ def _assign_devices(c: Candidate, needs: TaskNeeds) -> tuple[list[list[dict]] | 
                 return None, "RESOURCE:GPU"
             mine.extend(gpu_free[:gpus])
         for host_path in req.get("devices") or []:
-            dev = by_path.get(host_path)
+            dev, tracked = _device_at(c, host_path)
+            if dev is None and tracked:
+                return None, "ATTRIBUTE"  # the instance has no such device
             if dev is None:
                 continue  # an untracked host device (checked by the agent when it starts)
             if dev["device_id"] not in free_ids or dev["device_id"] in taken:
@@ -130,12 +155,6 @@ def check(c: Candidate, needs: TaskNeeds) -> tuple[list[list[dict]] | None, str]
         return None, "INACTIVE"
     if not c.agent_connected:
         return None, "AGENT"
-    for attr in needs.required_attributes:
-        have = c.attributes.get(attr["name"])
-        if have is None or (
-            "value" in attr and attr["value"] is not None and have != attr["value"]
-        ):
-            return None, "ATTRIBUTE"
     for con in needs.constraints:
         if con.get("type") == "memberOf" and not _member_of(con.get("expression", ""), c):
             return None, MEMBER_OF_FAILED

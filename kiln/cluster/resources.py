@@ -68,18 +68,48 @@ def _resource_value(resources: list[dict[str, Any]], name: str) -> Any:
     return None
 
 
+MAX_AMOUNT = 2**31 - 1  # the service's Integer fields
+DEVICE_KINDS = ("neuron", "gpu")
+
+
+def _amount(value: Any, where: str) -> int:
+    """A whole number from 0 to 2^31-1; anything else (negative, huge, text, bool) is refused."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_AMOUNT:
+        raise InvalidParameterException(
+            f"{where}: must be a whole number from 0 to {MAX_AMOUNT}, got {value!r}"
+        )
+    return value
+
+
+def _optional_text(value: Any, where: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidParameterException(f"{where}: expected a string, got {value!r}")
+    return value
+
+
 def _devices_from_request(body: dict[str, Any]) -> list[DeviceSpec]:
     devices: list[DeviceSpec] = []
-    for i, d in enumerate(body.get("kilnDevices") or []):
+    given = body.get("kilnDevices") or []
+    if not isinstance(given, list):
+        raise InvalidParameterException("kilnDevices: expected a list of device objects")
+    for i, d in enumerate(given):
+        where = f"kilnDevices[{i}]"
+        if not isinstance(d, dict):
+            raise InvalidParameterException(f"{where}: expected an object")
+        kind = d.get("kind", "neuron")
+        if kind not in DEVICE_KINDS:
+            raise InvalidParameterException(f"{where}.kind: must be one of {DEVICE_KINDS}")
         devices.append(
             DeviceSpec(
-                kind=str(d.get("kind", "neuron")),
-                index=int(d.get("index", i)),
-                path=d.get("path"),
-                cores=int(d.get("cores", 0)),
-                memory_mib=int(d.get("memoryMib", d.get("memory_mib", 0))),
-                name=str(d.get("name", "")),
-                uuid=d.get("uuid"),
+                kind=kind,
+                index=_amount(d.get("index", i), f"{where}.index"),
+                path=_optional_text(d.get("path"), f"{where}.path"),
+                cores=_amount(d.get("cores", 0), f"{where}.cores"),
+                memory_mib=_amount(
+                    d.get("memoryMib", d.get("memory_mib", 0)), f"{where}.memoryMib"
+                ),
+                name=str(_optional_text(d.get("name", ""), f"{where}.name") or ""),
+                uuid=_optional_text(d.get("uuid"), f"{where}.uuid"),
             )
         )
     gpu_ids = [p["id"] for p in body.get("platformDevices") or [] if p.get("type") == "GPU"]
@@ -107,8 +137,12 @@ def instance_spec(body: dict[str, Any]) -> InstanceSpec:
     if body.get("instanceIdentityDocument"):
         try:
             doc = json.loads(body["instanceIdentityDocument"])
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise InvalidParameterException("instanceIdentityDocument is not JSON") from e
+        if not isinstance(doc, dict) or not all(isinstance(v, str) for v in doc.values()):
+            raise InvalidParameterException(
+                "instanceIdentityDocument must be a JSON object of strings"
+            )
     attrs: dict[str, str] = {}
     for a in body.get("attributes") or []:
         if not isinstance(a, dict) or not a.get("name"):
@@ -138,6 +172,8 @@ def instance_spec(body: dict[str, Any]) -> InstanceSpec:
         simulated = True
     if body.get("kilnSimulated") is not None:
         simulated = bool(body["kilnSimulated"])
+    cpu = _amount(cpu, "totalResources CPU")
+    memory = _amount(memory, "totalResources MEMORY")
     ids = [d.device_id for d in devices]
     if len(set(ids)) != len(ids):
         raise InvalidParameterException("duplicate device indices in the registration")

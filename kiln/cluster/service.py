@@ -15,7 +15,7 @@ import secrets
 import time
 from typing import Any
 
-from kiln.cluster import resources
+from kiln.cluster import invariants, resources
 from kiln.cluster.errors import (
     ClientException,
     ClusterNotFoundException,
@@ -319,6 +319,7 @@ class ClusterService(TaskActions):
                         dev.uuid,
                     ),
                 )
+            invariants.check_instance(tx, arn)
             return {"containerInstance": self.instance_json(tx, arn)}
 
     def instance_json(self, tx: Tx, arn: str) -> dict[str, Any]:

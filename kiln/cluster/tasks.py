@@ -16,7 +16,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-from kiln.cluster import placement, resources
+from kiln.cluster import invariants, placement, resources
 from kiln.cluster.errors import ClientException, InvalidParameterException
 from kiln.cluster.store import Tx, dumps, loads
 
@@ -26,13 +26,26 @@ if TYPE_CHECKING:
 ACTIVE_SQL = "last_status != 'STOPPED'"
 
 
-def _int(value: Any, default: int = 0) -> int:
-    if value in (None, ""):
+MAX_AMOUNT = 2**31 - 1  # the service's Integer fields
+
+
+def _int(value: Any, default: int = 0, where: str = "amount") -> int:
+    """A non-negative whole amount from an int or a string of digits; anything else is refused."""
+    if value is None or value == "":
         return default
-    try:
-        return int(str(value).split()[0])
-    except ValueError as e:
-        raise InvalidParameterException(f"not an integer amount: {value!r}") from e
+    if isinstance(value, bool):
+        raise InvalidParameterException(f"{where}: expected a whole number, got {value!r}")
+    if isinstance(value, str):
+        if not value.strip().isdigit() or not value.strip().isascii():
+            raise InvalidParameterException(
+                f"{where}: expected a whole number such as '1024', got {value!r}"
+            )
+        value = int(value.strip())
+    if not isinstance(value, int) or not 0 <= value <= MAX_AMOUNT:
+        raise InvalidParameterException(
+            f"{where}: must be a whole number from 0 to {MAX_AMOUNT}, got {value!r}"
+        )
+    return value
 
 
 def _container_request(container: dict[str, Any]) -> dict[str, Any]:
@@ -93,7 +106,7 @@ class TaskActions:
     def run_task(self, body: dict[str, Any]) -> dict[str, Any]:
         from kiln.cluster import query
 
-        count = _int(body.get("count"), 1)
+        count = _int(body.get("count"), 1, "count")
         if not 1 <= count <= 10:
             raise InvalidParameterException("count must be between 1 and 10")
         constraints = list(body.get("placementConstraints") or [])
@@ -114,16 +127,16 @@ class TaskActions:
             if len(all_constraints) > 10:
                 raise InvalidParameterException("at most 10 placement constraints per task")
             containers = self._containers(td, body.get("overrides") or {})
+            overrides = body.get("overrides") or {}
             needs = placement.TaskNeeds(
-                cpu=_int((body.get("overrides") or {}).get("cpu"), _int(td.get("cpu"), 0))
+                cpu=_int(overrides.get("cpu"), _int(td.get("cpu"), 0), "overrides.cpu")
                 or sum(c["cpu"] for c in containers),
-                memory=_int((body.get("overrides") or {}).get("memory"), _int(td.get("memory"), 0))
+                memory=_int(overrides.get("memory"), _int(td.get("memory"), 0), "overrides.memory")
                 or sum(c["memory"] for c in containers),
                 group=body.get("group") or f"family:{td['family']}",
                 containers=[c["request"] for c in containers],
                 constraints=all_constraints,
                 strategies=strategies,
-                required_attributes=list(td.get("requiresAttributes") or []),
             )
             cands = self.candidates(tx, cluster, statuses=("ACTIVE", "DRAINING"))
             if not cands:
@@ -134,6 +147,8 @@ class TaskActions:
             tasks = [
                 self._insert_task(tx, cluster, td_row, body, needs, containers, p) for p in placed
             ]
+            for arn in sorted({p.candidate.arn for p in placed}):
+                invariants.check_instance(tx, arn)
         return {"tasks": tasks, "failures": failures}
 
     @staticmethod
@@ -150,9 +165,11 @@ class TaskActions:
                     "command": list(c.get("entryPoint") or [])
                     + list(o.get("command") or c.get("command") or []),
                     "environment": env,
-                    "cpu": _int(o.get("cpu"), _int(c.get("cpu"))),
+                    "cpu": _int(o.get("cpu"), _int(c.get("cpu")), "containerOverrides.cpu"),
                     "memory": _int(
-                        o.get("memory"), _int(c.get("memory"), _int(c.get("memoryReservation")))
+                        o.get("memory"),
+                        _int(c.get("memory"), _int(c.get("memoryReservation"))),
+                        "containerOverrides.memory",
                     ),
                     "request": _container_request(c),
                     "hostDevices": [
@@ -445,6 +462,8 @@ class TaskActions:
         t = tx.one("SELECT * FROM tasks WHERE arn = ?", (arn,))
         if t is None or t["last_status"] == "STOPPED":
             tx.execute("UPDATE devices SET task_arn = NULL WHERE task_arn = ?", (arn,))
+            if t is not None:
+                invariants.check_instance(tx, t["instance_arn"])
             return
         containers = loads(t["containers"])
         codes = exit_code if isinstance(exit_code, list) else [exit_code] * len(containers)
@@ -469,3 +488,4 @@ class TaskActions:
             ),
         )
         tx.execute("UPDATE devices SET task_arn = NULL WHERE task_arn = ?", (arn,))
+        invariants.check_instance(tx, t["instance_arn"])

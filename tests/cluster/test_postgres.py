@@ -75,8 +75,11 @@ def pg_url(pg_dsn):
     sep = "&" if "?" in pg_dsn else "?"
     url = pg_dsn + sep + "options=" + urllib.parse.quote(f"-csearch_path={schema}")
     yield url
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA {schema} CASCADE")
+    try:
+        check_invariants(Store(url))  # before the schema goes (the autouse check skips PostgreSQL)
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
 def test_postgres_service_round_trip(pg_url):
