@@ -1,8 +1,17 @@
-"""The Kiln op set: every op a graph may hold, with the category passes reason about.
+"""The Kiln op set: one record (:class:`OpDef`) per op, the ground floor every layer reads.
+
+A record says what an op *means*: its category (what passes may assume), its reference
+implementation (the ATen callable the interpreter runs, or Kiln's own function), its type rule
+(default: the reference implementation run on meta tensors), whether the compile frontend keeps it
+whole instead of decomposing it, the in-place ATen ops whose functional variant it is, and, for an
+op Kiln deliberately does not lower, the reason it falls back to ATen.  Records are registered with
+:func:`defop` next to their definition, in the style of JAX's per-primitive rules; the interpreter,
+verifier, passes, frontends and backends all look ops up here, and nothing in ``kiln.ir`` imports a
+layer above it.
 
 Kiln ops are named after the core ATen ops they mean (``add.Tensor``, ``mm.default``), so the
 reference interpreter can run any of them through ATen, and the code generator can pick the ones it
-fuses by category.  A handful of ops are Kiln's own:
+fuses by category.  A handful of ops are Kiln's own (defined in :mod:`kiln.ir.semantics`):
 
   input        a tensor the caller passes in                 (attrs: index)
   scalar       a Python number lifted into a graph input     (attrs: index) - never baked in
@@ -20,7 +29,13 @@ fuses by category.  A handful of ops are Kiln's own:
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from kiln import metrics
 
 
 class Category(enum.Enum):
@@ -38,8 +53,60 @@ class Category(enum.Enum):
 
 @dataclass(frozen=True)
 class OpDef:
-    name: str  # ATen packet name, e.g. "add" (the overload is kept on the node)
+    """Everything Kiln knows about one op (an ATen packet such as ``"add"``; the overload is kept
+    on the node)."""
+
+    name: str
     category: Category
+    # Reference implementation: ``impl(op)`` gives the callable a node of op ``op`` (the full name,
+    # "add.Tensor") runs on its filled arguments; None: ``torch.ops.aten.<packet>.<overload>``.
+    impl: Callable[[str], Callable[..., Any]] | None = None
+    # Type rule ``(node, input metas) -> output value on the meta device``; None: run the reference
+    # implementation on meta tensors.  Ops whose result cannot be derived (opaque) set ``opaque_types``.
+    infer: Callable[..., Any] | None = None
+    opaque_types: bool = False  # the node's own types are trusted (nothing to re-derive)
+    keep_whole: bool = False  # the compile frontend does not decompose it (a backend has a kernel)
+    # In-place ATen overloads whose functional form is an overload of this op but not simply the
+    # name without its trailing underscore: (("bernoulli_.float", "bernoulli.p"),)
+    inplace: tuple[tuple[str, str], ...] = ()
+    fallback: str | None = None  # set: Kiln does not lower this op, and this is why
+    side_effects: bool = False  # no pass may duplicate, drop or reorder it
+
+
+OPS: dict[str, OpDef] = {}  # ops a graph may hold
+FALLBACKS: dict[str, OpDef] = {}  # ATen ops Kiln deliberately leaves to ATen, with the reason
+ON_CHANGE: list[Callable[[], None]] = []  # called when a record changes (caches built from them)
+
+
+def defop(name: str, category: Category, **fields: Any) -> OpDef:
+    """Register the record for one op (``replace=True`` to redefine one); returns it."""
+    replace = fields.pop("replace", False)
+    d = OpDef(name, category, **fields)
+    table = FALLBACKS if d.fallback is not None else OPS
+    if not replace and (name in OPS or name in FALLBACKS):
+        raise ValueError(f"Kiln op {name!r} is already defined; pass replace=True to redefine it")
+    OPS.pop(name, None)
+    FALLBACKS.pop(name, None)
+    table[name] = d
+    for hook in ON_CHANGE:
+        hook()
+    return d
+
+
+def undefop(name: str) -> None:
+    """Remove an op's record (for tests that define a temporary op)."""
+    OPS.pop(name, None)
+    FALLBACKS.pop(name, None)
+    for hook in ON_CHANGE:
+        hook()
+
+
+def record(op: str) -> OpDef:
+    """The record of a node's op (``"add.Tensor"`` -> the ``add`` record); KeyError if unknown."""
+    d = OPS.get(packet_of(op))
+    if d is None:
+        raise KeyError(f"unknown Kiln op {op!r}")
+    return d
 
 
 _E = Category.ELEMENTWISE
@@ -107,20 +174,69 @@ _TABLE: dict[Category, str] = {
     """,
 }
 
-OPS: dict[str, OpDef] = {}
 for _cat, _names in _TABLE.items():
     for _n in _names.split():
-        OPS[_n] = OpDef(_n, _cat)
+        defop(_n, _cat)
 
-# Kiln's own ops.
-for _n in ("input", "scalar", "constant", "getitem", "sym_size", "sym_numel", "sym_stride", "pyop"):
-    OPS[_n] = OpDef(_n, Category.META)
-OPS["opaque"] = OpDef("opaque", Category.OPAQUE)
-OPS["fused"] = OpDef("fused", Category.ELEMENTWISE)
-OPS["writeback"] = OpDef("writeback", Category.META)
+# Kept whole by the compile frontend: Kiln has one kernel for each (kiln/codegen/cpp: layer norm
+# and softmax backward, GELU backward as one fused formula), or ATen's own beats the decomposition
+# on CPU (embedding_dense_backward decomposes to an accumulating index_put, 4-5x slower).
+# Decomposed, a layer norm backward became five row/column kernels, ~6x the time of the one kernel.
+# SDPA's CPU kernel must stay whole: torch's decomposition of it returns the attention
+# probabilities (B, H, L, S) where the kernel returns the log-sum-exp (B, H, L), and the backward
+# kernel (not decomposed: ATen runs it) reads that second output as the log-sum-exp, so every
+# gradient came out wrong.  tests/passes/test_decomp_contract.py checks that every decomposition
+# the compile frontend uses reproduces all outputs of its op, not only the first.
+for _n in (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "embedding_dense_backward",
+    "native_layer_norm_backward",
+    "_softmax_backward_data",
+    "_log_softmax_backward_data",
+    "gelu_backward",
+):
+    defop(_n, OPS[_n].category, keep_whole=True, replace=True)
 
-# Ops whose value depends on data and which no pass may duplicate or drop.
-SIDE_EFFECTS: frozenset[str] = frozenset({"opaque", "writeback"})
+# In-place ops whose functional variant is not just the name without the trailing underscore.
+defop("bernoulli", _X, inplace=(("bernoulli_.float", "bernoulli.p"),), replace=True)
+defop(
+    "normal_functional",
+    _X,
+    inplace=(("normal_.default", "normal_functional.default"),),
+    replace=True,
+)
+
+# Ops Kiln deliberately does not lower, each with its reason: they become ``opaque`` nodes that
+# the executor runs through ATen exactly as eager PyTorch would, counted by name in kiln.metrics.
+_DATA_SHAPE = "output shape depends on the data"
+_SYNC_NUMBER = "returns a Python number: forces a sync"
+_SYNC_BOOL = "returns a Python bool: forces a sync"
+_SOLVER = "iterative LAPACK solver: no Kiln kernel"
+_FACTOR = "LAPACK factorization: no Kiln kernel"
+_FFT = "FFT: no Kiln kernel"
+for _n, _why in {
+    "nonzero": _DATA_SHAPE,
+    "unique": _DATA_SHAPE,
+    "_unique2": _DATA_SHAPE,
+    "unique_consecutive": _DATA_SHAPE,
+    "unique_dim": _DATA_SHAPE,
+    "masked_select": _DATA_SHAPE,
+    "_local_scalar_dense": _SYNC_NUMBER,
+    "item": _SYNC_NUMBER,
+    "equal": _SYNC_BOOL,
+    "is_nonzero": _SYNC_BOOL,
+    "linalg_eigh": _SOLVER,
+    "_linalg_eigh": _SOLVER,
+    "linalg_svd": _SOLVER,
+    "_linalg_svd": _SOLVER,
+    "linalg_qr": _FACTOR,
+    "_linalg_det": _FACTOR,
+    "linalg_lu_factor_ex": _FACTOR,
+    "_fft_r2c": _FFT,
+    "_fft_c2r": _FFT,
+    "_fft_c2c": _FFT,
+}.items():
+    defop(_n, Category.OPAQUE, fallback=_why)
 
 
 def packet_of(op: str) -> str:
@@ -135,11 +251,93 @@ def opaque_target(op: str) -> str:
 
 
 def category(op: str) -> Category:
-    d = OPS.get(packet_of(op))
-    if d is None:
-        raise KeyError(f"unknown Kiln op {op!r}")
-    return d.category
+    return record(op).category
 
 
 def is_known(op: str) -> bool:
     return packet_of(op) in OPS
+
+
+def side_effect_ops() -> frozenset[str]:
+    """Ops whose value depends on data and which no pass may duplicate or drop."""
+    return frozenset(n for n, d in OPS.items() if d.side_effects)
+
+
+def keep_whole_ops() -> tuple[str, ...]:
+    """Packets the compile frontend keeps whole instead of decomposing."""
+    return tuple(n for n, d in OPS.items() if d.keep_whole)
+
+
+def functional_variant(inplace: str) -> str | None:
+    """The functional ``"packet.overload"`` registered for an in-place ATen overload, if any."""
+    for d in OPS.values():
+        for src, dst in d.inplace:
+            if src == inplace:
+                return dst
+    return None
+
+
+def fallback_reason(packet: str) -> str:
+    d = FALLBACKS.get(packet)
+    return d.fallback if d is not None and d.fallback else "no Kiln lowering rule for this op yet"
+
+
+# --- Kiln's own ops, each defined next to its record ---------------------------------------------
+
+
+def writeback(dst: Any, src: Any) -> Any:
+    """``dst.copy_(src)``, skipped when a kernel already wrote ``src`` into ``dst`` itself."""
+    if src is not dst:
+        dst.copy_(src)
+        metrics.incr("input_update_copies")
+    else:  # written in place by a kernel: tell autograd, as copy_ would
+        torch.autograd.graph.increment_version(dst)
+    return dst
+
+
+PYOPS: dict[str, Callable[..., Any]] = {
+    "add": operator.add,
+    "sub": operator.sub,
+    "mul": operator.mul,
+    "floordiv": operator.floordiv,
+    "truediv": operator.truediv,
+    "mod": operator.mod,
+    "neg": operator.neg,
+    "pow": operator.pow,
+    "eq": operator.eq,
+    "ne": operator.ne,
+    "lt": operator.lt,
+    "le": operator.le,
+    "gt": operator.gt,
+    "ge": operator.ge,
+    "sym_max": max,
+    "sym_min": min,
+    "sym_not": operator.not_,
+    "sym_float": float,
+    "sym_int": int,
+}
+
+
+def _aten(qual: str) -> Callable[..., Any]:
+    """``"aten::nonzero.default"`` -> ``torch.ops.aten.nonzero.default``."""
+    ns, rest = qual.split("::", 1)
+    name, _, overload = rest.partition(".")
+    return getattr(getattr(getattr(torch.ops, ns), name), overload or "default")
+
+
+for _n in ("input", "scalar", "constant", "sym_size", "sym_numel", "sym_stride"):
+    defop(_n, Category.META, opaque_types=True)
+defop("getitem", Category.META, impl=lambda op: operator.getitem)
+defop("pyop", Category.META, impl=lambda op: PYOPS[op[len("pyop.") :]], opaque_types=True)
+defop(
+    "opaque",
+    Category.OPAQUE,
+    impl=lambda op: _aten(opaque_target(op)),
+    opaque_types=True,
+    side_effects=True,
+)
+defop("fused", Category.ELEMENTWISE, opaque_types=True)  # built by fusion; its backend runs it
+defop("writeback", Category.META, impl=lambda op: writeback, side_effects=True)
+
+# Ops whose value depends on data and which no pass may duplicate or drop.
+SIDE_EFFECTS: frozenset[str] = side_effect_ops()

@@ -8,9 +8,12 @@ graph(%0: f32[4,8], %1: f32[8]) {
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kiln.ir.graph import Graph, In, Node
+from kiln.ir.node import In, Node
+
+if TYPE_CHECKING:
+    from kiln.ir.graph import Graph
 
 
 def _fmt(v: Any, node: Node) -> str:

@@ -12,6 +12,7 @@ from typing import Any
 
 from kiln.ir.graph import Graph, In
 from kiln.ir.ops import is_known
+from kiln.ir.semantics import infer_types
 
 
 class VerificationError(AssertionError):
@@ -59,8 +60,6 @@ def verify(g: Graph, deep: bool = False) -> Graph:
         if not 0 <= o < len(g.nodes):
             raise VerificationError(f"graph {g.hash}: output %{o} does not exist")
     if deep:
-        from kiln.runtime.interpreter import infer_types
-
         inferred = infer_types(g)
         for i, (n, t) in enumerate(zip(g.nodes, inferred)):
             if t is not None and tuple(n.types) != tuple(t):

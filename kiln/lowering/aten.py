@@ -16,7 +16,7 @@ import torch
 from kiln import metrics
 from kiln.ir.graph import In, Node, TensorType
 from kiln.ir.ops import OPS, Category
-from kiln.lowering.fallback import FALLBACK, reason
+from kiln.lowering.fallback import reason
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def _op_name(func: Any) -> tuple[str, bool]:
     schema = func._schema
     ns, _, name = schema.name.partition("::")
     overload = func._overloadname
-    if ns == "aten" and name in OPS and name not in FALLBACK:
+    if ns == "aten" and name in OPS:  # fallback ops have no record in OPS
         if OPS[name].category not in (Category.OPAQUE, Category.META) or name == "sym_size":
             return f"{name}.{overload}", True
     return f"opaque.{schema.name}.{overload}", False

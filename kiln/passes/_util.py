@@ -22,6 +22,7 @@ import torch
 
 from kiln.ir.graph import Graph, GraphBuilder, Node, TensorType
 from kiln.ir.ops import SIDE_EFFECTS, Category, category
+from kiln.ir.semantics import resolve
 
 RuleResult = int | Node | None
 RuleFn = Callable[["Rewriter", Node], RuleResult]
@@ -70,8 +71,6 @@ def _is_mutating_opaque(op: str) -> bool:
     if cat_of(op) is not Category.OPAQUE:
         return False
     try:
-        from kiln.runtime.interpreter import resolve
-
         return bool(resolve(op)._schema.is_mutable)
     except Exception:  # noqa: BLE001 - unresolvable: assume the worst
         return True

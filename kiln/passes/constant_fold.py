@@ -24,8 +24,8 @@ import torch
 
 from kiln.ir.graph import Graph, Node
 from kiln.ir.ops import SIDE_EFFECTS, Category
+from kiln.ir.semantics import call_node
 from kiln.passes._util import Rewriter, cat_of, packet, static_numel
-from kiln.runtime.interpreter import call_node
 
 MAX_ELEMENTS = 4096
 _NEVER = (Category.RANDOM, Category.OPAQUE, Category.META, Category.COLLECTIVE)

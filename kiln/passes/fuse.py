@@ -1,7 +1,9 @@
 """Fusion: group pointwise nodes (and last-dim / leading-dim reductions) into ``fused`` nodes.
 
-Needs: a typed graph in topological order.  Guarantees: every node the C++ code generator can
-express (see :mod:`kiln.codegen.cpp.ops`) that shares its iteration shape with a neighbour is
+Needs: a typed graph in topological order, and the :class:`Claims` of the backend that will run
+the result (which element types and which pointwise calls it generates code for; the C++ backend's
+are published when it registers, :mod:`kiln.codegen.cpp`).  Guarantees: every node the backend
+claims that shares its iteration shape with a neighbour is
 folded into one ``fused`` node; the graph computes the same values; nodes the fuser does not
 understand are left exactly as they were.  A fused node's kwargs carry a hashable description of
 its subgraph:
@@ -26,15 +28,41 @@ part of a cycle: a node joins a group only if none of its other inputs depends o
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kiln.codegen.cpp.ops import CTYPE, supported
 from kiln import metrics
 from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType, dtype_abbr
 from kiln.ir.ops import Category
+
+
+@dataclass(frozen=True)
+class Claims:
+    """What a backend generates code for: fusion only groups what its backend claims."""
+
+    dtypes: Collection[torch.dtype]  # element types its kernels handle
+    call: Callable[[str, tuple, dict], bool]  # (op, args, kwargs): may this call be fused?
+
+
+_default: list[Claims] = []
+
+
+def set_default_claims(claims: Claims) -> None:
+    """The claims :func:`fuse` uses when none are passed (set by the default backend)."""
+    _default[:] = [claims]
+
+
+def default_claims() -> Claims:
+    if not _default:
+        raise RuntimeError(
+            "fuse() needs a backend's Claims: pass claims=..., or import kiln.codegen.cpp, "
+            "which publishes the C++ backend's"
+        )
+    return _default[0]
+
 
 MAX_GROUP = 256  # members per kernel: keeps generated functions small enough to compile fast
 HORIZONTAL_WINDOW = 6  # how many open groups of the same shape a node may join horizontally
@@ -80,10 +108,10 @@ def _broadcastable(src: tuple, dst: tuple) -> bool:
     return True
 
 
-def inline_literal(n: Node) -> Lit | None:
+def inline_literal(n: Node, claims: Claims) -> Lit | None:
     """``full([], v)`` / ``scalar_tensor(v)`` of one element: folded into the kernel as a literal."""
     t = _tensor_type(n)
-    if t is None or t.dtype not in CTYPE or n.inputs:
+    if t is None or t.dtype not in claims.dtypes or n.inputs:
         return None
     if n.op == "full.default" and all(s == 1 for s in t.shape):
         v = n.args[1]
@@ -102,18 +130,18 @@ def inline_literal(n: Node) -> Lit | None:
     return Lit(v, dtype_abbr(t.dtype))
 
 
-def _pointwise_ok(g: Graph, n: Node) -> bool:
+def _pointwise_ok(g: Graph, n: Node, claims: Claims) -> bool:
     t = _tensor_type(n)
-    if t is None or t.dtype not in CTYPE:
+    if t is None or t.dtype not in claims.dtypes:
         return False
-    if not supported(n.op, n.args, dict(n.kwargs)):
+    if not claims.call(n.op, n.args, dict(n.kwargs)):
         return False
     for j in n.inputs:
         src = g.nodes[j]
         if src.op == "scalar":
             continue
         st = _tensor_type(src)
-        if st is None or st.dtype not in CTYPE or not _broadcastable(st.shape, t.shape):
+        if st is None or st.dtype not in claims.dtypes or not _broadcastable(st.shape, t.shape):
             return False
     return True
 
@@ -167,14 +195,16 @@ class _Group:
     deps: set = field(default_factory=set)
 
 
-def fuse(g: Graph) -> Graph:
-    """Group fusible nodes into ``fused`` nodes (see the module docstring)."""
+def fuse(g: Graph, claims: Claims | None = None) -> Graph:
+    """Group fusible nodes into ``fused`` nodes (see the module docstring); ``claims``: what the
+    backend generates (default: the default backend's, see :func:`set_default_claims`)."""
+    claims = claims if claims is not None else default_claims()
     groups: list[_Group] = []
     group_of: dict[int, int] = {}
     deps: list[frozenset[int]] = []
     lits: dict[int, Lit] = {}
     for i, n in enumerate(g.nodes):
-        lit = inline_literal(n)
+        lit = inline_literal(n, claims)
         if lit is not None:
             lits[i] = lit
         d: set[int] = set()
@@ -183,7 +213,7 @@ def fuse(g: Graph) -> Graph:
             if j in group_of:
                 d.add(group_of[j])
         deps.append(frozenset(d))
-        gid = _place(g, i, n, groups, group_of, deps, lits)
+        gid = _place(g, i, n, groups, group_of, deps, lits, claims)
         if gid is not None:
             group_of[i] = gid
             groups[gid].members.append(i)
@@ -234,7 +264,7 @@ def _reaches(start: set[int], target: int, groups: list[_Group]) -> bool:
     return False
 
 
-def _place(g, i, n, groups, group_of, deps, lits) -> int | None:
+def _place(g, i, n, groups, group_of, deps, lits, claims: Claims) -> int | None:
     if i in lits:
         return None  # inlined where used
     t = _tensor_type(n)
@@ -258,7 +288,7 @@ def _place(g, i, n, groups, group_of, deps, lits) -> int | None:
                 return gid
         groups.append(_Group(kind, shape, [], closed=True))
         return len(groups) - 1
-    if not _pointwise_ok(g, n):
+    if not _pointwise_ok(g, n, claims):
         return None
     shape = t.shape
     cands = [group_of[j] for j in n.inputs if j in group_of]

@@ -7,7 +7,7 @@ Each step is timed (``KILN_LOG=passes``), can be switched off by name
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from kiln.config import config
 from kiln.ir.graph import Graph
@@ -31,37 +31,23 @@ def _passes() -> list[tuple[str, Pass]]:
         ("cse", cse),  # duplicate computations
         ("dce", dce),  # whatever the steps above left unused
     ]
-    # --- codegen passes go after this line (fusion engineer): ("fuse", ...), ("memory_plan", ...)
-    from kiln.passes.fuse import fuse
-    from kiln.passes.memory_plan import memory_plan
-
-    steps.append(("fuse", fuse))  # pointwise chains and reductions -> generated kernels
-    steps.append(("memory_plan", memory_plan))  # fused outputs reuse dead buffers
     return steps
 
 
-CODEGEN_PASSES = frozenset({"fuse", "memory_plan"})
-
-PIPELINE_NAMES: list[str] = [
-    "simplify",
-    "layout",
-    "constant_fold",
-    "cse",
-    "dce",
-    "fuse",
-    "memory_plan",
-]
+# The generic passes; a backend adds its own after them (kiln.codegen.base.Backend.passes).
+PIPELINE_NAMES: list[str] = ["simplify", "layout", "constant_fold", "cse", "dce"]
 
 
-def run_pipeline(g: Graph, trace: list | None = None) -> Graph:
-    """Run every enabled pass in order; ``trace`` (if given) collects (name, seconds, graph)."""
+def run_pipeline(
+    g: Graph, trace: list | None = None, extra: Sequence[tuple[str, Pass]] = ()
+) -> Graph:
+    """Run every enabled pass in order, then the backend's ``extra`` passes; ``trace`` (if given)
+    collects (name, seconds, graph)."""
     if config.checks:
         verify(g)
-    for name, p in _passes():
+    for name, p in [*_passes(), *extra]:
         if name in config.disabled_passes:
             continue
-        if name in CODEGEN_PASSES and config.backend != "cpp":
-            continue  # the reference interpreter runs un-fused graphs
         t0 = time.perf_counter()
         g = p(g)
         dt = time.perf_counter() - t0

@@ -7,6 +7,11 @@ changes nothing, and never more than ``max_iters`` sweeps; inside a sweep each n
 most ``max_per_node`` times.  Rewrites therefore always terminate, even with a table whose rules
 undo each other.
 
+A rule that raises is a bug in the rule (it must return ``None`` for a node it does not match):
+with ``KILN_CHECKS=1`` the error propagates as a :class:`RuleError` naming the rule and the node;
+otherwise the node is left as it is and the failure is counted in :mod:`kiln.metrics` as
+``rewrite_rule_errors.<rule name>``, so a broken rule shows up instead of silently never firing.
+
     rules = [Rule("neg_neg", ("neg.default",), lambda rw, n: ...)]
     g2 = apply_rules(g, rules)
 """
@@ -17,6 +22,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from kiln import metrics
+from kiln.config import config
 from kiln.ir.graph import Graph, Node
 from kiln.passes._util import Rewriter, RuleFn, RuleResult
 
@@ -29,6 +36,10 @@ class Rule:
     name: str
     ops: tuple[str, ...]  # exact Kiln op names ("mul.Tensor") this rule is tried on
     fn: RuleFn
+
+
+class RuleError(RuntimeError):
+    """A rewrite rule raised instead of returning a result (a bug in the rule)."""
 
 
 class RuleTable:
@@ -46,8 +57,14 @@ class RuleTable:
         for r in self.by_op.get(n.op, ()):
             try:
                 out = r.fn(rw, n)
-            except (TypeError, ValueError, IndexError, KeyError, AttributeError):
-                out = None  # a node whose arguments do not look as the rule expects: leave it
+            except Exception as e:
+                if config.checks:
+                    raise RuleError(
+                        f"rewrite rule {r.name!r} raised {type(e).__name__} on {n.op} ({e}); a "
+                        "rule must return None for a node it does not match: fix the rule"
+                    ) from e
+                metrics.incr(f"rewrite_rule_errors.{r.name}")
+                out = None  # counted, and the node left as it is
             if out is not None:
                 self.hits[r.name] += 1
                 return out

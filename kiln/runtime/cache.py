@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import os
 import pickle
 import tempfile
@@ -22,8 +23,6 @@ from typing import Any
 
 import torch
 from filelock import FileLock
-
-import kiln
 
 _MAGIC = b"KILNGC1\n"
 
@@ -45,11 +44,19 @@ def code_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
+# Read from the installed distribution: importing the ``kiln`` package from here would make the
+# runtime import the frontends above it.
+try:
+    _KILN_VERSION = importlib.metadata.version("kiln")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+    _KILN_VERSION = "source"
+
+
 def cache_key(graph_hash: str, backend: str, options: str = "") -> str:
     """Key of a compiled graph: its structural hash, Kiln's and torch's versions, the compiler's
     code, the backend and the options that change what the pipeline produces."""
     raw = (
-        f"{graph_hash}|kiln={kiln.__version__}|code={code_fingerprint()}"
+        f"{graph_hash}|kiln={_KILN_VERSION}|code={code_fingerprint()}"
         f"|torch={torch.__version__}|backend={backend}|options={options}"
     )
     return hashlib.sha256(raw.encode()).hexdigest()[:40]

@@ -4,8 +4,8 @@
     outputs = exe(inputs)
 
 Order: memory cache, then disk cache (a hit skips the pass pipeline and code generation), then a
-real compile: the pass pipeline, then the backend (generated C++ kernels, or the reference
-interpreter).  Every step is counted in :mod:`kiln.metrics`.
+real compile: the pass pipeline and the passes of the backend ``config.backend`` names, then that
+backend's build (:mod:`kiln.codegen`: generated C++ kernels, or the reference interpreter).  Every step is counted in :mod:`kiln.metrics`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kiln.ir.graph import Graph
 from kiln.passes.pipeline import run_pipeline
 from kiln.runtime import explain
 from kiln.runtime.cache import DiskCache, MemoryCache, cache_key
-from kiln.runtime.interpreter import Interpreter
+from kiln.codegen import get_backend
 
 _memory = MemoryCache()
 
@@ -40,18 +40,12 @@ class Executable:
 
 
 def _backend_build(g: Graph) -> tuple[Callable, dict]:
-    if config.backend == "cpp":
-        try:
-            from kiln.codegen.cpp import build as cpp_build  # noqa: PLC0415
-        except ImportError:
-            cpp_build = None
-        if cpp_build is not None:
-            return cpp_build(g)
-    return Interpreter(g), {"backend": "interpreter"}
+    return get_backend(config.backend).build(g)
 
 
 def optimize(g: Graph, trace: list | None = None) -> Graph:
-    return run_pipeline(g, trace)
+    """The generic pass pipeline, then the passes the configured backend adds."""
+    return run_pipeline(g, trace, get_backend(config.backend).passes())
 
 
 def compile_graph(g: Graph) -> Executable:

@@ -1,4 +1,5 @@
-"""C++ code generation backend: ``build(g) -> (run, info)``.
+"""C++ code generation backend (registered as ``"cpp"``): ``build(g) -> (run, info)``, after its
+own passes (``fuse`` with this backend's :data:`CLAIMS`, then ``memory_plan``).
 
 Every ``fused`` node of the graph becomes one generated C++ function (so does each layer norm,
 forward and backward, see :mod:`kiln.codegen.cpp.layer_norm`, and each last-dim (log_)softmax
@@ -23,8 +24,16 @@ from kiln.codegen.cpp.layer_norm import emit_layer_norm, layer_norm_ok
 from kiln.codegen.cpp.softmax_backward import emit_softmax_backward, softmax_backward_ok
 from kiln.codegen.cpp.ops import PRELUDE
 from kiln import metrics
+from kiln.codegen.base import Backend, Pass, register_backend
+from kiln.codegen.cpp.ops import CTYPE, supported
 from kiln.config import config
 from kiln.ir.graph import Graph
+from kiln.passes.fuse import Claims, fuse, set_default_claims
+from kiln.passes.memory_plan import memory_plan
+
+# What this backend generates code for: element types with a C type, and calls with a formula.
+CLAIMS = Claims(CTYPE, supported)
+set_default_claims(CLAIMS)
 
 # ATen ops taken as they stand (no fusion pass): op -> (accepts(node, input types), emitter)
 _DIRECT = {
@@ -104,3 +113,14 @@ def _memory_plan(g: Graph):
             p = n.kwarg("placement")
             if p is not None:
                 yield i, p
+
+
+def _passes() -> list[tuple[str, Pass]]:
+    """This backend's policy after the generic pipeline: fuse what it claims, then plan buffers."""
+    return [
+        ("fuse", lambda g: fuse(g, CLAIMS)),  # pointwise chains and reductions -> kernels
+        ("memory_plan", memory_plan),  # fused outputs reuse dead buffers
+    ]
+
+
+register_backend(Backend("cpp", build, _passes))

@@ -17,7 +17,7 @@ import torch
 
 from kiln.codegen.cpp.emit import KernelSpec
 from kiln.ir.graph import Graph, In, Node
-from kiln.runtime.interpreter import call_node, last_uses, resolve, writeback
+from kiln.ir.semantics import call_node, last_uses, resolve, writeback
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64

@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from kiln import metrics
 from kiln.config import config
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
+from kiln.ir.ops import keep_whole_ops
 from kiln.runtime.compiler import compile_graph, stop_after_max_steps
 
 _last_shapes: dict[str, list] = {}
@@ -90,23 +91,8 @@ def _kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     return run
 
 
-# Ops kept whole: Kiln has one kernel for each (kiln/codegen/cpp: layer norm and softmax
-# backward, GELU backward as one fused formula), or ATen's own beats the decomposition on CPU
-# (embedding_dense_backward decomposes to an accumulating index_put, 4-5x slower).  Decomposed,
-# a layer norm backward became five row/column kernels, ~6x the time of the one kernel.
-# SDPA's CPU kernel must stay whole: torch's decomposition of it returns the attention
-# probabilities (B, H, L, S) where the kernel returns the log-sum-exp (B, H, L), and the backward
-# kernel (not decomposed: ATen runs it) reads that second output as the log-sum-exp, so every
-# gradient came out wrong.  tests/passes/test_decomp_contract.py checks that every decomposition
-# this backend uses reproduces all outputs of its op, not only the first.
-_KEEP = (
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten.embedding_dense_backward.default,
-    torch.ops.aten.native_layer_norm_backward.default,
-    torch.ops.aten._softmax_backward_data.default,
-    torch.ops.aten._log_softmax_backward_data.default,
-    torch.ops.aten.gelu_backward.default,
-)
+# Ops kept whole (their records say ``keep_whole``, kiln/ir/ops.py says why): not decomposed.
+_KEEP = tuple(getattr(torch.ops.aten, n).default for n in keep_whole_ops())
 _DECOMPS = {k: v for k, v in core_aten_decompositions().items() if k not in _KEEP}
 
 kiln_backend = aot_autograd(

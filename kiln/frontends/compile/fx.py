@@ -20,7 +20,7 @@ import torch.fx
 
 from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType
 from kiln.lowering.aten import Ref, lower_call
-from kiln.runtime.interpreter import PYOPS, shape_dim
+from kiln.ir.semantics import PYOPS, shape_dim
 
 _PYOP_NAMES = {v: k for k, v in PYOPS.items()}
 _PYOP_NAMES.update({operator.mul: "mul", operator.add: "add", operator.sub: "sub"})

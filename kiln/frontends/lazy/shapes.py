@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kiln.runtime.interpreter import types_of
+from kiln.ir.semantics import types_of
 
 _FLOAT = object()
 _cache: dict[tuple, Any] = {}

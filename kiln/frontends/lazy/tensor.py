@@ -27,7 +27,7 @@ from kiln.config import config
 from kiln.frontends.lazy import trace as T
 from kiln.frontends.lazy.shapes import _map, infer_typed
 from kiln.frontends.lazy.views import Link, inverse, split_links
-from kiln.ir.ops import OPS, Category
+from kiln.ir.ops import OPS, Category, functional_variant
 from kiln.lowering.aten import Ref, lower_call
 
 aten = torch.ops.aten
@@ -70,11 +70,6 @@ _STRUCTURAL_FLOATS = {
 }
 # Ops that take CPU index tensors next to device tensors, as in eager PyTorch (x_cuda[cpu_idx]).
 _CPU_INDICES_OK = {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index"}
-# In-place ops whose functional variant is not just the name without the trailing underscore.
-_FUNCTIONAL = {
-    "bernoulli_.float": "bernoulli.p",
-    "normal_.default": "normal_functional.default",
-}
 
 
 class LazyTensor(torch.Tensor):
@@ -247,7 +242,8 @@ def _mutated_args(func: Any) -> list[int]:
 
 def _functional(func: Any) -> Any | None:
     key = f"{func._schema.name.split('::')[1]}.{func._overloadname}"
-    target = _FUNCTIONAL.get(key)
+    target = functional_variant(key)  # set in the op's record when the name alone does not say
+    named = target is not None
     if target is None:
         name = func._schema.name.split("::")[1]
         if not name.endswith("_"):
@@ -257,7 +253,7 @@ def _functional(func: Any) -> Any | None:
     packet = getattr(aten, name, None)
     if packet is None:
         return None
-    if key in _FUNCTIONAL:
+    if named:
         return getattr(packet, overload) if overload in packet.overloads() else None
     # The overload with the same arguments: the same name is not enough (pow_.Scalar takes
     # (Tensor self, Scalar exponent), pow.Scalar takes (Scalar self, Tensor exponent)).

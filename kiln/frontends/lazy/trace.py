@@ -24,7 +24,7 @@ from kiln.config import config
 from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType, _canon, _tensor_digest
 from kiln.passes.memory_plan import _fresh
 from kiln.runtime.compiler import compile_graph, stop_after_max_steps
-from kiln.runtime.interpreter import types_of
+from kiln.ir.semantics import types_of
 
 
 class Storage:

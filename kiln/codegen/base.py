@@ -1,0 +1,57 @@
+"""The backend interface and registry.
+
+A backend says which passes it adds after the graph-optimization pipeline (its fusion and
+memory-planning policy), and how it turns an optimized graph into something that runs.  Backends
+register themselves by name; ``config.backend`` (``KILN_BACKEND``) picks one, and the compile path
+asks the registry, never a backend by name::
+
+    register_backend(Backend("interpreter", build=lambda g: (Interpreter(g), {...})))
+    get_backend(config.backend).build(graph)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from kiln.ir.graph import Graph
+
+Pass = Callable[[Graph], Graph]
+Run = Callable[[Sequence[Any]], list[Any]]
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    # optimized graph -> (run(inputs) -> outputs, info for ``kiln explain``: {"backend": name, ...})
+    build: Callable[[Graph], tuple[Run, dict]]
+    # (name, pass) steps this backend adds after the generic pipeline (fusion, memory planning)
+    passes: Callable[[], list[tuple[str, Pass]]] = field(default=lambda: [])
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(b: Backend, replace: bool = False) -> Backend:
+    if b.name in _BACKENDS and not replace:
+        raise ValueError(f"a Kiln backend named {b.name!r} is already registered")
+    _BACKENDS[b.name] = b
+    return b
+
+
+def unregister_backend(name: str) -> None:
+    _BACKENDS.pop(name, None)
+
+
+def get_backend(name: str) -> Backend:
+    b = _BACKENDS.get(name)
+    if b is None:
+        raise KeyError(
+            f"no Kiln backend named {name!r}; registered: {', '.join(sorted(_BACKENDS))} "
+            "(set KILN_BACKEND / kiln.config.backend to one of them)"
+        )
+    return b
+
+
+def backend_names() -> list[str]:
+    return sorted(_BACKENDS)
