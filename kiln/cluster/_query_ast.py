@@ -92,7 +92,7 @@ class Comparison(Expr):
     subject: str
     operator: str  # canonical symbol: ==, !=, >, >=, <, <=, in, not_in, =~, !~, exists, !exists
     values: tuple[str, ...]  # one value, a list for in/not_in, none for exists/!exists
-    patterns: tuple[re.Pattern[str], ...] = ()
+    patterns: tuple[Any, ...] = ()  # compiled RE2 patterns
 
     def evaluate(self, subject: dict) -> bool:
         value = subject.get(self.subject)

@@ -14,6 +14,7 @@ rejects unknown ``KILN_*`` names.)
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -28,6 +29,8 @@ import click
 from kiln.cluster.errors import ECSError
 
 TARGET_PREFIX = "AmazonEC2ContainerServiceV20141113."
+# What the scheduler imports beyond Kiln's base install (the ``cluster`` extra).
+CLUSTER_MODULES = ("botocore", "re2")
 
 
 def default_work_dir(store_url: str) -> str:
@@ -96,6 +99,12 @@ def cluster(
     cluster_name: str,
 ) -> None:
     """Schedule tasks on accelerator instances (an ECS-compatible control plane)."""
+    missing = [m for m in CLUSTER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise click.ClickException(
+            f"kiln cluster needs {', '.join(missing)}, which the cluster extra installs:"
+            " pip install 'kiln[cluster]'"
+        )
     ctx.ensure_object(dict)
     ctx.obj.update(endpoint=endpoint, store=store, token=token, cluster=cluster_name)
 

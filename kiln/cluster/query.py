@@ -18,11 +18,19 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import re2
+
 from kiln.cluster._query_ast import And, Comparison, Expr, Not, Or, to_datetime
 from kiln.cluster._query_lex import Token, query_error, tokenize
 from kiln.cluster.errors import InvalidParameterException
 
 MAX_EXPRESSION_LENGTH = 2000
+MAX_NESTING = 32  # parentheses and not(...) inside one another
+
+# Regular expressions run on RE2: linear time in the input, so no pattern (``(a|aa)+``) can hold
+# the placement lock for long.
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False
 MAX_CONSTRAINTS = 10
 
 __all__ = ["And", "Comparison", "Expr", "Not", "Or", "parse", "validate_constraints"]
@@ -71,6 +79,7 @@ class _Parser:
         self.expression = expression
         self.tokens = tokenize(expression)
         self.index = 0
+        self.depth = 0
 
     @property
     def current(self) -> Token:
@@ -122,6 +131,15 @@ class _Parser:
 
     def parse_factor(self) -> Expr:
         token = self.current
+        if self.depth >= MAX_NESTING:
+            raise self.fail(f"the expression nests deeper than {MAX_NESTING} levels")
+        self.depth += 1
+        try:
+            return self._parse_factor(token)
+        finally:
+            self.depth -= 1
+
+    def _parse_factor(self, token: Token) -> Expr:
         if token.kind == "symbol" and token.text == "(":
             self.advance()
             expr = self.parse_or()
@@ -206,13 +224,18 @@ class _Parser:
             else (self.parse_value(subject),)
         )
         self.check_values(subject, operator, values, start)
-        patterns: tuple[re.Pattern[str], ...] = ()
+        patterns: tuple[Any, ...] = ()
         if operator in ("=~", "!~"):
             try:
-                patterns = tuple(re.compile(v) for v in values)
-            except re.error as exc:
+                patterns = tuple(re2.compile(v, _RE2_OPTIONS) for v in values)
+            except re2.error as exc:
+                detail = exc.args[0] if exc.args else exc
+                if isinstance(detail, bytes):
+                    detail = detail.decode("utf-8", "replace")
                 raise self.fail(
-                    f"invalid regular expression {values[0]!r} ({exc})", start
+                    f"invalid regular expression {values[0]!r} ({detail}; RE2 syntax: no"
+                    " backreferences or lookaround)",
+                    start,
                 ) from None
         return Comparison(subject, operator, values, patterns)
 

@@ -8,7 +8,6 @@ agent's lifecycle writes live in ``kiln.cluster.tasks`` and are mixed in.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import secrets
@@ -21,6 +20,7 @@ from kiln.cluster.errors import (
     ClusterNotFoundException,
     InvalidParameterException,
 )
+from kiln.cluster.paging import paginate as _paginate
 from kiln.cluster.store import Store, Tx, dumps, loads
 from kiln.cluster.tasks import TaskActions
 
@@ -449,19 +449,3 @@ class ClusterService(TaskActions):
                 "UPDATE container_instances SET agent_connected = ?, heartbeat_at = ? WHERE arn = ?",
                 (int(connected), time.time(), arn),
             )
-
-
-def _paginate(items: list[Any], body: dict[str, Any], key: str) -> dict[str, Any]:
-    """``maxResults``/``nextToken`` paging with an opaque offset token."""
-    start = 0
-    if body.get("nextToken"):
-        try:
-            start = int(json.loads(body["nextToken"])["offset"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise InvalidParameterException("invalid nextToken") from e
-    limit = int(body.get("maxResults") or 100)
-    page = items[start : start + limit]
-    out: dict[str, Any] = {key: page}
-    if start + limit < len(items):
-        out["nextToken"] = json.dumps({"offset": start + limit})
-    return out

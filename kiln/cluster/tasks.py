@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.cluster import invariants, placement, resources
 from kiln.cluster.errors import ClientException, InvalidParameterException
+from kiln.cluster.paging import paginate as _paginate
 from kiln.cluster.store import Tx, dumps, loads
 
 if TYPE_CHECKING:
@@ -339,8 +340,6 @@ class TaskActions:
         return {"tasks": found, "failures": failures}
 
     def list_tasks(self, body: dict[str, Any]) -> dict[str, Any]:
-        from kiln.cluster.service import _paginate
-
         with self.store.transaction() as tx:
             cluster = self.cluster_name(tx, body.get("cluster"))  # type: ignore[attr-defined]
             sql, params = "SELECT arn FROM tasks WHERE cluster = ?", [cluster]

@@ -169,7 +169,7 @@ PARSE_ERRORS: list[tuple[str, int, str]] = [
     (
         "attribute:a =~ '[unclosed'",
         16,
-        "invalid regular expression '[unclosed' (unterminated character set at position 0)",
+        "invalid regular expression '[unclosed' (missing ]: [unclosed; RE2 syntax: no backreferences or lookaround)",
     ),
     ("runningTasksCount > many", 21, "runningTasksCount compares with a whole number, got 'many'"),
     ("agentConnected == yes", 19, "agentConnected compares with true or false, got 'yes'"),
@@ -302,3 +302,19 @@ def test_constraint_errors(constraints: Any, for_task_definition: bool, message:
 )
 def test_valid_constraints(constraints: Any, for_task_definition: bool) -> None:
     validate_constraints(constraints, for_task_definition=for_task_definition)
+
+
+def test_backtracking_pattern_runs_in_linear_time():
+    import time
+
+    expr = parse("attribute:name =~ '(a|aa)+'")
+    began = time.monotonic()
+    assert not expr.evaluate({"attribute:name": "a" * 5000 + "b"})
+    assert time.monotonic() - began < 1.0  # Python's re takes seconds here (issue 15 #6)
+
+
+def test_deep_nesting_is_a_clear_error():
+    with pytest.raises(InvalidParameterException, match="nests deeper"):
+        parse("(" * 600 + "agentConnected == true" + ")" * 600)
+    with pytest.raises(InvalidParameterException, match="nests deeper"):
+        parse("not(" * 300 + "agentConnected == true" + ")" * 300)
