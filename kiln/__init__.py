@@ -28,13 +28,12 @@ _register_backend()
 from kiln.frontends.lazy import device, mark_step, optimizer_step, sync
 from kiln.frontends.lazy.device import _register as _register_device
 
-# Registered at import: PyTorch's autograd engine sizes its per-device queues on the first
-# backward pass, so the kiln device must exist before any backward runs in the process.
+# The device guard itself is registered at ``import torch`` by Kiln's autoload hook
+# (kiln_autoload), so that the order of ``import kiln`` and the first backward pass does not
+# matter; this registers the rest of the device.  Conversions to and from kiln swap parameters in
+# place (tied weights stay tied) without changing PyTorch's process-wide setting: see
+# kiln/frontends/lazy/conversion.py.
 _register_device()
-# Module.to(kiln.device()) swaps each parameter in place (torch.utils.swap_tensors) instead of
-# making new Parameter objects: shared (tied) weights stay one tensor, and references held before
-# the move stay valid.  This is PyTorch's own switch, planned to become its default.
-torch.__future__.set_swap_module_params_on_conversion(True)
 
 __all__ = [
     "Config",

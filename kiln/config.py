@@ -55,6 +55,7 @@ class Config:
         False  # fp32 -> bf16/fp16 casts round stochastically (kiln.precision)
     )
     sr_seed: int = 0  # seed of the stochastic-rounding random bits (kiln.precision.manual_seed)
+    gc_freeze: bool = False  # lazy device: gc.freeze() after steps that compiled a new graph
 
     _CHOICES = {"backend": ("cpp", "interpreter")}
     _LOG_CHOICES = ("graphs", "passes", "kernels", "recompiles", "fallbacks", "all")

@@ -261,6 +261,7 @@ def test_new_graph_freezes_the_heap_for_the_garbage_collector(monkeypatch):
 
     from kiln.frontends.lazy import trace
 
+    monkeypatch.setattr(kiln.config, "gc_freeze", True)  # opt-in: it acts on the whole process
     monkeypatch.setattr(trace, "_settled", trace._SETTLE_MAX - 1)  # one freeze left
     dev = kiln.device()
     before = kiln.metrics.get("heap_freezes")

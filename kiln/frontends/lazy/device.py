@@ -17,58 +17,11 @@ from typing import Any
 
 import torch
 
+from kiln.frontends.lazy import device_module
+from kiln.frontends.lazy.device_module import KILN_MODULE
+
 _registered = False
 _reg_lock = threading.Lock()
-
-
-class _KilnModule:
-    """``torch.kiln``: what PyTorch expects of a device module."""
-
-    @staticmethod
-    def is_available() -> bool:
-        return True
-
-    @staticmethod
-    def is_initialized() -> bool:
-        return True
-
-    @staticmethod
-    def device_count() -> int:
-        return 1
-
-    @staticmethod
-    def current_device() -> int:
-        return 0
-
-    @staticmethod
-    def _is_in_bad_fork() -> bool:
-        return False
-
-    @staticmethod
-    def manual_seed_all(seed: int) -> None:
-        """Lazy random ops draw their per-step seed from torch's CPU generator."""
-
-    @staticmethod
-    def manual_seed(seed: int) -> None:
-        """See manual_seed_all."""
-
-    # Not traced by Dynamo (code that saves/restores the accelerator's RNG around a compiled op,
-    # e.g. torch.testing's freeze_rng_state, runs these under no_dispatch): a graph break instead.
-    @staticmethod
-    @torch.compiler.disable
-    def get_rng_state(device: Any = None) -> torch.Tensor:
-        return torch.get_rng_state()
-
-    @staticmethod
-    @torch.compiler.disable
-    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
-        torch.set_rng_state(state)
-
-    @staticmethod
-    def synchronize(device: Any = None) -> None:
-        from kiln.frontends.lazy.trace import sync
-
-        sync()
 
 
 _COMPOSITE_FACTORIES = [
@@ -106,19 +59,34 @@ def _copy_kernel(dst: Any, src: Any, non_blocking: bool = False) -> Any:
 
 
 def _register() -> None:
+    """Make the ``kiln`` device usable in this process (called by ``import kiln``).
+
+    Renames PyTorch's PrivateUse1 slot to ``kiln`` and registers the device module
+    (``torch.kiln``), the accelerator hooks, the device guard (unless the ``torch.backends``
+    autoload hook registered it at ``import torch``), the kernels that create kiln tensors, the
+    kiln autocast kernels, and the scoped conversion rules.  When the guard comes this late and a
+    backward pass already ran, PyTorch's autograd engine cannot serve kiln tensors: the device is
+    then marked unusable and :func:`device` says why and how to fix it.
+    """
     global _registered
     with _reg_lock:
         if _registered:
             return
-        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-
-        if torch._C._get_privateuse1_backend_name() not in ("privateuseone", "kiln"):
+        name = torch._C._get_privateuse1_backend_name()
+        if name not in ("privateuseone", "kiln"):
             raise RuntimeError(
                 "Kiln's lazy device needs PyTorch's PrivateUse1 backend slot, but another backend "
-                f"({torch._C._get_privateuse1_backend_name()!r}) already took it in this process"
+                f"({name!r}) already took it in this process"
             )
-        if torch._C._get_privateuse1_backend_name() == "privateuseone":
-            _setup_privateuseone_for_python_backend("kiln", backend_module=_KilnModule())
+        early_guard = _autoload_guard()
+        if name == "privateuseone":
+            torch.utils.rename_privateuse1_backend("kiln")
+            torch.utils.generate_methods_for_privateuse1_backend()
+            torch._register_device_module("kiln", KILN_MODULE)
+            torch._C._acc.register_python_privateuseone_hook(_Hooks())
+            if early_guard is None:
+                torch._C._acc.register_python_privateuseone_device_guard(_LATE_GUARD)
+        from kiln.frontends.lazy import autocast, conversion
         from kiln.frontends.lazy.tensor import factory
 
         lib = torch.library.Library("_", "IMPL")
@@ -130,16 +98,74 @@ def _register() -> None:
         # Composite factories (arange = empty + arange.out, ...) would otherwise resize a tensor
         # in place; give them a kiln kernel so they are recorded as one node.
         impl = torch.library.Library("aten", "IMPL")
-        for name in _COMPOSITE_FACTORIES:
-            packet, _, overload = name.partition(".")
+        for op_name in _COMPOSITE_FACTORIES:
+            packet, _, overload = op_name.partition(".")
             op = getattr(getattr(torch.ops.aten, packet), overload or "default")
-            impl.impl(name, _factory_kernel(op), "PrivateUse1")
+            impl.impl(op_name, _factory_kernel(op), "PrivateUse1")
         # torch.tensor(data, device=kiln) copies into the new tensor with the Python dispatch key
         # excluded: copy_ then needs a kiln kernel of its own (the fallback cannot serve it).
         impl.impl("copy_", _copy_kernel, "PrivateUse1")
-        _register.lib = (lib, impl)  # type: ignore[attr-defined]  # keep registrations alive
+        libs = [lib, impl, *autocast.register(), *conversion.install()]
+        _register.libs = libs  # type: ignore[attr-defined]  # keep registrations alive
         _allow_foreach()
         _registered = True
+        if early_guard is None:
+            device_module.unusable = _late_registration_problem()
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, dev_id: int) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):
+    def type_(self):  # noqa: ANN202 - signature fixed by torch._C._acc.DeviceGuard
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+_LATE_GUARD = _Guard()
+
+
+def _autoload_guard() -> object | None:
+    """The guard registered at ``import torch`` by Kiln's autoload hook, if it ran."""
+    try:
+        import kiln_autoload
+    except ImportError:  # kiln used from a source tree that was never pip-installed
+        return None
+    return kiln_autoload.guard()
+
+
+def _late_registration_problem() -> str | None:
+    """Why the kiln device cannot run backward passes in this process, or None if it can.
+
+    Probes PyTorch's autograd engine with a backward pass that starts on the kiln device: the
+    engine checks the device against the queues it sized at the process's first backward."""
+    from kiln.frontends.lazy import trace
+
+    x = torch.zeros((), device="kiln", requires_grad=True)
+    try:
+        torch.autograd.grad(x.view(()), x, torch.ones((), device="kiln"))
+    except RuntimeError as e:
+        if "device_ready_queues_" not in str(e):
+            raise
+        return (
+            "the kiln device cannot be used in this process: a backward pass ran before kiln "
+            "registered its device, and PyTorch sizes its autograd device queues at the first "
+            "backward pass.  Fix: keep PyTorch's device-backend autoload on (unset "
+            "TORCH_DEVICE_BACKEND_AUTOLOAD, or set it to 1, with kiln pip-installed: kiln then "
+            "registers its device when torch is imported), or import kiln before the first "
+            "backward pass."
+        )
+    finally:
+        del x
+        trace.sync("probe")
+    return None
 
 
 def _allow_foreach() -> None:
@@ -166,6 +192,7 @@ def device(index: int = 0) -> torch.device:
     if index != 0:
         raise ValueError(f"Kiln has one lazy device (index 0); got index {index}")
     _register()
+    device_module.check_usable()
     return torch.device("kiln", 0)
 
 

@@ -24,6 +24,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from kiln import metrics
 from kiln.config import config
+from kiln.frontends.lazy import device_module as _devmod
+from kiln.frontends.lazy.device_module import track, update_peak
 from kiln.frontends.lazy import trace as T
 from kiln.frontends.lazy.shapes import _map, infer_typed
 from kiln.frontends.lazy.views import Link, inverse, split_links
@@ -119,7 +121,9 @@ def new_data(value: torch.Tensor) -> LazyTensor:
     """A lazy tensor that holds concrete data (its own storage)."""
     value = value.detach()
     meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-    return LazyTensor(meta, T.Storage(meta, value))
+    st = T.Storage(meta, value)
+    track(st)
+    return LazyTensor(meta, st)
 
 
 def _new_pending(meta: torch.Tensor, node: int) -> LazyTensor:
@@ -346,6 +350,8 @@ def _upload(dst: Any, src: Any) -> bool:
     data.copy_(src)
     st = dst._st
     st.data, st.pending, st.node, st.gen = data, False, None, -1
+    track(st)
+    update_peak()
     return True
 
 
@@ -439,18 +445,87 @@ def _record(func: Any, args: tuple, kwargs: dict) -> Any:
 
     kw = {k: _cpu_device(v) for k, v in kwargs.items()}
     node = lower_call(func, args, kw, ref_of, out_types)
-    if node.category is Category.RANDOM:
+    random = node.category is Category.RANDOM
+    if random:
+        if tr.replay is not None:
+            replayed = _replay_random(tr, func, node, args, out_meta)
+            if replayed is not None:
+                return replayed
         tr.seed()
     nid = tr.add(node)
     if isinstance(out_meta, torch.Tensor):
-        return _new_pending(out_meta, nid)
-    outs = []
-    for k, m in enumerate(out_meta):
-        if isinstance(m, torch.Tensor):
-            outs.append(_new_pending(m, tr.b.getitem(nid, k)))
-        else:
-            outs.append(m)
-    return type(out_meta)(outs) if isinstance(out_meta, tuple) else outs
+        out: Any = _new_pending(out_meta, nid)
+    else:
+        outs = []
+        for k, m in enumerate(out_meta):
+            if isinstance(m, torch.Tensor):
+                outs.append(_new_pending(m, tr.b.getitem(nid, k)))
+            else:
+                outs.append(m)
+        out = type(out_meta)(outs) if isinstance(out_meta, tuple) else outs
+    if random:
+        tr.randoms.append((node.with_(inputs=()), node.inputs, out))
+    return out
+
+
+# Random ops whose result depends on the shapes and dtypes of their tensor arguments, not on their
+# values (``uniform(x, a, b)``, ``bernoulli(x, p=0.5)``): a replayed draw is the recorded one.
+_VALUE_FREE_RANDOM = {
+    "rand",
+    "randn",
+    "rand_like",
+    "randn_like",
+    "randint",
+    "randint_like",
+    "randperm",
+    "uniform",
+    "normal_functional",
+    "exponential",
+    "geometric",
+    "cauchy",
+    "log_normal",
+    "random",
+}
+
+
+def _replay_random(tr: T.Trace, func: Any, node: Any, args: tuple, out_meta: Any) -> Any:
+    """The next random op after ``torch.kiln.set_rng_state`` rewound the RNG: reuse the draw of
+    the random op recorded at that point of the trace (as eager's generator would repeat it)."""
+    k = tr.replay
+    assert k is not None
+    prev, prev_inputs, prev_out = tr.randoms[k]
+    tr.replay = k + 1 if k + 1 < len(tr.randoms) else None
+    if prev != node.with_(inputs=()):
+        tr.replay = None  # the program took another path than the one it rewound to
+        return None
+    name = func._schema.name.split("::")[1]
+    overload = func._overloadname
+    if (
+        prev_inputs == node.inputs
+        or name in _VALUE_FREE_RANDOM
+        or (name == "bernoulli" and overload == "p")
+    ):
+        return _alias_outputs(prev_out)
+    if name == "native_dropout":
+        # same mask; the output recomputed from this input: input * mask * (1 / (1 - p))
+        mask = _alias_outputs(prev_out[1])
+        p = args[1]
+        scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
+        x = args[0]
+        return (x * mask * scale, mask)
+    raise NotImplementedError(
+        f"Kiln lazy device: {func} was replayed after torch.kiln.set_rng_state (activation "
+        "checkpointing recomputes its forward this way) with different input values than the "
+        "first time; its draw depends on them, so Kiln cannot repeat it.  Checkpoint a region "
+        "without this op, or run it with use_reentrant=False and preserve_rng_state=False."
+    )
+
+
+def _alias_outputs(out: Any) -> Any:
+    """New lazy tensors with the pending values of ``out`` (same graph nodes)."""
+    if isinstance(out, LazyTensor):
+        return _new_pending(out._meta, read(out))
+    return type(out)(_alias_outputs(o) for o in out)
 
 
 def _has_tensor_out(out: Any) -> bool:
@@ -501,6 +576,8 @@ def _eager(func: Any, args: tuple, kwargs: dict, reason: str) -> Any:
 
 def factory(func: Any, *args: Any, **kwargs: Any) -> Any:
     """Ops that make a kiln tensor from nothing (``torch.zeros(..., device=dev)``)."""
+    if _devmod.unusable is not None:
+        _devmod.check_usable()
     with T._lock:
         out = _record(func, args, kwargs)
         if config.eager:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import sys
-import threading
 import gc
+import threading
 import time
 import weakref
 from typing import Any
@@ -21,6 +21,7 @@ import torch
 
 from kiln import metrics
 from kiln.config import config
+from kiln.frontends.lazy.device_module import track, update_peak
 from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType, _canon, _tensor_digest
 from kiln.passes.memory_plan import _fresh
 from kiln.runtime.compiler import compile_graph, stop_after_max_steps
@@ -50,6 +51,10 @@ class Trace:
         self.seed_node: int | None = None
         self.scalar_nodes: dict[tuple, int] = {}
         self.t0 = time.perf_counter()
+        # Random ops recorded in this trace, in order: (node without inputs, its inputs, outputs).
+        # ``replay`` is where ``torch.kiln.set_rng_state`` rewound the RNG to (see rng_mark).
+        self.randoms: list[tuple[Node, tuple[int, ...], Any]] = []
+        self.replay: int | None = None
 
     def add(self, node: Node) -> int:
         return self.b.add(node)
@@ -107,6 +112,26 @@ _last_graph: dict[str, Graph] = {}
 
 def current() -> Trace:
     return _trace
+
+
+def rng_mark(state: torch.Tensor) -> torch.Tensor:
+    """Tag an RNG state handed out by ``torch.kiln.get_rng_state`` with the point of the trace it
+    was taken at (how many random ops were recorded before it)."""
+    state._kiln_rng_mark = (_trace.gen, len(_trace.randoms))  # type: ignore[attr-defined]
+    return state
+
+
+def rng_rewind(state: torch.Tensor) -> None:
+    """``torch.kiln.set_rng_state(state)``: as in eager, the random ops that follow draw what the
+    ones recorded after ``state`` was taken drew.  Within one trace those draws are graph values,
+    so the following random ops reuse them (activation checkpointing recomputes its forward this
+    way).  A state from an earlier step rewinds the CPU generator, which seeds later steps."""
+    mark = getattr(state, "_kiln_rng_mark", None)
+    with _lock:
+        if mark is not None and mark[0] == _trace.gen and mark[1] < len(_trace.randoms):
+            _trace.replay = mark[1]
+        else:
+            _trace.replay = None
 
 
 def _site() -> str:
@@ -206,7 +231,8 @@ def _donate(tr: Trace, st: Storage) -> int:
 
 
 def _settle_heap() -> None:
-    """After a step that compiled a new graph: collect garbage once, then freeze what is alive.
+    """With ``config.gc_freeze`` (opt-in, ``KILN_GC_FREEZE=1``), after a step that compiled a new
+    graph: collect garbage once, then freeze what is alive.
 
     Tracing allocates thousands of Python objects per step that live until the cut, so they get
     promoted to CPython's oldest generation and trigger a full collection every ~10 steps, which
@@ -214,10 +240,11 @@ def _settle_heap() -> None:
     tiny-GPT step).  Frozen objects are left out of those scans (``gc.freeze``); they are still
     freed by reference counting as usual.  New graphs are rare (shapes settle in a step or two),
     so this runs a handful of times per process, and never more than ``_SETTLE_MAX`` times (what
-    is frozen and later becomes cyclic garbage is not reclaimed; capping bounds that).
+    is frozen and later becomes cyclic garbage is not reclaimed; capping bounds that).  Freezing
+    acts on every object of the process, the program's own included, hence opt-in.
     """
     global _settled
-    if _settled >= _SETTLE_MAX:
+    if not config.gc_freeze or _settled >= _SETTLE_MAX:
         return
     _settled += 1
     gc.collect()
@@ -274,7 +301,9 @@ def sync(reason: str | None = None) -> None:
             st.pending = False
             st.node = None
             st.gen = -1
+            track(st)
         tr = g = values = results = None  # type: ignore[assignment]
+        update_peak()
     if settle:
         _settle_heap()
     if reason is None and config.max_steps and metrics.get("mark_steps") >= config.max_steps:
