@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from kiln.frontends.lazy.memory import _allocated, peak, reset_peak, update_peak
 
 # Set by registration when PyTorch's autograd engine cannot serve the kiln device in this process
 # (a backward pass ran before the device guard existed): the reason and the fix.
@@ -59,41 +60,6 @@ def _index(device: Any) -> int:
             f"kiln:{idx} does not exist: Kiln has one lazy device, kiln:0 (valid: 'kiln', 'kiln:0')"
         )
     return 0
-
-
-# ---------------------------------------------------------------------------------------------
-# memory accounting: storages that hold data, weakly
-
-
-_live: weakref.WeakSet[Any] = weakref.WeakSet()
-_peak = 0
-
-
-def track(st: Any) -> None:
-    """Count ``st`` (a lazy Storage that now holds data) in the memory statistics."""
-    _live.add(st)
-
-
-def _allocated() -> int:
-    seen: set[int] = set()
-    total = 0
-    for st in list(_live):
-        data = st.data
-        if data is None:
-            continue
-        s = data.untyped_storage()
-        key = s.data_ptr()
-        if key in seen:
-            continue
-        seen.add(key)
-        total += s.nbytes()
-    return total
-
-
-def update_peak() -> None:
-    """Fold the current allocation into the peak (called after each step and upload)."""
-    global _peak
-    _peak = max(_peak, _allocated())
 
 
 class _KilnModule:
@@ -269,13 +235,12 @@ class _KilnModule:
         """Peak of :func:`memory_allocated`, sampled after every step and upload."""
         _index(device)
         update_peak()
-        return _peak
+        return peak()
 
     @staticmethod
     def reset_peak_memory_stats(device: Any = None) -> None:
-        global _peak
         _index(device)
-        _peak = _allocated()
+        reset_peak()
 
     reset_max_memory_allocated = reset_peak_memory_stats
 
@@ -293,9 +258,9 @@ class _KilnModule:
         cur = _allocated()
         return {
             "allocated_bytes.all.current": cur,
-            "allocated_bytes.all.peak": _peak,
+            "allocated_bytes.all.peak": peak(),
             "reserved_bytes.all.current": cur,
-            "reserved_bytes.all.peak": _peak,
+            "reserved_bytes.all.peak": peak(),
         }
 
     # ---- streams and events ---------------------------------------------------------------

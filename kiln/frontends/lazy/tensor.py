@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from kiln import metrics
 from kiln.config import config
 from kiln.frontends.lazy import device_module as _devmod
-from kiln.frontends.lazy.device_module import track, update_peak
+from kiln.frontends.lazy.memory import track, update_peak
 from kiln.frontends.lazy import trace as T
 from kiln.frontends.lazy.shapes import _map, infer_typed
 from kiln.frontends.lazy.views import Link, inverse, split_links

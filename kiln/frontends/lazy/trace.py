@@ -21,7 +21,7 @@ import torch
 
 from kiln import metrics
 from kiln.config import config
-from kiln.frontends.lazy.device_module import track, update_peak
+from kiln.frontends.lazy.memory import track, update_peak
 from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType, _canon, _tensor_digest
 from kiln.passes.memory_plan import _fresh
 from kiln.runtime.compiler import compile_graph, stop_after_max_steps

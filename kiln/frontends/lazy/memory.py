@@ -1,0 +1,48 @@
+"""Memory statistics of the kiln device: the buffers of live kiln tensors.
+
+Storages that hold data are tracked weakly; the current total is summed on demand (each buffer
+once), and the peak is sampled after every step and every upload."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
+_peak = 0
+
+
+def track(st: Any) -> None:
+    """Count ``st`` (a lazy Storage that now holds data) in the memory statistics."""
+    _live.add(st)
+
+
+def _allocated() -> int:
+    seen: set[int] = set()
+    total = 0
+    for st in list(_live):
+        data = st.data
+        if data is None:
+            continue
+        s = data.untyped_storage()
+        key = s.data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += s.nbytes()
+    return total
+
+
+def update_peak() -> None:
+    """Fold the current allocation into the peak."""
+    global _peak
+    _peak = max(_peak, _allocated())
+
+
+def peak() -> int:
+    return _peak
+
+
+def reset_peak() -> None:
+    global _peak
+    _peak = _allocated()
