@@ -18,6 +18,7 @@ _GROUPS = [
     ("kiln.cluster.cli", "cluster"),
     ("kiln.tools.compile_cli", "precompile"),
     ("kiln.tools.compile_cli", "explain"),
+    ("kiln.distributed.cli", "run"),
 ]
 
 
