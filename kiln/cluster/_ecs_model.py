@@ -20,7 +20,7 @@ from kiln.cluster.errors import ClientException
 _MODEL_DIR = Path("data") / "ecs" / "2014-11-13"
 
 
-def _load_shapes() -> dict[str, dict[str, Any]]:
+def _load_model() -> dict[str, Any]:
     spec = importlib.util.find_spec("botocore")
     if spec is None or not spec.submodule_search_locations:
         return {}
@@ -28,16 +28,24 @@ def _load_shapes() -> dict[str, dict[str, Any]]:
         base = Path(location) / _MODEL_DIR
         plain = base / "service-2.json"
         if plain.is_file():
-            return json.loads(plain.read_text(encoding="utf-8"))["shapes"]
+            return json.loads(plain.read_text(encoding="utf-8"))
         packed = base / "service-2.json.gz"
         if packed.is_file():
             with gzip.open(packed, "rt", encoding="utf-8") as handle:
-                return json.load(handle)["shapes"]
+                return json.load(handle)
     return {}
 
 
-SHAPES: dict[str, dict[str, Any]] = _load_shapes()
+_MODEL = _load_model()
+SHAPES: dict[str, dict[str, Any]] = _MODEL.get("shapes", {})
+OPERATIONS: dict[str, dict[str, Any]] = _MODEL.get("operations", {})
 AVAILABLE: bool = bool(SHAPES)
+
+
+def input_shape(action: str) -> str | None:
+    """The model's input shape name of ``action`` (None when unknown or the model is missing)."""
+    op = OPERATIONS.get(action)
+    return op.get("input", {}).get("shape") if op else None
 
 
 def shape(name: str) -> dict[str, Any] | None:

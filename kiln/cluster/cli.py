@@ -88,14 +88,19 @@ def _emit(doc: dict[str, Any]) -> None:
 @click.group()
 @click.option("--endpoint", help="Server URL, e.g. http://127.0.0.1:8080 (else the store).")
 @click.option("--store", help="SQLite path or postgresql:// DSN [~/.kiln/cluster.db].")
-@click.option("--token", help="Token: required by serve on non-loopback hosts, sent by clients.")
+@click.option(
+    "--token-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="File holding the bearer token (sent by clients; accepted by serve). Never on the"
+    " command line.",
+)
 @click.option("--cluster", "cluster_name", default="default", show_default=True)
 @click.pass_context
 def cluster(
     ctx: click.Context,
     endpoint: str | None,
     store: str | None,
-    token: str | None,
+    token_file: str | None,
     cluster_name: str,
 ) -> None:
     """Schedule tasks on accelerator instances (an ECS-compatible control plane)."""
@@ -106,7 +111,34 @@ def cluster(
             " pip install 'kiln[cluster]'"
         )
     ctx.ensure_object(dict)
+    token = _read_secret_file(token_file) if token_file else None
     ctx.obj.update(endpoint=endpoint, store=store, token=token, cluster=cluster_name)
+
+
+def _read_secret_file(path: str) -> str:
+    with open(path) as f:
+        value = f.read().strip()
+    if not value:
+        raise click.ClickException(f"{path} is empty; put the secret on its first line")
+    return value
+
+
+def _read_credentials(path: str) -> dict[str, str]:
+    """A JSON object {access key id: secret access key}."""
+    try:
+        with open(path) as f:
+            creds = json.load(f)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(f"cannot read credentials from {path}: {e}") from e
+    if (
+        not isinstance(creds, dict)
+        or not creds
+        or not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in creds.items())
+    ):
+        raise click.ClickException(
+            f'{path} must hold a JSON object {{"ACCESS_KEY_ID": "SECRET_ACCESS_KEY"}}'
+        )
+    return creds
 
 
 @cluster.command()
@@ -114,20 +146,43 @@ def cluster(
 @click.option("--port", default=8080, show_default=True, type=int, help="0 picks a free port.")
 @click.option("--agent/--no-agent", default=True, help="Run containers of this store's instances.")
 @click.option("--work-dir", help="Agent task directories (default: next to the store).")
+@click.option(
+    "--credentials-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help='JSON {"ACCESS_KEY_ID": "SECRET"}: SigV4 credentials clients must sign with.',
+)
+@click.option(
+    "--secrets-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="JSON {valueFrom: value}: where tasks' `secrets` come from.",
+)
 @click.pass_context
-def serve(ctx: click.Context, host: str, port: int, agent: bool, work_dir: str | None) -> None:
-    """Serve the ECS JSON API (loopback only unless --token is given)."""
+def serve(
+    ctx: click.Context,
+    host: str,
+    port: int,
+    agent: bool,
+    work_dir: str | None,
+    credentials_file: str | None,
+    secrets_file: str | None,
+) -> None:
+    """Serve the ECS JSON API (loopback only unless authentication is configured)."""
     from kiln.cluster.agent import Agent
     from kiln.cluster.server import ClusterHTTPServer
 
     service = _service(ctx)
+    creds = _read_credentials(credentials_file) if credentials_file else None
     try:
-        server = ClusterHTTPServer(host, port, service, token=ctx.obj.get("token"))
+        server = ClusterHTTPServer(
+            host, port, service, token=ctx.obj.get("token"), credentials=creds
+        )
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     runner = None
     if agent:
-        runner = Agent(service, work_dir or default_work_dir(_store_url(ctx)))
+        runner = Agent(
+            service, work_dir or default_work_dir(_store_url(ctx)), secrets_file=secrets_file
+        )
         runner.start()
     click.echo(f"kiln cluster listening on {server.url}", nl=True)
     sys.stdout.flush()
@@ -150,13 +205,23 @@ def serve(ctx: click.Context, host: str, port: int, agent: bool, work_dir: str |
 @cluster.command("agent")
 @click.option("--instance", "instances", multiple=True, help="Container instance ARN (repeat).")
 @click.option("--work-dir", help="Task directories (default: next to the store).")
+@click.option(
+    "--secrets-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="JSON {valueFrom: value}: where tasks' `secrets` come from.",
+)
 @click.pass_context
-def agent_cmd(ctx: click.Context, instances: tuple[str, ...], work_dir: str | None) -> None:
+def agent_cmd(
+    ctx: click.Context, instances: tuple[str, ...], work_dir: str | None, secrets_file: str | None
+) -> None:
     """Run the agent alone (against a shared store) until interrupted."""
     from kiln.cluster.agent import Agent
 
     runner = Agent(
-        _service(ctx), work_dir or default_work_dir(_store_url(ctx)), list(instances) or None
+        _service(ctx),
+        work_dir or default_work_dir(_store_url(ctx)),
+        list(instances) or None,
+        secrets_file=secrets_file,
     )
     signal.signal(signal.SIGTERM, lambda *_: runner._stop.set())
     try:

@@ -38,3 +38,44 @@ class ServerException(ECSError):
 class AccessDeniedException(ECSError):
     code = "AccessDeniedException"
     status = 400
+
+
+class UnknownOperationException(ECSError):
+    code = "UnknownOperationException"
+    status = 400
+
+
+class UnrecognizedClientException(ECSError):
+    """The access key id is not one the server knows (HTTP 403 in the service, too)."""
+
+    code = "UnrecognizedClientException"
+    status = 403
+
+
+class InvalidSignatureException(ECSError):
+    """The SigV4 signature does not match the request."""
+
+    code = "InvalidSignatureException"
+    status = 403
+
+
+class ThrottlingException(ECSError):
+    """Too many connections or requests at once; retry later."""
+
+    code = "ThrottlingException"
+    status = 400
+
+
+class ServiceNotFoundException(ECSError):
+    code = "ServiceNotFoundException"
+    status = 400
+
+
+class ServiceNotActiveException(ECSError):
+    code = "ServiceNotActiveException"
+    status = 400
+
+
+class ResourceNotFoundException(ECSError):
+    code = "ResourceNotFoundException"
+    status = 400

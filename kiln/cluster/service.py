@@ -14,11 +14,12 @@ import secrets
 import time
 from typing import Any
 
-from kiln.cluster import invariants, resources
+from kiln.cluster import invariants, resources, validate
 from kiln.cluster.errors import (
     ClientException,
     ClusterNotFoundException,
     InvalidParameterException,
+    UnknownOperationException,
 )
 from kiln.cluster.paging import paginate as _paginate
 from kiln.cluster.store import Store, Tx, dumps, loads
@@ -68,10 +69,9 @@ class ClusterService(TaskActions):
         """Dispatch one API action by its ECS name."""
         method = ACTIONS.get(action)
         if method is None:
-            raise InvalidParameterException(f"Kiln does not implement the action {action!r}")
-        if body is not None and not isinstance(body, dict):
-            raise ClientException("the request body must be a JSON object")
-        return getattr(self, method)(body or {})
+            raise UnknownOperationException(f"Kiln does not implement the action {action!r}")
+        body = validate.validate_request(action, {} if body is None else body)
+        return getattr(self, method)(body)
 
     def arn(self, kind: str, rest: str) -> str:
         return f"arn:aws:ecs:{self.region}:{self.account}:{kind}/{rest}"

@@ -25,13 +25,13 @@ ENV_DUMP = (
 )
 
 
-def ecs(url: str, key: str = "x"):
+def ecs(url: str, key: str = "x", secret: str = "x"):
     return boto3.client(
         "ecs",
         endpoint_url=url,
         region_name="us-east-1",
         aws_access_key_id=key,
-        aws_secret_access_key="x",
+        aws_secret_access_key=secret,
     )
 
 
@@ -136,7 +136,16 @@ def test_token_is_required_when_set(tmp_path):
     try:
         with pytest.raises(ecs(srv.url).exceptions.AccessDeniedException):
             ecs(srv.url).list_clusters()
-        assert ecs(srv.url, key="s3cret").create_cluster()["cluster"]["clusterName"] == "default"
+        # the token is not an access key id: SigV4 with it as the key is still refused
+        with pytest.raises(ecs(srv.url).exceptions.AccessDeniedException):
+            ecs(srv.url, key="s3cret").create_cluster()
+        token = tmp_path / "token"
+        token.write_text("s3cret\n")
+        out = CliRunner().invoke(
+            cluster_cli, ["--endpoint", srv.url, "--token-file", str(token), "create-cluster"]
+        )
+        assert out.exit_code == 0, out.output
+        assert json.loads(out.output)["cluster"]["clusterName"] == "default"
     finally:
         srv.shutdown()
         srv.server_close()
