@@ -165,6 +165,8 @@ class Agent:
         self._thread: threading.Thread | None = None
         self._next_sweep = 0.0
         self._beats: dict[str, float] = {}
+        self._forced: list[tuple[str, str]] = []  # (arn, reason): stops the store could not take
+        service.stop_hooks.append(self.force_stop)
         os.makedirs(self.work_dir, mode=0o700, exist_ok=True)
         os.chmod(self.work_dir, 0o700)
 
@@ -197,6 +199,10 @@ class Agent:
 
     def step(self) -> None:
         """One pass: heartbeat, then start, reconcile, stop and reap every active task."""
+        while self._forced:
+            arn, reason = self._forced.pop(0)
+            if arn in self._runs:
+                self._begin_stop(self._runs[arn], reason, "UserInitiated")
         now = time.monotonic()
         for inst in self._instances():
             if now >= self._beats.get(inst["arn"], 0.0):
@@ -212,10 +218,17 @@ class Agent:
             self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
             self.sweep_orphans()
 
+    def force_stop(self, arn: str, reason: str) -> None:
+        """Stop ``arn``'s processes even though the store could not record StopTask."""
+        self._forced.append((arn, reason))
+
     def _fail(self, arn: str, reason: str) -> None:
-        run = self._runs.setdefault(arn, _Run(arn))
-        self._begin_stop(run, reason, "TaskFailedToStart")
-        self._finish_if_gone(run, None)
+        try:
+            run = self._runs.setdefault(arn, _Run(arn))
+            self._begin_stop(run, reason, "TaskFailedToStart")
+            self._finish_if_gone(run, None)
+        except Exception:  # the store is failing too: the next pass retries
+            log.exception("could not stop task %s", arn)
 
     def _handle(self, inst: dict[str, Any], task: dict[str, Any]) -> None:
         arn = task["arn"]
@@ -503,24 +516,30 @@ class Agent:
 
     # -- orphans ------------------------------------------------------------------------------
     def sweep_orphans(self) -> int:
-        """SIGKILL live processes of tasks the store shows STOPPED; returns how many."""
+        """SIGKILL live processes of tasks the store shows STOPPED, and of tasks this agent
+        launched (their directory is in its work dir) that the store does not know at all
+        (a store restored from an old copy); returns how many processes were signalled."""
         marked = procs.marked_processes()
         if not marked:
             return 0
-        killed = 0
+        known: dict[str, str] = {}
         arns = list(marked)
         for start in range(0, len(arns), 100):
             chunk = arns[start : start + 100]
             rows = self.service.store.query(
-                "SELECT arn FROM tasks WHERE last_status = 'STOPPED' AND arn IN"
-                f" ({', '.join('?' * len(chunk))})",
+                f"SELECT arn, last_status FROM tasks WHERE arn IN ({', '.join('?' * len(chunk))})",
                 chunk,
             )
-            for r in rows:
-                procs.signal_all(marked[r["arn"]], [], signal.SIGKILL)
-                killed += len(marked[r["arn"]])
+            known.update((r["arn"], r["last_status"]) for r in rows)
+        killed = 0
+        for arn, found in marked.items():
+            status = known.get(arn)
+            mine = os.path.isdir(self._task_dir(arn))
+            if status == "STOPPED" or (status is None and mine):
+                procs.signal_all(found, [], signal.SIGKILL)
+                killed += len(found)
         if killed:
-            log.warning("killed %d leftover processes of stopped tasks", killed)
+            log.warning("killed %d leftover processes of stopped or unknown tasks", killed)
         return killed
 
 

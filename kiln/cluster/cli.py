@@ -49,10 +49,13 @@ def _store_url(ctx: click.Context) -> str:
 
 def _service(ctx: click.Context) -> Any:
     from kiln.cluster.service import ClusterService
-    from kiln.cluster.store import Store
+    from kiln.cluster.store import Store, StoreDamaged
 
     if "service" not in ctx.obj:
-        ctx.obj["service"] = ClusterService(Store(_store_url(ctx)))
+        try:
+            ctx.obj["service"] = ClusterService(Store(_store_url(ctx)))
+        except StoreDamaged as e:
+            raise click.ClickException(str(e)) from e
     return ctx.obj["service"]
 
 
@@ -187,6 +190,9 @@ def serve(
     click.echo(f"kiln cluster listening on {server.url}", nl=True)
     sys.stdout.flush()
     stop = threading.Event()
+    threading.Thread(
+        target=_janitor, args=(service, stop), name="kiln-janitor", daemon=True
+    ).start()
 
     def _shutdown(signum: int, frame: Any) -> None:
         stop.set()
@@ -200,6 +206,17 @@ def serve(
         if runner is not None:
             runner.stop()
         server.server_close()
+
+
+def _janitor(service: Any, stop: threading.Event, every: float = 2.0) -> None:
+    """Server-side upkeep: stop unclaimed tasks of instances whose agent went quiet."""
+    import logging
+
+    while not stop.wait(every):
+        try:
+            service.reap_disconnected()
+        except Exception:  # the store is unreachable for now: retry on the next tick
+            logging.getLogger(__name__).exception("cluster upkeep failed")
 
 
 @cluster.command("agent")

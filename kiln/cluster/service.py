@@ -58,9 +58,12 @@ class ClusterService(TaskActions):
         region: str = "us-east-1",
         account: str = "000000000000",
         seed: int | None = None,
+        agent_timeout_s: float = 60.0,
     ) -> None:
+        self.agent_timeout_s = agent_timeout_s
         self.store = store
         self.rng = random.Random(seed) if seed is not None else None
+        self.stop_hooks = []
         self.region = region
         self.account = account
 
@@ -350,7 +353,7 @@ class ClusterService(TaskActions):
                 [d for d in devices if d["task_arn"] is None],
             ),
             "status": row["status"],
-            "agentConnected": bool(row["agent_connected"]),
+            "agentConnected": self.agent_alive(row),
             "runningTasksCount": running,
             "pendingTasksCount": int(used["n"]) - running,
             "attributes": [{"name": k, "value": v} for k, v in sorted(attrs.items())],

@@ -97,6 +97,14 @@ _TABLES = [
         stopped_at {real},
         version INTEGER NOT NULL
     )""",
+    """CREATE TABLE IF NOT EXISTS client_tokens (
+        cluster TEXT NOT NULL,
+        token TEXT NOT NULL,
+        request TEXT NOT NULL,
+        response TEXT NOT NULL,
+        created_at {real} NOT NULL,
+        PRIMARY KEY (cluster, token)
+    )""",
     "CREATE INDEX IF NOT EXISTS tasks_by_instance ON tasks (instance_arn, last_status)",
     "CREATE INDEX IF NOT EXISTS tasks_by_cluster ON tasks (cluster, last_status)",
     "CREATE INDEX IF NOT EXISTS devices_by_task ON devices (task_arn)",
@@ -135,8 +143,30 @@ class Tx:
         return rows[0] if rows else None
 
 
+class StoreDamaged(RuntimeError):
+    """The store file is not a healthy SQLite database; the message says how to recover."""
+
+
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _recovery_hint(path: str) -> str:
+    return (
+        f"stop every kiln cluster process using it, keep a copy, then recover what SQLite can"
+        f" read:  sqlite3 {path} .recover | sqlite3 {path}.recovered  and start with"
+        f" --store {path}.recovered (tasks missing from it are stopped by the agent's orphan"
+        " sweep only if their task directories remain)"
+    )
+
+
 class Store:
-    """Connection manager for the scheduler state (one connection per thread and process)."""
+    """Connection manager for the scheduler state (one connection per thread and process).
+
+    A SQLite store is checked when opened: a file that is not a database, is empty, or fails
+    ``PRAGMA quick_check`` raises ``StoreDamaged`` naming the file and the recovery command,
+    never a silent empty start.  New store files are created 0600 (their directory 0700 when
+    Kiln creates it).
+    """
 
     def __init__(self, url: str | None = None) -> None:
         self.url = url or default_path()
@@ -145,10 +175,62 @@ class Store:
         if not self.postgres:
             path = self.url.removeprefix("sqlite:///").removeprefix("sqlite://")
             self.path = os.path.abspath(path)
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+            self._check_file()
         else:
             self.path = ""
-        self._create_schema()
+        try:
+            self._create_schema()
+            if not self.postgres:
+                self._quick_check()
+        except sqlite3.DatabaseError as e:
+            raise StoreDamaged(
+                f"the cluster store {self.path} is damaged ({e}); {_recovery_hint(self.path)}"
+            ) from e
+
+    def _check_file(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                header = f.read(len(_SQLITE_HEADER))
+        except FileNotFoundError:
+            self._create_file()
+            return
+        if header != _SQLITE_HEADER:
+            what = "is empty" if not header else "is not a SQLite database"
+            raise StoreDamaged(
+                f"the cluster store {self.path} {what}; refusing to start on it (that would"
+                f" forget every task). If it is really unused, delete it; otherwise"
+                f" {_recovery_hint(self.path)}"
+            )
+
+    def _create_file(self) -> None:
+        """Create a new store with its schema, then link it into place atomically (0600)."""
+        tmp = f"{self.path}.new-{os.getpid()}-{threading.get_ident()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.close(fd)
+        try:
+            conn = sqlite3.connect(tmp, isolation_level=None)
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                for ddl in _TABLES:
+                    conn.execute(ddl.format(real="REAL"))
+            finally:
+                conn.close()
+            with contextlib.suppress(FileExistsError):  # another process created it first
+                os.link(tmp, self.path)
+        finally:
+            for leftover in (tmp, tmp + "-wal", tmp + "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
+
+    def _quick_check(self) -> None:
+        rows = self.query("PRAGMA quick_check")
+        verdict = [str(next(iter(r.values()))) for r in rows]
+        if verdict != ["ok"]:
+            raise StoreDamaged(
+                f"the cluster store {self.path} failed its integrity check"
+                f" ({'; '.join(verdict[:3])}); {_recovery_hint(self.path)}"
+            )
 
     # -- connections --------------------------------------------------------------------------
     def _connect(self) -> Any:

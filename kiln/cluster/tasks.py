@@ -14,10 +14,11 @@ from __future__ import annotations
 import random
 import secrets
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kiln.cluster import invariants, placement, resources
-from kiln.cluster.errors import ClientException, InvalidParameterException
+from kiln.cluster.errors import ClientException, InvalidParameterException, ServerException
 from kiln.cluster.paging import paginate as _paginate
 from kiln.cluster.store import Tx, dumps, loads
 
@@ -55,11 +56,19 @@ def _container_request(container: dict[str, Any]) -> dict[str, Any]:
     return taskdef.container_device_request(container)
 
 
+def _store_full(e: BaseException) -> bool:
+    """Whether ``e`` is the database refusing a write for lack of space."""
+    text = str(e).lower()
+    return "disk is full" in text or "no space left" in text or "disk full" in text
+
+
 class TaskActions:
     """Mixed into ``ClusterService`` (which provides ``store``, ``arn``, ``cluster_name`` ...)."""
 
     store: Store
     rng: random.Random | None = None
+    # Called with (task ARN, reason) when StopTask cannot be recorded (agents in this process).
+    stop_hooks: list[Callable[[str, str], None]]
 
     # -- placement ----------------------------------------------------------------------------
     def candidates(
@@ -90,7 +99,7 @@ class TaskActions:
                     arn=r["arn"],
                     ec2_instance_id=r["ec2_instance_id"],
                     status=r["status"],
-                    agent_connected=bool(r["agent_connected"]),
+                    agent_connected=self.agent_alive(r),
                     agent_version=r["agent_version"],
                     attributes=loads(r["attributes"]) or {},
                     registered_at=r["registered_at"],
@@ -139,6 +148,23 @@ class TaskActions:
                 constraints=all_constraints,
                 strategies=strategies,
             )
+            token = body.get("clientToken")
+            request = dumps({k: v for k, v in body.items() if k != "clientToken"})
+            if token:
+                seen = tx.one(
+                    "SELECT request, response FROM client_tokens WHERE cluster = ? AND token = ?",
+                    (cluster, token),
+                )
+                if seen is not None:
+                    if seen["request"] != request:
+                        raise InvalidParameterException(
+                            "clientToken was already used for a different RunTask request"
+                        )
+                    done = loads(seen["response"])
+                    return {
+                        "tasks": [self.task_json(tx, a) for a in done["taskArns"]],
+                        "failures": done["failures"],
+                    }
             cands = self.candidates(tx, cluster, statuses=("ACTIVE", "DRAINING"))
             if not cands:
                 raise InvalidParameterException(
@@ -150,6 +176,18 @@ class TaskActions:
             ]
             for arn in sorted({p.candidate.arn for p in placed}):
                 invariants.check_instance(tx, arn)
+            if token:
+                tx.execute(
+                    "INSERT INTO client_tokens (cluster, token, request, response, created_at)"
+                    " VALUES (?, ?, ?, ?, ?)",
+                    (
+                        cluster,
+                        token,
+                        request,
+                        dumps({"taskArns": [t["taskArn"] for t in tasks], "failures": failures}),
+                        time.time(),
+                    ),
+                )
         return {"tasks": tasks, "failures": failures}
 
     @staticmethod
@@ -333,7 +371,10 @@ class TaskActions:
             cluster = self.cluster_name(tx, body.get("cluster"))  # type: ignore[attr-defined]
             for ref in body.get("tasks") or []:
                 arn = self._task_arn(cluster, ref)
-                if tx.one("SELECT arn FROM tasks WHERE arn = ?", (arn,)) is None:
+                if (
+                    tx.one("SELECT arn FROM tasks WHERE arn = ? AND cluster = ?", (arn, cluster))
+                    is None
+                ):
                     failures.append({"arn": ref, "reason": "MISSING"})
                 else:
                     found.append(self.task_json(tx, arn))
@@ -364,11 +405,30 @@ class TaskActions:
         return _paginate(arns, body, "taskArns")
 
     def stop_task(self, body: dict[str, Any]) -> dict[str, Any]:
+        """StopTask; if the store cannot take the write (disk full), the agents in this process
+        are still told to stop the task's processes, and the caller gets a ServerException."""
+        try:
+            return self._stop_task(body)
+        except Exception as e:
+            if not _store_full(e):
+                raise
+            reason = body.get("reason") or "Task stopped by user"
+            with self.store.transaction() as tx:
+                cluster = self.cluster_name(tx, body.get("cluster"))  # type: ignore[attr-defined]
+            arn = self._task_arn(cluster, body.get("task") or "")
+            for hook in self.stop_hooks:
+                hook(arn, reason)
+            raise ServerException(
+                f"the store is full ({e}); the stop is not recorded, but this server's agent"
+                " was told to stop the task's processes. Free disk space and call StopTask again."
+            ) from e
+
+    def _stop_task(self, body: dict[str, Any]) -> dict[str, Any]:
         reason = body.get("reason") or "Task stopped by user"
         with self.store.transaction(exclusive=True) as tx:
             cluster = self.cluster_name(tx, body.get("cluster"))  # type: ignore[attr-defined]
             arn = self._task_arn(cluster, body.get("task") or "")
-            t = tx.one("SELECT * FROM tasks WHERE arn = ?", (arn,))
+            t = tx.one("SELECT * FROM tasks WHERE arn = ? AND cluster = ?", (arn, cluster))
             if t is None:
                 raise InvalidParameterException("The referenced task was not found.")
             if t["last_status"] == "PROVISIONING":  # no agent owns it yet: stop it here
@@ -429,6 +489,39 @@ class TaskActions:
                     arn,
                 ),
             )
+
+    agent_timeout_s: float = 60.0
+
+    def agent_alive(self, row: dict[str, Any]) -> bool:
+        """``agentConnected``: set, and a heartbeat within ``agent_timeout_s``."""
+        beat = row.get("heartbeat_at") or 0.0
+        return bool(row["agent_connected"]) and beat >= time.time() - self.agent_timeout_s
+
+    def reap_disconnected(self) -> list[str]:
+        """Stop tasks placed on an instance whose agent went quiet before claiming them.
+
+        Only PROVISIONING tasks: no process of theirs can exist, so freeing their devices is
+        safe; a claimed (PENDING/RUNNING) task keeps its devices until its agent reports back.
+        """
+        cutoff = time.time() - self.agent_timeout_s
+        stopped = []
+        with self.store.transaction(exclusive=True) as tx:
+            rows = tx.execute(
+                "SELECT t.arn FROM tasks t JOIN container_instances i ON t.instance_arn = i.arn"
+                " WHERE t.last_status = 'PROVISIONING' AND t.created_at < ?"
+                " AND (i.agent_connected = 0 OR COALESCE(i.heartbeat_at, 0) < ?)",
+                (cutoff, cutoff),
+            )
+            for r in rows:
+                self._stop_in_tx(
+                    tx,
+                    r["arn"],
+                    None,
+                    "Task stopped: the container instance's agent is disconnected",
+                    "TaskFailedToStart",
+                )
+                stopped.append(r["arn"])
+        return stopped
 
     def heartbeat(self, instance_arn: str) -> None:
         """The agent of ``instance_arn`` is alive (``agentConnected`` true until it goes quiet)."""
