@@ -361,10 +361,13 @@ class _Emitter:
         clauses = []
         for b, e in reds:
             if e[0] == "amax.default":
+                # a NaN anywhere in the row makes ATen's amax NaN; a max reduction drops it
                 self.w(f"    float acc{b} = -INFINITY;")
+                self.w(f"    int nan{b} = 0;")
+                clauses.append(f"reduction(max:acc{b}) reduction(|:nan{b})")
             else:  # double accumulation: stays close to ATen's cascade sum under cancellation
                 self.w(f"    double acc{b} = 0.0;")
-            clauses.append(f"reduction({'max' if e[0] == 'amax.default' else '+'}:acc{b})")
+                clauses.append(f"reduction(+:acc{b})")
         self.w(f"    #pragma omp simd {' '.join(clauses)} {SAFELEN}")
         self.w("    for (int64_t j = 0; j < L; ++j) {")
         self.w("      const int64_t i = r * L + j;")
@@ -375,13 +378,16 @@ class _Emitter:
             x = self._reduce_operand(b, vals)
             if e[0] == "amax.default":
                 self.w(
-                    f"      {{ const float t = (float)({x}); acc{b} = t > acc{b} ? t : acc{b}; }}"
+                    f"      {{ const float t = (float)({x}); acc{b} = t > acc{b} ? t : acc{b}; "
+                    f"nan{b} |= (t != t); }}"
                 )
             else:
                 self.w(f"      acc{b} += (double)({x});")
         self.w("    }")
         for b, e in reds:
             val = f"acc{b} / (double)L" if e[0] == "mean.dim" else f"acc{b}"
+            if e[0] == "amax.default":
+                val = f"(nan{b} ? NAN : acc{b})"
             self.w(f"    out{out_of[b]}[r] = (float)({val});")
         self.rows_end()
 

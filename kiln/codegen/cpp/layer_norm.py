@@ -174,15 +174,19 @@ def _backward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
     dy, x, mean, rstd, w = (n.args[i].k for i in (0, 1, 3, 4, 5))
     order = [dy, x, mean, rstd, w]
     spec = _spec(name, n, in_types, order, "layer_norm_backward", ["full", "col", "col"])
+    one_col = spec.static_shape[-1] == 1  # (rows, 1): mean/rstd have x's shape, one per row
     if (
         spec.input_modes[:2] != ["full", "full"]
-        or spec.input_modes[4] != "bcast_inner"
-        or any(m not in ("bcast", "one") for m in spec.input_modes[2:4])
+        or spec.input_modes[4] not in ("bcast_inner", "one" if one_col else "bcast_inner")
+        or any(
+            m not in ("bcast", "one", "full" if one_col else "one") for m in spec.input_modes[2:4]
+        )
     ):
         raise ValueError("layer norm backward: unexpected input shapes")
     L = _head(name, spec, ["dy", "x", "mean", "rstd", "w"], 3)
-    mi = "mean[0]" if spec.input_modes[2] == "one" else "mean[off2]"
-    ri = "rstd[0]" if spec.input_modes[3] == "one" else "rstd[off3]"
+    idx = {"one": "[0]", "full": "[r]", "bcast": "[off{p}]"}
+    mi = "mean" + idx[spec.input_modes[2]].format(p=2)
+    ri = "rstd" + idx[spec.input_modes[3]].format(p=3)
     L += [
         "  double* tw = new double[L]();",
         "  double* tb = new double[L]();",
@@ -205,16 +209,19 @@ def _backward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
         f"    #pragma omp simd reduction(+:sg, sgx) {SAFELEN}",
         "    for (int64_t j = 0; j < L; ++j) {",
         "      const float xh = (xr[j] - mu) * rs;",
-        "      const float g = dyr[j] * w[j];",
-        "      sg += (double)g; sgx += (double)g * (double)xh;",
+        "      const double g = (double)dyr[j] * (double)w[j];",
+        "      sg += g; sgx += g * (double)xh;",
         "      pw[j] += (double)dyr[j] * (double)xh;",
         "      pb[j] += (double)dyr[j];",
         "    }",
-        "    const float mg = (float)(sg / (double)L), mgx = (float)(sgx / (double)L);",
+        "    const double mg = sg / (double)L, mgx = sgx / (double)L;",
         "    #pragma omp simd",
         "    for (int64_t j = 0; j < L; ++j) {",
         "      const float xh = (xr[j] - mu) * rs;",
-        "      dxr[j] = rs * (dyr[j] * w[j] - mg - xh * mgx);",
+        "      // in double: dy * w is exact there, so g - mean(g) cancels exactly where it",
+        "      // should (rows of equal values, one-element rows), before rstd amplifies it",
+        "      const double g = (double)dyr[j] * (double)w[j];",
+        "      dxr[j] = (float)((double)rs * (g - mg - (double)xh * mgx));",
         "    }",
         "  }",
         "  #pragma omp critical",

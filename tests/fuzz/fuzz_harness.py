@@ -1,0 +1,196 @@
+"""Run one fuzz program in eager (float32 and float64), compile mode and on the lazy device.
+
+Each run returns the program's outputs, the gradients of ``sum(out * cotangent)`` with respect to
+every gradient input (taken at the leaf the input was made from, so a transposed, strided or
+broadcast input's gradient is checked in its base's layout), and the final values of the inputs
+the program updates in place.
+
+Tolerance (``compare``): a tensor passes when every element is within ``RTOL * |eager| + ATOL`` of
+float32 eager (1e-5 / 1e-6: a few float32 ulps of the values these programs make, which are O(1)),
+or else when, measured against the float64 result, Kiln's error is at most ``SLACK`` (4) times
+float32 eager's own error over the tensor (root mean square, and worst element plus the band).
+The second test is there because Kiln may round differently from ATen (double accumulators in
+reductions, a 2-ulp exp) and some results are ill-conditioned (a layer norm of a near-constant row
+multiplies rounding by rstd ~ 316): there both float32 results are far apart in relative terms yet
+equally close to the exact value.  A Kiln error several times ATen's own is a mismatch.  NaNs and
+infinities must be at the same places.
+"""
+
+from __future__ import annotations
+
+import linecache
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from fuzz_programs import Input, Program
+
+RTOL, ATOL, SLACK = 1e-5, 1e-6, 4.0
+
+_counter = [0]
+
+
+def make_function(prog: Program) -> Callable:
+    """``prog.source`` as a Python function (registered with linecache, so tracebacks and
+    torch.compile's stack traces show the program's own lines)."""
+    _counter[0] += 1
+    filename = f"<kiln-fuzz-{_counter[0]}>"
+    src = prog.source
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    ns: dict[str, Any] = {"torch": torch, "F": F}
+    exec(compile(src, filename, "exec"), ns)
+    return ns["program"]
+
+
+@dataclass
+class Data:
+    """Concrete data for a program's inputs: one base tensor per input (the leaf)."""
+
+    bases: list[torch.Tensor]
+    cots: list[torch.Tensor] | None = None
+
+
+def _base_shape(inp: Input) -> tuple:
+    s = inp.shape
+    if inp.layout == "transposed" and len(s) >= 2:
+        return s[:-2] + (s[-1], s[-2])
+    if inp.layout == "heads" and len(s) >= 3:
+        return s[:-3] + (s[-2], s[-3], s[-1])
+    if inp.layout == "strided" and len(s) >= 1:
+        return s[:-1] + (2 * s[-1] + 1,)
+    if inp.layout == "expanded":
+        d = next((i for i, n in enumerate(s) if n != 1), None)
+        if d is not None:
+            return s[:d] + (1,) + s[d + 1 :]
+    return s
+
+
+def _view(inp: Input, base: torch.Tensor) -> torch.Tensor:
+    s = inp.shape
+    if inp.layout == "transposed" and len(s) >= 2:
+        return base.transpose(-1, -2)
+    if inp.layout == "heads" and len(s) >= 3:
+        return base.transpose(-3, -2)
+    if inp.layout == "strided" and len(s) >= 1:
+        return base[..., 1::2]
+    if inp.layout == "expanded":
+        return base.expand(s)
+    return base
+
+
+def make_data(prog: Program, seed: int) -> Data:
+    g = torch.Generator().manual_seed(seed)
+    bases = []
+    for inp in prog.inputs:
+        shape = _base_shape(inp)
+        if inp.role == "mask":
+            bases.append(torch.rand(shape, generator=g) > 0.5)
+        else:
+            bases.append(torch.randn(shape, generator=g))
+    return Data(bases)
+
+
+@dataclass
+class Result:
+    outs: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
+    bufs: list[torch.Tensor]
+
+
+def run(
+    prog: Program,
+    fn: Callable,
+    data: Data,
+    dtype: torch.dtype = torch.float32,
+    device: Any = None,
+    after: Callable[[], None] | None = None,
+) -> Result:
+    """Run ``fn`` (the program, compiled or not) on ``data``; ``device`` is where the inputs go
+    (None: CPU); ``after`` runs once everything was recorded (the lazy device's ``mark_step``)."""
+    leaves, args = [], []
+    for inp, base in zip(prog.inputs, data.bases):
+        t = base.clone() if inp.role == "mask" else base.to(dtype).clone()
+        if device is not None:
+            t = t.to(device)
+        if inp.role == "grad":
+            t.requires_grad_(True)
+        leaves.append(t)
+        args.append(_view(inp, t))
+    outs = list(fn(*args))
+    n_bufs = sum(1 for i in prog.inputs if i.role == "buf" and i.name in prog.outputs)
+    main = outs[: len(outs) - n_bufs]
+    if data.cots is None:
+        g = torch.Generator().manual_seed(len(main))
+        data.cots = [torch.randn(tuple(o.shape), generator=g) for o in main]
+    grad_leaves = [t for t, i in zip(leaves, prog.inputs) if i.role == "grad"]
+    loss = None
+    for o, c in zip(main, data.cots):
+        if o.requires_grad:
+            term = (o * c.to(dtype).to(o.device)).sum()
+            loss = term if loss is None else loss + term
+    grads: list[torch.Tensor | None] = [None] * len(grad_leaves)
+    if loss is not None:
+        grads = list(torch.autograd.grad(loss, grad_leaves, allow_unused=True))
+    bufs = [t for t, i in zip(leaves, prog.inputs) if i.role == "buf"]
+    if after is not None:
+        after()
+    cpu = lambda t: None if t is None else t.detach().to("cpu")  # noqa: E731
+    return Result([cpu(o) for o in outs], [cpu(g) for g in grads], [cpu(b) for b in bufs])
+
+
+def compare(what: str, got: Result, ref32: Result, ref64: Result) -> list[str]:
+    """Mismatch descriptions (empty: all match)."""
+    bad = []
+    for kind in ("outs", "grads", "bufs"):
+        gs, es, rs = getattr(got, kind), getattr(ref32, kind), getattr(ref64, kind)
+        if len(gs) != len(es):
+            bad.append(f"{what}: {len(gs)} {kind}, eager has {len(es)}")
+            continue
+        for i, (g, e, r) in enumerate(zip(gs, es, rs)):
+            msg = _compare_one(g, e, r)
+            if msg:
+                bad.append(f"{what}: {kind}[{i}] {msg}")
+    return bad
+
+
+def _compare_one(g: Any, e: Any, r: Any) -> str | None:
+    if e is None or g is None:
+        if e is None and g is None:
+            return None
+        z = e if g is None else g  # one side has no gradient: the other must be all zeros
+        return None if not z.count_nonzero() else "gradient missing on one side"
+    if g.shape != e.shape or g.dtype != e.dtype:
+        return f"shape/dtype {tuple(g.shape)}/{g.dtype} vs eager {tuple(e.shape)}/{e.dtype}"
+    if g.numel() == 0:
+        return None
+    if g.dtype == torch.bool:
+        return None if torch.equal(g, e) else "bool values differ"
+    gn, en = torch.isnan(g), torch.isnan(e)
+    if not torch.equal(gn, en):
+        return f"NaN at {int((gn ^ en).sum())} places where eager has none (or the reverse)"
+    g, e, r = g.double(), e.double(), r.double()
+    keep = ~en
+    g, e, r = g[keep], e[keep], r[keep]
+    inf_ok = torch.isinf(g) | torch.isinf(e)
+    if not torch.equal(g[inf_ok], e[inf_ok]):
+        return "infinities differ"
+    g, e, r = g[~inf_ok], e[~inf_ok], r[~inf_ok]
+    ok = (g - e).abs() <= ATOL + RTOL * e.abs()
+    if bool(ok.all()):
+        return None
+    if bool(torch.isfinite(r).all()):
+        # measured against float64: Kiln's error at most SLACK times float32 eager's own, over
+        # the tensor (root mean square and worst element), as Inductor's fp64-reference check
+        ke, ee = (g - r).abs(), (e - r).abs()
+        rms = lambda t: float(t.square().mean().sqrt())  # noqa: E731
+        if rms(ke) <= SLACK * rms(ee) + ATOL and float(ke.max()) <= SLACK * float(ee.max()) + (
+            ATOL + RTOL * float(r.abs().max())
+        ):
+            return None
+    i = int((~ok).nonzero()[0])
+    return (
+        f"{int((~ok).sum())}/{ok.numel()} elements off; first: kiln {g[i].item():.9g} "
+        f"eager {e[i].item():.9g} float64 {r[i].item():.9g}"
+    )
