@@ -35,6 +35,12 @@ from kiln.frontends.lazy.device import _register as _register_device
 # kiln/frontends/lazy/conversion.py.
 _register_device()
 
+from kiln.observe.hook import install as _install_observe
+from kiln.observe.tensorboard import tensorboard
+
+# Step hook: the state record for kiln ls / kiln top, TensorBoard, KILN_PROFILE (kiln.observe).
+_install_observe()
+
 __all__ = [
     "Config",
     "ConfigError",
@@ -46,4 +52,5 @@ __all__ = [
     "mark_step",
     "optimizer_step",
     "sync",
+    "tensorboard",
 ]

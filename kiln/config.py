@@ -21,6 +21,11 @@ class ConfigError(ValueError):
     pass
 
 
+def _default_runtime_dir() -> str:
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return str(Path(xdg) / "kiln") if xdg else f"/tmp/kiln-{os.getuid()}"
+
+
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return str(Path(base) / "kiln")
@@ -56,8 +61,15 @@ class Config:
     )
     sr_seed: int = 0  # seed of the stochastic-rounding random bits (kiln.precision.manual_seed)
     gc_freeze: bool = False  # lazy device: gc.freeze() after steps that compiled a new graph
+    publish: bool = True  # publish this process's state at step boundaries (kiln ls, kiln top)
+    runtime_dir: str = field(default_factory=_default_runtime_dir)  # where state is published
+    tensorboard_dir: str = ""  # write Kiln's per-step metrics as TensorBoard events here
+    profile: str = ""  # write a Chrome trace of profile_steps steps to this file (kiln profile)
+    profile_steps: int = 3  # steps the profile records
+    profile_skip: int = 0  # steps run before the profile starts recording (0: from import)
 
     _CHOICES = {"backend": ("cpp", "interpreter")}
+    _MINIMUM = {"profile_steps": 1, "profile_skip": 0}
     _LOG_CHOICES = ("graphs", "passes", "kernels", "recompiles", "fallbacks", "all")
 
     @classmethod
@@ -78,6 +90,8 @@ class Config:
             raise ConfigError(f"config {k!r} must be True or False, got {v!r}")
         if ftype == "int" and not isinstance(v, int):
             raise ConfigError(f"config {k!r} must be an int, got {v!r}")
+        if k in self._MINIMUM and v < self._MINIMUM[k]:
+            raise ConfigError(f"config {k!r} must be at least {self._MINIMUM[k]}, got {v!r}")
         if k in self._CHOICES and v not in self._CHOICES[k]:
             raise ConfigError(
                 f"config {k!r} must be one of {', '.join(self._CHOICES[k])}; got {v!r}"

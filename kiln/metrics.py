@@ -8,15 +8,26 @@
 Tracked: graphs compiled, cache hits (memory / disk), compile and execute time, graph sizes, forced
 syncs (by reason), ops that fell back to eager ATen (by name), recompiles with their reason, and a
 warning when one call site keeps recompiling (naming the input that changes).
+
+Also two small hooks for :mod:`kiln.observe`, cheap enough for the step path: :func:`step_done`
+(both frontends call it where a training step ends; it runs the functions registered with
+:func:`on_step`) and :func:`span` (a named range in ``torch.profiler`` traces, free when no profiler
+runs).
 """
 
 from __future__ import annotations
 
 import statistics
 import threading
+import time
 import warnings
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch.autograd.profiler as _profiler
+from torch._C._profiler import _RecordFunctionFast
 
 
 class RecompileWarning(UserWarning):
@@ -36,6 +47,12 @@ class _Metrics:
     recompiles: list[tuple[str, str]] = field(default_factory=list)  # (site, reason)
     per_site: Counter = field(default_factory=Counter)
     warned: set = field(default_factory=set)
+    # running totals (cheap to read every step, unlike summing the lists above)
+    totals: dict = field(
+        default_factory=lambda: {"compile_s": 0.0, "load_s": 0.0, "execute_s": 0.0}
+    )
+    step_s: deque = field(default_factory=lambda: deque(maxlen=256))  # recent step times
+    last_step_t: float = 0.0
 
 
 _m = _Metrics()
@@ -68,18 +85,21 @@ def compiled(seconds: float, nodes: int) -> None:
     with _lock:
         _m.counters["graphs_compiled"] += 1
         _m.compile_s.append(seconds)
+        _m.totals["compile_s"] += seconds
         _m.graph_sizes.append(nodes)
 
 
 def loaded(seconds: float) -> None:
     with _lock:
         _m.load_s.append(seconds)
+        _m.totals["load_s"] += seconds
 
 
 def executed(seconds: float) -> None:
     with _lock:
         _m.counters["graphs_executed"] += 1
         _m.execute_s.append(seconds)
+        _m.totals["execute_s"] += seconds
 
 
 def traced(seconds: float) -> None:
@@ -117,6 +137,18 @@ def counters() -> dict:
             "trace_s_total": sum(_m.trace_s),
             "graph_sizes": list(_m.graph_sizes),
             "recompile_reasons": list(_m.recompiles),
+        }
+
+
+def snapshot() -> dict:
+    """What :mod:`kiln.observe` reads each step: counters, fallback total, running time totals and
+    recent step times; O(1) in the length of the run (no list is copied or summed)."""
+    with _lock:
+        return {
+            **_m.counters,
+            "fallbacks": sum(_m.fallbacks.values()),
+            **_m.totals,
+            "step_s": list(_m.step_s),
         }
 
 
@@ -164,3 +196,75 @@ def report() -> str:
             for site, reasons in by.items():
                 lines.append(f"    {site}: {len(reasons)} (last: {reasons[-1]})")
         return "\n".join(lines)
+
+
+# -- step boundaries --------------------------------------------------------------------------
+_step_hooks: list[Callable[[], None]] = []
+
+
+def on_step(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` after every training step (``kiln.observe``: state publishing, TensorBoard,
+    profiler steps).  Hooks must be cheap: they run on the step path."""
+    if fn not in _step_hooks:
+        _step_hooks.append(fn)
+
+
+def remove_step_hook(fn: Callable[[], None]) -> None:
+    if fn in _step_hooks:
+        _step_hooks.remove(fn)
+
+
+def step_done() -> None:
+    """A training step ended: count it, time it (from the previous step's end), run the hooks."""
+    now = time.perf_counter()
+    with _lock:
+        _m.counters["steps"] += 1
+        if _m.last_step_t:
+            _m.step_s.append(now - _m.last_step_t)
+        _m.last_step_t = now
+    for fn in tuple(_step_hooks):
+        fn()
+
+
+# -- profiler ranges --------------------------------------------------------------------------
+class _NoSpan:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_SPAN = _NoSpan()
+_open_spans: dict[str, Any] = {}
+
+
+def profiling() -> bool:
+    """Whether a ``torch.profiler`` session is recording (a module attribute read, ~0.06 us)."""
+    return _profiler._is_profiler_enabled
+
+
+def span(name: str) -> Any:
+    """``with metrics.span("kiln::compile"):`` a named range in profiler traces (category
+    ``cpu_op``, ~0.8 us) while a profiler runs; a shared no-op otherwise."""
+    if _profiler._is_profiler_enabled:
+        return _RecordFunctionFast(name)
+    return _NO_SPAN
+
+
+def open_span(key: str, name: str) -> None:
+    """Begin a range that ends in another call (:func:`close_span`), e.g. the lazy device's
+    recording of a step, from one cut to the next.  Only while a profiler runs."""
+    if _profiler._is_profiler_enabled and key not in _open_spans:
+        rf = _RecordFunctionFast(name)
+        rf.__enter__()
+        _open_spans[key] = rf
+
+
+def close_span(key: str) -> None:
+    if _open_spans:
+        rf = _open_spans.pop(key, None)
+        if rf is not None:
+            rf.__exit__(None, None, None)

@@ -82,6 +82,10 @@ class MemoryCache:
             while len(self._d) > self._cap:
                 self._d.popitem(last=False)
 
+    def values(self) -> list[Any]:
+        with self._lock:
+            return list(self._d.values())
+
     def clear(self) -> None:
         with self._lock:
             self._d.clear()

@@ -34,8 +34,13 @@ class Executable:
     run: Callable[[Sequence[Any]], list[Any]]
     source_graph_hash: str = ""
     info: dict = field(default_factory=dict)
+    runs: int = 0  # times run in this process (kiln top)
 
     def __call__(self, inputs: Sequence[Any]) -> list[Any]:
+        self.runs += 1
+        if metrics.profiling():
+            with metrics.span(f"kiln::graph {self.source_graph_hash[:12]}"):
+                return self.run(inputs)
         return self.run(inputs)
 
 
@@ -54,6 +59,14 @@ def compile_graph(g: Graph) -> Executable:
     if exe is not None:
         metrics.incr("cache_hits_memory")
         return exe
+    with metrics.span(f"kiln::compile {g.hash[:12]}"):
+        exe = _compile(g, key)
+    _memory.put(key, exe)
+    return exe
+
+
+def _compile(g: Graph, key: str) -> Executable:
+    """A memory-cache miss: load from the disk cache or optimize, then build the backend."""
     t0 = time.perf_counter()
     disk = DiskCache(config.cache_dir) if config.disk_cache else None
     opt = disk.load(key) if disk else None
@@ -83,9 +96,7 @@ def compile_graph(g: Graph) -> Executable:
         run = _seeded(run, seed_index)
     if config.explain_dir:
         explain.write(config.explain_dir, explain.report(g, opt, passes, info, not built))
-    exe = Executable(opt, run, g.hash, info)
-    _memory.put(key, exe)
-    return exe
+    return Executable(opt, run, g.hash, info)
 
 
 def _seeded(run: Callable, seed_index: int) -> Callable:
@@ -110,6 +121,11 @@ def stop_after_max_steps() -> None:
         file=sys.stderr,
     )
     raise SystemExit(0)
+
+
+def executables() -> list[Executable]:
+    """The compiled graphs this process holds, least recently used first (``kiln top``)."""
+    return _memory.values()
 
 
 def clear_memory_cache() -> None:

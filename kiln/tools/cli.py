@@ -19,6 +19,9 @@ _GROUPS = [
     ("kiln.tools.compile_cli", "precompile"),
     ("kiln.tools.compile_cli", "explain"),
     ("kiln.distributed.cli", "run"),
+    ("kiln.observe.cli", "ls"),
+    ("kiln.observe.cli", "top"),
+    ("kiln.observe.cli", "profile"),
 ]
 
 

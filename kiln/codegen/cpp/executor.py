@@ -14,6 +14,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.autograd.profiler as _profiler
 
 from kiln.codegen.cpp.emit import KernelSpec
 from kiln.ir.graph import Graph, In, Node
@@ -116,6 +117,7 @@ def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) 
         fn(ptrs, ia, DA(*[float(ins[k]) for k in sins]) if sins else no_scalars)
         return results
 
+    call.kiln_kernel = spec.name  # type: ignore[attr-defined]  # profiler range name
     return call
 
 
@@ -233,6 +235,10 @@ class Executor:
 
     def __call__(self, inputs: Sequence[Any]) -> list[Any]:
         with self._lock:  # slot buffers are shared between runs of this executable
+            if _profiler._is_profiler_enabled:  # kernels as named ranges (kiln.observe.ranges)
+                from kiln.observe.ranges import profiled  # noqa: PLC0415
+
+                return profiled(self)(inputs)
             return self._fast(inputs)
 
     def _generate(self) -> Callable[[Sequence[Any]], list[Any]]:
@@ -263,4 +269,5 @@ class Executor:
         lines.append(f"    return [{', '.join(f'v{o}' for o in self.graph.outputs)}]")
         self.source = "\n".join(lines) + "\n"
         exec(compile(self.source, f"<kiln graph {self.graph.hash}>", "exec"), ns)
+        self.namespace = ns
         return ns["run"]

@@ -24,6 +24,7 @@ from kiln import metrics
 from kiln.config import config
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.ir.ops import keep_whole_ops
+from kiln.runtime import steps
 from kiln.runtime.compiler import compile_graph, stop_after_max_steps
 
 _last_shapes: dict[str, list] = {}
@@ -77,6 +78,7 @@ def _kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     runs = [0]
 
     def run(args: list) -> list:
+        steps.graph_run(runs)  # step boundaries (kiln.runtime.steps)
         if config.max_steps and runs[0] >= config.max_steps:
             stop_after_max_steps()
         runs[0] += 1

@@ -24,7 +24,8 @@ from kiln.config import config
 from kiln.frontends.lazy.memory import track, update_peak
 from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType, _canon, _tensor_digest
 from kiln.passes.memory_plan import _fresh
-from kiln.runtime.compiler import compile_graph, stop_after_max_steps
+from kiln.runtime.compiler import compile_graph
+from kiln.runtime.steps import lazy_step_end
 from kiln.ir.semantics import types_of
 
 
@@ -247,8 +248,9 @@ def _settle_heap() -> None:
     if not config.gc_freeze or _settled >= _SETTLE_MAX:
         return
     _settled += 1
-    gc.collect()
-    gc.freeze()
+    with metrics.span("kiln::settle_heap"):
+        gc.collect()
+        gc.freeze()
     metrics.incr("heap_freezes")
 
 
@@ -262,7 +264,8 @@ def sync(reason: str | None = None) -> None:
     ``reason`` None means an explicit ``mark_step``; anything else is counted as a forced sync.
     """
     global _trace
-    with _lock:
+    metrics.close_span("record")  # profiler ranges: kiln::record, kiln::mark_step / kiln::sync
+    with _lock, metrics.span("kiln::mark_step" if reason is None else f"kiln::sync {reason}"):
         tr = _trace
         live = [st for st in list(tr.pending) if st.gen == tr.gen and st.pending]
         _trace = Trace(tr.gen + 1)
@@ -306,8 +309,9 @@ def sync(reason: str | None = None) -> None:
         update_peak()
     if settle:
         _settle_heap()
-    if reason is None and config.max_steps and metrics.get("mark_steps") >= config.max_steps:
-        stop_after_max_steps()
+    metrics.open_span("record", "kiln::record")
+    if reason is None:
+        lazy_step_end(metrics.get("mark_steps"))
 
 
 def out_types(meta: Any) -> tuple[TensorType | None, ...]:
