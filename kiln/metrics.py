@@ -238,6 +238,9 @@ class _NoSpan:
 
 
 _NO_SPAN = _NoSpan()
+# Set by kiln.observe.ranges (imported with kiln): executor -> its graph function with a named range
+# around each generated kernel and fallback, which the C++ executor runs while a profiler records.
+profiled_runner: Callable[[Any], Callable] | None = None
 _open_spans: dict[str, Any] = {}
 
 

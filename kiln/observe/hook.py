@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from kiln import metrics
 from kiln.config import config
+from kiln.observe import ranges  # noqa: F401 - registers the executor's profiled runner
 from kiln.observe.publish import Publisher
 
 _publisher: Publisher | None = None

@@ -23,6 +23,7 @@ import psutil
 from kiln.devices.cpu import cpu_info, format_cpu_list, parse_cpu_list
 from kiln.devices.discovery import discover_neuron_devices
 from kiln.devices.nvml import gpu_status
+from kiln.observe.publish import kiln_version
 from kiln.observe.records import read_records
 
 
@@ -92,7 +93,6 @@ def _gpu_holders(gpu: Any, procs: list[dict[str, Any]]) -> list[int]:
 
 def inventory(root: str = "/", runtime_dir: str | None = None) -> dict[str, Any]:
     """Everything ``kiln ls`` shows.  ``root`` prefixes sysfs/procfs/devfs paths (tests)."""
-    from kiln import __version__
     from kiln.config import config
 
     cpu = cpu_info(root)
@@ -119,7 +119,7 @@ def inventory(root: str = "/", runtime_dir: str | None = None) -> dict[str, Any]
             )
     return {
         "host": socket.gethostname(),
-        "kiln_version": __version__,
+        "kiln_version": kiln_version(),
         "cpu": {
             **dataclasses.asdict(cpu),
             "holders": {

@@ -84,7 +84,11 @@ def start_from_config() -> ProfileSession:
     from kiln.config import config
 
     global _session
-    _session = ProfileSession(config.profile, config.profile_steps, config.profile_skip)
+    path = config.profile
+    rank = os.environ.get("RANK")
+    if rank not in (None, "", "0"):  # one trace per worker of a distributed job
+        path = f"{path}.rank{rank}"
+    _session = ProfileSession(path, config.profile_steps, config.profile_skip)
     _session.start()
     return _session
 

@@ -16,6 +16,7 @@ publishing stops for the process: training goes on.
 from __future__ import annotations
 
 import atexit
+import importlib.metadata
 import json
 import os
 import sys
@@ -33,6 +34,15 @@ MAX_GRAPHS = 64  # most recently used graphs listed in a record
 
 class PublishWarning(UserWarning):
     pass
+
+
+def kiln_version() -> str:
+    """The installed distribution's version (importing the ``kiln`` package from here would make
+    it import itself through the step hook)."""
+    try:
+        return importlib.metadata.version("kiln")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that is not installed
+        return "source"
 
 
 def record_path(directory: str | os.PathLike, pid: int) -> Path:
@@ -58,8 +68,6 @@ def _static() -> dict[str, Any]:
     import psutil
     import torch
 
-    import kiln
-
     proc = psutil.Process()
     env = os.environ
     return {
@@ -68,7 +76,7 @@ def _static() -> dict[str, Any]:
         "create_time": proc.create_time(),
         "host": os.uname().nodename,
         "cmdline": [sys.executable, *sys.argv],
-        "kiln_version": kiln.__version__,
+        "kiln_version": kiln_version(),
         "torch_version": torch.__version__,
         "started": time.time(),
         "task": {

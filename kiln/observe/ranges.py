@@ -1,8 +1,8 @@
 """Kiln's generated kernels and ATen fallbacks as named ranges in ``torch.profiler`` traces.
 
 The C++ executor runs a graph as one generated Python function (``Executor.source``).  While a
-profiler records, the executor runs a second copy of that function instead, built here once per
-executor: the same source, executed in a namespace where each generated kernel call is wrapped in
+profiler records, the executor runs a second copy of that function instead (through the hook
+``kiln.metrics.profiled_runner``, set when this module is imported), built here once per executor: the same source, executed in a namespace where each generated kernel call is wrapped in
 a ``kiln::kernel <name>`` range and each opaque node (an op Kiln fell back to ATen for) in a
 ``kiln::fallback <op>`` range.  Without a profiler nothing here runs: the executor checks
 ``torch.autograd.profiler._is_profiler_enabled`` (a module attribute) and calls its plain function.
@@ -18,6 +18,7 @@ from typing import Any
 
 from torch._C._profiler import _RecordFunctionFast
 
+from kiln import metrics
 from kiln.ir.ops import opaque_target
 
 KERNEL_PREFIX = "kiln::kernel "
@@ -64,3 +65,6 @@ def profiled(executor: Any) -> Callable[[Sequence[Any]], list[Any]]:
         exec(code, ns)  # noqa: S102 - the executor's own generated source
         run = executor._kiln_profiled = ns["run"]
     return run
+
+
+metrics.profiled_runner = profiled
