@@ -73,8 +73,9 @@ def top(once: bool, view: str, interval: float, root: str, runtime_dir: str | No
 @click.option(
     "-o", "--output", default="kiln-trace.json", show_default=True, help="Chrome trace to write"
 )
+@click.option("--png", default=None, help="also draw the last profiled step into this PNG")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
-def profile(steps: int, skip: int, output: str, cmd: tuple[str, ...]) -> None:
+def profile(steps: int, skip: int, output: str, png: str | None, cmd: tuple[str, ...]) -> None:
     """Run CMD under torch.profiler for a few steps; write a Chrome trace with Kiln's stages
     (record, compile, kernels, fallbacks, syncs) as named ranges, then print a summary."""
     import subprocess
@@ -99,6 +100,11 @@ def profile(steps: int, skip: int, output: str, cmd: tuple[str, ...]) -> None:
         raise click.ClickException(
             f"no trace written to {out} (exit {rc}): does the command import kiln and run steps?"
         )
-    click.echo(format_summary(summarize(json.loads(out.read_text()))))
+    trace = json.loads(out.read_text())
+    click.echo(format_summary(summarize(trace)))
+    if png:
+        from kiln.observe.trace_picture import render_step
+
+        click.echo(f"kiln profile: {render_step(trace, png)} drawn in {png}")
     click.echo(f"kiln profile: trace of {steps} steps in {out}; exit {rc}")
     sys.exit(rc)

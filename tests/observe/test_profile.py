@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -75,6 +76,8 @@ def test_kiln_profile_writes_a_trace_of_kiln_stages(tmp_path: Path) -> None:
             "4",
             "-o",
             str(out),
+            "--png",
+            str(tmp_path / "step.png"),
             "--",
             sys.executable,
             str(script),
@@ -86,6 +89,7 @@ def test_kiln_profile_writes_a_trace_of_kiln_stages(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stderr
     assert "kiln::kernel" in run.stdout and "in Kiln stages" in run.stdout  # the summary
+    assert (tmp_path / "step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # --png
     step_s = json.loads(run.stdout.split("STEP_S", 1)[1].splitlines()[0])
     events = _events(json.loads(out.read_text()))
     names = {e["name"].split(" ")[0] for e in events}
@@ -130,3 +134,30 @@ def test_compile_mode_kernels_and_fallbacks_are_ranges(tmp_path: Path) -> None:
     fallbacks = [e for e in events if e["name"] == "kiln::fallback aten::linalg_qr.default"]
     assert len(graphs) == 3 and len(fallbacks) == 3 and kernels
     assert all(_nested(e, events, "kiln::graph") for e in kernels + fallbacks)
+
+
+def test_trace_picture_and_summary_of_a_hand_made_trace(tmp_path: Path) -> None:
+    from kiln.observe.trace_picture import render_step
+    from kiln.observe.trace_summary import summarize
+
+    def ev(name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": 1, "cat": "cpu_op"}
+
+    trace = {
+        "traceEvents": [
+            ev("ProfilerStep#1", 0, 1000),
+            ev("kiln::record", -500, 700),  # opened in the step before
+            ev("kiln::mark_step", 200, 750),
+            ev("kiln::graph abc", 210, 700),
+            ev("kiln::kernel kiln_1", 220, 100),
+            ev("kiln::fallback aten::linalg_qr.default", 400, 50),
+        ]
+    }
+    (step,) = summarize(trace)["steps"]
+    assert step["kiln_ms"] == pytest.approx(0.95)  # 0..950 us covered, nested ranges once
+    assert (step["kernel_ms"], step["fallback_ms"]) == (pytest.approx(0.1), pytest.approx(0.05))
+    assert render_step(trace, tmp_path / "s.png") == "ProfilerStep#1"
+    with pytest.raises(ValueError, match="ProfilerStep#1"):
+        render_step(trace, tmp_path / "x.png", step="ProfilerStep#7")
+    with pytest.raises(ValueError, match="no ProfilerStep"):
+        render_step({"traceEvents": trace["traceEvents"][1:]}, tmp_path / "y.png")
