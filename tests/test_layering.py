@@ -43,10 +43,7 @@ APART = {"kiln.devices": 0, "kiln.cluster": 1}
 # Tools that list the host's devices (kiln ls / kiln top) may read kiln.devices.
 DEVICE_READERS = ("kiln.observe",)
 # Known violations being removed by other work, each with its issue; delete a line when it lands.
-PENDING: dict[tuple[str, str], str] = {
-    ("kiln.cluster.service", "kiln.cluster.tasks"): "issue 9 item 5 (cluster split): cycle",
-    ("kiln.cluster.tasks", "kiln.cluster.service"): "issue 9 item 5 (cluster split): cycle",
-}
+PENDING: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> dict[str, Path]:

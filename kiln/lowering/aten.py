@@ -15,7 +15,7 @@ import torch
 
 from kiln import metrics
 from kiln.ir.graph import In, Node, TensorType
-from kiln.ir.ops import OPS, Category
+from kiln.ir.ops import ON_CHANGE, OPS, Category
 from kiln.lowering.fallback import reason
 
 
@@ -27,6 +27,7 @@ class Ref:
 
 
 _NAMES: dict[Any, tuple[str, bool]] = {}
+ON_CHANGE.append(_NAMES.clear)  # a new or removed op record changes what lowers to what
 
 
 def op_name(func: Any) -> tuple[str, bool]:

@@ -6,9 +6,9 @@ are published when it registers, :mod:`kiln.codegen.cpp`).  Guarantees: every no
 claims that shares its iteration shape with a neighbour is
 folded into one ``fused`` node; the graph computes the same values; nodes the fuser does not
 understand are left exactly as they were.  A fused node's kwargs carry a hashable description of
-its subgraph:
+its subgraph (typed as :class:`kiln.ir.kernel.FusedKernel`, which every backend reads):
 
-  kind     "pointwise" | "rows" (reductions over the last dim) | "cols" (sum over leading dims)
+  kind     LoopKind: POINTWISE | ROWS (reductions over the last dim) | COLS (sum over leading dims)
   shape    the iteration shape (symbolic sizes allowed)
   body     one entry per member: (op, args, kwargs, dtype) with In(k) = fused input k,
            Val(i) = body entry i, Lit(v, dtype) = an inlined one-element constant
@@ -36,6 +36,7 @@ import torch
 
 from kiln import metrics
 from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType, dtype_abbr
+from kiln.ir.kernel import BodyOp, FusedKernel, Lit, LoopKind, Val
 from kiln.ir.ops import Category
 
 
@@ -66,27 +67,6 @@ def default_claims() -> Claims:
 
 MAX_GROUP = 256  # members per kernel: keeps generated functions small enough to compile fast
 HORIZONTAL_WINDOW = 6  # how many open groups of the same shape a node may join horizontally
-
-
-@dataclass(frozen=True)
-class Val:
-    """Body reference to the value of body entry ``i``."""
-
-    i: int
-
-    def __repr__(self) -> str:
-        return f"Val({self.i})"
-
-
-@dataclass(frozen=True)
-class Lit:
-    """An inlined one-element constant tensor (value and dtype abbreviation)."""
-
-    value: Any
-    dtype: str
-
-    def __repr__(self) -> str:
-        return f"Lit({self.value!r},{self.dtype})"
 
 
 _ROW_REDUCE = {"sum.dim_IntList", "mean.dim", "amax.default"}
@@ -186,7 +166,7 @@ def _col_reduction(g: Graph, n: Node) -> tuple | None:
 
 @dataclass
 class _Group:
-    kind: str
+    kind: LoopKind
     shape: tuple
     members: list[int]
     closed: bool = False  # a reduction was added: no more pointwise members after it
@@ -271,18 +251,18 @@ def _place(g, i, n, groups, group_of, deps, lits, claims: Claims) -> int | None:
     row = _row_reduction(g, n)
     col = _col_reduction(g, n) if row is None else None
     if row is not None or col is not None:
-        kind, shape = ("rows", row) if row is not None else ("cols", col)
+        kind, shape = (LoopKind.ROWS, row) if row is not None else (LoopKind.COLS, col)
         src = n.inputs[0]
         gid = group_of.get(src)
         if gid is not None and g.nodes[src].op not in _ROW_OPS:
             gr = groups[gid]
             if (
-                gr.kind in ("pointwise", kind)
+                gr.kind in (LoopKind.POINTWISE, kind)
                 and gr.shape == shape
-                and not (gr.kind == "rows" and n.op not in _ROW_REDUCE)
+                and not (gr.kind is LoopKind.ROWS and n.op not in _ROW_REDUCE)
                 and len(gr.members) < MAX_GROUP
                 and _can_join(gid, n, group_of, deps, groups)
-                and not (kind == "rows" and _has_special(g, gr))
+                and not (kind is LoopKind.ROWS and _has_special(g, gr))
             ):
                 gr.kind, gr.closed = kind, True
                 return gid
@@ -295,7 +275,7 @@ def _place(g, i, n, groups, group_of, deps, lits, claims: Claims) -> int | None:
     for gid in cands:
         gr = groups[gid]
         if (
-            gr.kind == "pointwise"
+            gr.kind is LoopKind.POINTWISE
             and gr.shape == shape
             and len(gr.members) < MAX_GROUP
             and _can_join(gid, n, group_of, deps, groups)
@@ -304,14 +284,14 @@ def _place(g, i, n, groups, group_of, deps, lits, claims: Claims) -> int | None:
     seen = 0
     for gid in range(len(groups) - 1, -1, -1):
         gr = groups[gid]
-        if gr.kind != "pointwise" or gr.shape != shape:
+        if gr.kind is not LoopKind.POINTWISE or gr.shape != shape:
             continue
         seen += 1
         if seen > HORIZONTAL_WINDOW:
             break
         if len(gr.members) < MAX_GROUP and _can_join(gid, n, group_of, deps, groups):
             return gid
-    groups.append(_Group("pointwise", shape, []))
+    groups.append(_Group(LoopKind.POINTWISE, shape, []))
     return len(groups) - 1
 
 
@@ -323,7 +303,7 @@ def _has_special(g: Graph, gr: _Group) -> bool:
 def _worth_it(g: Graph, gr: _Group, lits: dict[int, Lit]) -> bool:
     if not gr.members:
         return False
-    if gr.kind != "pointwise":
+    if gr.kind is not LoopKind.POINTWISE:
         return True
     # A lone copy/clone/alias is better left to ATen (it may be a no-op or memcpy; a strided
     # gather of a permuted view measured no faster as a kernel of its own).
@@ -453,25 +433,23 @@ def _fused_node(g: Graph, gr: _Group, outs: list[int], lits: dict[int, Lit]):
     for m in gr.members:
         n = g.nodes[m]
         body.append(
-            (
+            BodyOp(
                 n.op,
                 sub(n.args, n),
                 tuple((k, sub(v, n)) for k, v in n.kwargs),
                 dtype_abbr(n.types[0].dtype),
             )
         )
-    kwargs = (
-        ("kind", gr.kind),
-        ("shape", tuple(gr.shape)),
-        ("body", tuple(body)),
-        ("outputs", tuple(local[m] for m in outs)),
-        ("members", tuple(gr.members)),
+    kernel = FusedKernel(
+        gr.kind,
+        tuple(gr.shape),
+        tuple(body),
+        tuple(local[m] for m in outs),
+        tuple(gr.members),
+        tuple(k for k, j in enumerate(ext) if _maybe_strided(g, j)),
     )
-    strided = tuple(k for k, j in enumerate(ext) if _maybe_strided(g, j))
-    if strided:
-        kwargs += (("strided", strided),)
     types = tuple(g.nodes[m].types[0] for m in outs)
-    return Node("fused", (), (), kwargs, types), ext
+    return Node("fused", (), (), kernel.to_kwargs(), types), ext
 
 
 # Views that change the memory layout: a value reached through one of them is likely strided.

@@ -31,6 +31,7 @@ of the output's shape and dtype, and allocates a fresh buffer (then the writebac
 from __future__ import annotations
 
 from kiln.ir.graph import Graph, GraphBuilder
+from kiln.ir.kernel import FusedKernel, LoopKind, in_place
 from kiln.ir.ops import Category
 
 _FRESH = {
@@ -106,7 +107,7 @@ def memory_plan(g: Graph) -> Graph:
             taken: set[int] = set()
             inplace = (
                 _inplace_candidates(g, i, end, roots, slot_of)
-                if n.kwarg("kind") == "pointwise"
+                if FusedKernel.of(n).kind is LoopKind.POINTWISE
                 else {}
             )
             owner = {s: r for rs in inplace.values() for r, s in rs}
@@ -114,7 +115,7 @@ def memory_plan(g: Graph) -> Graph:
             for p, vid in enumerate(out_ids[i]):
                 t = n.types[p]
                 if p in into:
-                    place.append(("arg", into[p]))
+                    place.append(in_place(into[p]))
                     continue
                 if vid in escaping or t is None:
                     place.append(None)
@@ -167,7 +168,7 @@ def _into_inputs(g, i, outs, writes, end, roots, escaping) -> dict[int, int]:
     """Outputs of pointwise node ``i`` that may be written into the graph input they update:
     output position -> position of that input among the node's inputs."""
     n = g.nodes[i]
-    if n.kwarg("kind") != "pointwise":
+    if FusedKernel.of(n).kind is not LoopKind.POINTWISE:
         return {}
     shape = tuple(n.kwarg("shape"))
     res: dict[int, int] = {}

@@ -17,15 +17,14 @@ import ctypes
 import hashlib
 from typing import Callable, Sequence
 
+from kiln import metrics
+from kiln.codegen.base import Backend, Pass, register_backend
 from kiln.codegen.cpp.build import build_many
 from kiln.codegen.cpp.emit import KernelSpec, emit_kernel
 from kiln.codegen.cpp.executor import Executor, make_fused_call
 from kiln.codegen.cpp.layer_norm import emit_layer_norm, layer_norm_ok
+from kiln.codegen.cpp.ops import CTYPE, PRELUDE, supported
 from kiln.codegen.cpp.softmax_backward import emit_softmax_backward, softmax_backward_ok
-from kiln.codegen.cpp.ops import PRELUDE
-from kiln import metrics
-from kiln.codegen.base import Backend, Pass, register_backend
-from kiln.codegen.cpp.ops import CTYPE, supported
 from kiln.config import config
 from kiln.ir.graph import Graph
 from kiln.passes.fuse import Claims, fuse, set_default_claims

@@ -27,6 +27,7 @@ import torch
 
 from kiln.codegen.cpp.ops import CTYPE, FORMULAS, Operand, literal
 from kiln.ir.graph import In, Node
+from kiln.ir.kernel import FusedKernel, Lit, LoopKind, OutKind, Val
 
 # Elements: below this a kernel runs on one thread (fork/join costs more than it saves).  Measured
 # on a quiet 2-core machine, 32k beats 1M (tiny GPT step 25.4 vs 29.7 ms); on a heavily loaded one,
@@ -53,7 +54,7 @@ class KernelSpec:
     tensor_inputs: list[int]  # positions (in the fused node's inputs) of tensor inputs
     input_modes: list[str]  # per tensor input: "full" | "one" | "bcast" | "bcast_inner"
     scalar_inputs: list[int]  # positions of Python-number inputs
-    out_kinds: list[str]  # per output: "full" | "row" | "rowk" | "col" | "colk"
+    out_kinds: list[OutKind]  # per output
     out_dtypes: list[torch.dtype] = field(default_factory=list)
     members: tuple = ()
     source: str = ""
@@ -71,13 +72,11 @@ def _mode(shape: tuple, it: tuple) -> str:
 
 def emit_kernel(name: str, node: Node, in_types: list) -> tuple[str, KernelSpec]:
     """C++ source and call spec for one ``fused`` node; ``in_types`` = its inputs' types."""
-    kind = node.kwarg("kind")
-    shape = tuple(node.kwarg("shape"))
-    body = node.kwarg("body")
-    outs = node.kwarg("outputs")
+    kernel = FusedKernel.of(node)
+    kind, shape, body, outs = kernel.kind, kernel.shape, kernel.body, kernel.outputs
     rank = len(shape)
     tensor_inputs, modes, scalars = [], [], []
-    strided = set(node.kwarg("strided") or ())
+    strided = set(kernel.strided)
     for k, t in enumerate(in_types):
         if t.dtype is None:
             scalars.append(k)
@@ -87,7 +86,7 @@ def emit_kernel(name: str, node: Node, in_types: list) -> tuple[str, KernelSpec]
             # a permuted/sliced view is read through its strides (rows of the last dim)
             modes.append("bcast_inner" if m == "full" and k in strided and rank > 1 else m)
     spec = KernelSpec(
-        name, kind, rank, shape, tensor_inputs, modes, scalars, [], members=node.kwarg("members")
+        name, kind, rank, shape, tensor_inputs, modes, scalars, [], members=kernel.members
     )
     e = _Emitter(spec, node, in_types, body, outs)
     src = e.source()
@@ -135,10 +134,10 @@ class _Emitter:
     def operand(self, v: Any, vals: dict[int, tuple[str, str]]) -> Operand:
         if isinstance(v, In):
             return Operand(self.load(v.k), self.ctype_of_input(v.k))
-        if type(v).__name__ == "Val":
+        if isinstance(v, Val):
             expr, ct = vals[v.i]
             return Operand(expr, ct)
-        if type(v).__name__ == "Lit":
+        if isinstance(v, Lit):
             ct = _ABBR_CT[v.dtype]
             return Operand(f"(({ct}){literal(v.value)})", ct)
         if v is None:
@@ -208,17 +207,15 @@ class _Emitter:
         fills = []
         for o, b in enumerate(self.outs):
             kind = self.spec.out_kinds[o]
-            if kind == "full":
+            if kind is OutKind.FULL:
                 continue
             ct = _ABBR_CT[self.body[b][3]]
             ident = {"amax.default": "-INFINITY", "mean.dim": "NAN"}.get(self.body[b][0], "0")
-            if kind.startswith("row"):
+            if kind in (OutKind.ROW, OutKind.ROWK):
                 count = " * ".join(f"s{d}" for d in range(self.R - 1)) or "1"
             else:
                 count = f"s{self.R - 1}"
-            fills.append(
-                f"    for (int64_t q = 0; q < {count}; ++q) out{o}[q] = ({ct})({ident});"
-            )
+            fills.append(f"    for (int64_t q = 0; q < {count}; ++q) out{o}[q] = ({ct})({ident});")
         if not fills:
             self.w("  if (N == 0) return;")
             return
@@ -277,17 +274,19 @@ class _Emitter:
         for b in self.outs:
             op = self.body[b][0]
             if op in FORMULAS or op in ("_softmax.default", "_log_softmax.default"):
-                self.spec.out_kinds.append("full")
+                self.spec.out_kinds.append(OutKind.FULL)
             else:
                 keep = bool(dict(self.body[b][2]).get("keepdim", False)) or (
                     len(self.body[b][1]) > 2 and bool(self.body[b][1][2])
                 )
-                base = "row" if kind == "rows" else "col"
-                self.spec.out_kinds.append(base + ("k" if keep else ""))
+                if kind is LoopKind.ROWS:
+                    self.spec.out_kinds.append(OutKind.ROWK if keep else OutKind.ROW)
+                else:
+                    self.spec.out_kinds.append(OutKind.COLK if keep else OutKind.COL)
         self.prologue()
-        if kind == "pointwise":
+        if kind is LoopKind.POINTWISE:
             self.k_pointwise()
-        elif kind == "rows":
+        elif kind is LoopKind.ROWS:
             self.k_rows()
         else:
             self.k_cols()

@@ -19,23 +19,12 @@ import torch.autograd.profiler as _profiler
 from kiln import metrics
 from kiln.codegen.cpp.emit import KernelSpec
 from kiln.ir.graph import Graph, In, Node
+from kiln.ir.kernel import OutKind
 from kiln.ir.semantics import call_node, last_uses, resolve, writeback
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _D = ctypes.c_double
-
-
-def _out_shape(kind: str, s: tuple) -> tuple:
-    if kind == "full":
-        return s
-    if kind == "row":
-        return s[:-1]
-    if kind == "rowk":
-        return s[:-1] + (1,)
-    if kind == "col":
-        return s[-1:]
-    return (1,) * (len(s) - 1) + s[-1:]
 
 
 def new_output(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -95,7 +84,7 @@ def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) 
                 for d in range(R):
                     di = d - off
                     ints.append(0 if di < 0 or t.shape[di] == 1 else t.stride(di))
-            geo = (IA(*ints), [_out_shape(kind, shape) for kind, _ in outs])
+            geo = (IA(*ints), [OutKind(kind).shape(shape) for kind, _ in outs])
             if len(geometry) < 64:
                 geometry[key] = geo
         ia, out_shapes = geo
@@ -104,7 +93,7 @@ def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) 
             slot = out_plan[o]
             if slot is None:
                 buf = new_output(osh, dt)
-            elif type(slot) is tuple:  # ("arg", q): update input q in place (memory_plan)
+            elif isinstance(slot, tuple):  # InPlace ("arg", q): update input q in place
                 buf = ins[slot[1]]
                 if not (buf.is_contiguous() and buf.shape == osh and buf.dtype == dt):
                     buf = new_output(osh, dt)  # the writeback copies instead

@@ -24,6 +24,7 @@ import torch
 
 from kiln.codegen.cpp.emit import PARALLEL_MIN, SAFELEN, KernelSpec, _mode
 from kiln.ir.graph import In, Node
+from kiln.ir.kernel import OutKind
 
 F32 = torch.float32
 
@@ -75,7 +76,7 @@ def emit_layer_norm(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec
 
 
 def _spec(
-    name: str, n: Node, in_types: list, order: list[int], kind: str, out_kinds: list[str]
+    name: str, n: Node, in_types: list, order: list[int], kind: str, out_kinds: list[OutKind]
 ) -> KernelSpec:
     shape = tuple(in_types[order[0]].shape)
     modes = [_mode(in_types[k].shape, shape) for k in order]
@@ -106,7 +107,7 @@ def _head(name: str, spec: KernelSpec, names: list[str], n_out: int) -> list[str
         L.append(f"  const int64_t s{d} = I[{d}];")
     L.append("  const int64_t L = s%d;" % (R - 1))
     L.append("  const int64_t N = " + " * ".join(f"s{d}" for d in range(R)) + ";")
-    if n_out == 3 and spec.out_kinds[1] == "col":
+    if n_out == 3 and spec.out_kinds[1] is OutKind.COL:
         # backward over zero rows: the weight and bias gradients are sums over nothing
         L.append("  if (N == 0) {")
         L.append("    for (int64_t j = 0; j < L; ++j) { out1[j] = 0.0f; out2[j] = 0.0f; }")
@@ -138,7 +139,7 @@ def _row_off(spec: KernelSpec, p: int) -> list[str]:
 def _forward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
     affine = n.args[2] is not None
     order = [n.args[0].k] + ([n.args[2].k, n.args[3].k] if affine else [])
-    spec = _spec(name, n, in_types, order, "layer_norm", ["full", "rowk", "rowk"])
+    spec = _spec(name, n, in_types, order, "layer_norm", [OutKind.FULL, OutKind.ROWK, OutKind.ROWK])
     eps = repr(float(n.args[4]))
     L = _head(name, spec, ["x", "w", "b"][: len(order)], 3)
     L += [
@@ -173,7 +174,9 @@ def _forward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
 def _backward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
     dy, x, mean, rstd, w = (n.args[i].k for i in (0, 1, 3, 4, 5))
     order = [dy, x, mean, rstd, w]
-    spec = _spec(name, n, in_types, order, "layer_norm_backward", ["full", "col", "col"])
+    spec = _spec(
+        name, n, in_types, order, "layer_norm_backward", [OutKind.FULL, OutKind.COL, OutKind.COL]
+    )
     one_col = spec.static_shape[-1] == 1  # (rows, 1): mean/rstd have x's shape, one per row
     if (
         spec.input_modes[:2] != ["full", "full"]

@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import torch
 
+from kiln.ir.node import In
+
 CTYPE = {torch.float32: "float", torch.bool: "bool", torch.int64: "int64_t"}
 
 
@@ -373,6 +375,19 @@ static inline float kiln_silu_bwd(float g, float x) {
 """
 
 
+def register_formula(op: str, formula: Formula | str, replace: bool = False) -> None:
+    """Teach the C++ backend one more pointwise op (``"sinc.default"``): its op record (kiln.ir.ops)
+    says what it means, this says how to write it in C++.  ``formula`` is a Formula or a unary
+    template with ``{x}`` (the operand, cast to the output type) and ``{t}`` (that C type)."""
+    if op in FORMULAS and not replace:
+        raise ValueError(f"the C++ backend already has a formula for {op!r}")
+    FORMULAS[op] = _unary(formula) if isinstance(formula, str) else formula
+
+
+def unregister_formula(op: str) -> None:
+    FORMULAS.pop(op, None)
+
+
 def _literal_ok(v: Any) -> bool:
     if v is None or isinstance(v, (bool, int, float, str)):
         return True
@@ -400,7 +415,7 @@ def supported(op: str, args: tuple, kwargs: dict) -> bool:
             return False
         return True
     for v in kwargs.values():
-        if not _literal_ok(v) and type(v).__name__ != "In":
+        if not _literal_ok(v) and not isinstance(v, In):
             if op not in ("_to_copy.default",):
                 return False
     return True

@@ -18,6 +18,7 @@ import torch
 
 from kiln.codegen.cpp.emit import PARALLEL_MIN, SAFELEN, KernelSpec
 from kiln.ir.graph import In, Node
+from kiln.ir.kernel import OutKind
 
 OPS = ("_softmax_backward_data.default", "_log_softmax_backward_data.default")
 
@@ -50,7 +51,7 @@ def emit_softmax_backward(name: str, n: Node, in_types: list) -> tuple[str, Kern
         order,
         ["full", "full"],
         [],
-        ["full"],
+        [OutKind.FULL],
         out_dtypes=[torch.float32],
         members=(n.op,),
     )
