@@ -25,6 +25,8 @@ from rich.text import Text
 
 from kiln.devices.cpu import format_cpu_list
 from kiln.observe import ls
+from kiln.observe.inventory import inventory, process_info
+from kiln.observe.records import read_records
 
 VIEWS = ("processes", "graphs", "devices", "all")
 SORTS = ("cpu", "memory", "step", "pid")
@@ -70,13 +72,8 @@ class Top:
             return None
 
     def frame(self) -> Group:
-        from kiln.observe.inventory import inventory
-
         inv = inventory(self.root, self.runtime_dir) if self.view in ("devices", "all") else None
         if inv is None:
-            from kiln.observe.inventory import process_info
-            from kiln.observe.records import read_records
-
             procs = [process_info(r) for r in read_records(self.runtime_dir)]
         else:
             procs = inv["processes"]
