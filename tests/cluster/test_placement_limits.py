@@ -253,3 +253,98 @@ def test_invariant_violation_rolls_the_transition_back(svc, monkeypatch):
     with pytest.raises(InvariantError):
         svc.run_task({"taskDefinition": "t", "count": 10, "overrides": {"memory": "30000"}})
     assert svc.list_tasks({})["taskArns"] == []
+
+
+# -- what the cluster query language sees of an instance (memberOf during placement) -------------
+
+
+@pytest.mark.parametrize(
+    ("expression", "expected"),
+    [
+        ("ec2InstanceId == i-b", "b"),
+        ("agentVersion == kiln-2.0", "b"),
+        ("runningTasksCount >= 3", "b"),
+        ("registeredAt > 2020-01-01T00:00:00Z", "b"),
+        ("task:group == family:other", "b"),
+        ("agentConnected == true and attribute:ecs.instance-type == p4d.24xlarge", "b"),
+    ],
+)
+def test_member_of_sees_every_subject(expression, expected):
+    cs = [
+        cand("a", running_tasks_count=0),
+        cand(
+            "b",
+            "p4d.24xlarge",
+            agent_version="kiln-2.0",
+            running_tasks_count=3,
+            registered_at=1.7e9,
+            groups={"family:other": 1},
+        ),
+    ]
+    con = [{"type": "memberOf", "expression": expression}]
+    placed, _ = _place(cs, needs(cpu=1, memory=1, constraints=con), 1)
+    assert [p.candidate.arn for p in placed] == [expected]
+
+
+def test_each_copy_counts_as_a_running_task_and_a_group_member():
+    con = [{"type": "memberOf", "expression": "runningTasksCount < 1"}]
+    cs = [cand("a"), cand("b")]
+    placed, _ = _place(cs, needs(cpu=1, memory=1, constraints=con), 2)
+    assert sorted(p.candidate.arn for p in placed) == ["a", "b"]
+    assert [c.running_tasks_count for c in cs] == [1, 1]
+    for seed in range(10):  # the emptier instance of the group wins, every time
+        cs = [cand("a", groups={"family:t": 2}), cand("b")]
+        spread = [{"type": "spread", "field": "instanceId"}]
+        placed, _ = _place(cs, needs(cpu=1, memory=1, strategies=spread), 2, seed)
+        assert [p.candidate.arn for p in placed] == ["b", "b"]
+        assert cs[1].groups == {"family:t": 2}
+
+
+def test_spread_without_field_balances_instances():
+    for seed in range(5):
+        cs = [cand("a", groups={"family:t": 1}), cand("b")]
+        placed, _ = _place(cs, needs(cpu=1, memory=1, strategies=[{"type": "spread"}]), 1, seed)
+        assert placed[0].candidate.arn == "b"
+
+
+def test_ties_are_broken_at_random_without_strategies():
+    seen = set()
+    for seed in range(20):
+        placed, _ = _place([cand(n) for n in "abcd"], needs(cpu=1, memory=1), 1, seed)
+        seen.add(placed[0].candidate.arn)
+    assert seen == set("abcd")
+
+
+def test_no_failures_when_every_copy_is_placed():
+    cs = [cand("full", remaining_cpu=0), cand("ok")]
+    placed, failures = _place(cs, needs(), 1)
+    assert [p.candidate.arn for p in placed] == ["ok"] and failures == []
+    placed, failures = _place([cand("ok")], needs(), 1)
+    assert failures == []
+
+
+def test_device_kinds_are_not_mixed_up():
+    mixed = cand("m", neuron=2, gpu=1, remaining_cpu=10_000, remaining_memory=10_000)
+    placed, _ = _place([mixed], needs(cpu=1, memory=1, neuron_all=True), 1)
+    assert sorted(d["device_id"] for d in placed[0].devices[0]) == ["neuron0", "neuron1"]
+    mixed = cand("m", neuron=2, gpu=1, remaining_cpu=10_000, remaining_memory=10_000)
+    _, failures = _place([mixed], needs(cpu=1, memory=1, gpu=2), 1)
+    assert failures == [{"arn": "m", "reason": "RESOURCE:GPU"}]
+
+
+def test_every_mapped_path_is_reserved_in_order():
+    c = cand("a", neuron=2)
+    placed, _ = _place([c], needs(cpu=1, memory=1, devices=["/dev/fuse", "/dev/neuron1"]), 1)
+    assert [d["device_id"] for d in placed[0].devices[0]] == ["neuron1"]
+    g = cand("g", "p4d.24xlarge", gpu=2, remaining_cpu=10_000, remaining_memory=10_000)
+    need = needs(cpu=1, memory=1, gpu=1, devices=["/dev/nvidia0", "/dev/nvidia1"])
+    placed, _ = _place([g], need, 1)
+    assert sorted(d["device_id"] for d in placed[0].devices[0]) == ["gpu0", "gpu1"]
+
+
+def test_neuron_path_maps_by_index_when_the_device_has_no_path():
+    c = cand("a", neuron=2)
+    for d in c.all_devices:
+        d["path"] = None
+    placed, _ = _place([c], needs(cpu=1, memory=1, devices=["/dev/neuron1"]), 1)
+    assert [d["device_id"] for d in placed[0].devices[0]] == ["neuron1"]

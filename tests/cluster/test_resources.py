@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -132,22 +133,150 @@ def test_simulated_flag_and_device_root():
 
 
 @pytest.mark.parametrize(
-    "body",
+    ("body", "message"),
     [
-        {"instanceIdentityDocument": "not json"},
-        {"instanceIdentityDocument": "[1, 2]"},
-        {"instanceIdentityDocument": json.dumps({"instanceType": 5})},
-        {"attributes": [{"value": "x"}]},
-        {"attributes": ["x"]},
-        {"totalResources": _total(cpu=-1)},
-        {"totalResources": _total(memory=2**31)},
-        {"totalResources": _total(cpu=True)},
-        {"attributes": [{"name": "ecs.instance-type", "value": "nope.large"}]},
+        ({"instanceIdentityDocument": "not json"}, "^instanceIdentityDocument is not JSON$"),
+        (
+            {"instanceIdentityDocument": "[1, 2]"},
+            "^instanceIdentityDocument must be a JSON object of strings$",
+        ),
+        ({"instanceIdentityDocument": json.dumps({"instanceType": 5})}, "JSON object of strings"),
+        ({"attributes": [{"value": "x"}]}, "^each attribute needs a name$"),
+        ({"attributes": ["x"]}, "^each attribute needs a name$"),
+        (
+            {"totalResources": _total(cpu=-1)},
+            r"^totalResources CPU: must be a whole number from 0 to 2147483647, got -1$",
+        ),
+        (
+            {"totalResources": _total(memory=2**31)},
+            r"^totalResources MEMORY: must be a whole number",
+        ),
+        ({"totalResources": _total(cpu=True)}, "^totalResources CPU: .* got True$"),
+        (
+            {"attributes": [{"name": "ecs.instance-type", "value": "nope.large"}]},
+            "unknown instance type",
+        ),
+        (
+            {},
+            "^give totalResources CPU and MEMORY, or an ecs.instance-type attribute from the catalog$",
+        ),
+        (
+            {"totalResources": _total(), "kilnDevices": {"kind": "gpu"}},
+            "^kilnDevices: expected a list of device objects$",
+        ),
+        (
+            {"totalResources": _total(), "kilnDevices": ["x"]},
+            r"^kilnDevices\[0\]: expected an object$",
+        ),
+        (
+            {"totalResources": _total(), "kilnDevices": [{}, {"kind": "tpu"}]},
+            r"^kilnDevices\[1\]\.kind: must be one of \('neuron', 'gpu'\)$",
+        ),
+        (
+            {"totalResources": _total(), "kilnDevices": [{"index": -1}]},
+            r"^kilnDevices\[0\]\.index: ",
+        ),
+        (
+            {"totalResources": _total(), "kilnDevices": [{"cores": "2"}]},
+            r"^kilnDevices\[0\]\.cores: ",
+        ),
+        (
+            {"totalResources": _total(), "kilnDevices": [{"memoryMib": -2}]},
+            r"^kilnDevices\[0\]\.memoryMib: ",
+        ),
+        (
+            {"totalResources": _total(), "kilnDevices": [{"path": 5}]},
+            r"^kilnDevices\[0\]\.path: expected a string, got 5$",
+        ),
+        (
+            {"totalResources": _total(), "kilnDevices": [{"name": 5}]},
+            r"^kilnDevices\[0\]\.name: expected a string",
+        ),
+        (
+            {"totalResources": _total(), "kilnDevices": [{"uuid": 5}]},
+            r"^kilnDevices\[0\]\.uuid: expected a string",
+        ),
+        (
+            {"totalResources": _total(), "kilnDevices": [{"index": 0}, {"index": 0}]},
+            "^duplicate device indices in the registration$",
+        ),
     ],
 )
-def test_bad_registrations_are_refused(body):
-    with pytest.raises(InvalidParameterException):
+def test_bad_registrations_are_refused_with_the_field_named(body, message):
+    with pytest.raises(InvalidParameterException, match=message):
         resources.instance_spec(body)
+
+
+def test_kiln_device_defaults():
+    spec = resources.instance_spec(
+        {"totalResources": _total(), "kilnDevices": [{}, {"name": None}]}
+    )
+    a, b = spec.devices
+    assert (a.kind, a.index, a.path, a.cores, a.memory_mib, a.name, a.uuid) == (
+        "neuron",
+        0,
+        None,
+        0,
+        0,
+        "",
+        None,
+    )
+    assert (b.index, b.name) == (1, "")
+    spec = resources.instance_spec({"totalResources": _total(), "kilnDevices": [{"memory_mib": 3}]})
+    assert spec.devices[0].memory_mib == 3
+
+
+def test_gpu_string_set_devices_have_no_cores_or_memory():
+    spec = resources.instance_spec({"totalResources": _total(GPU=["u0"])})
+    d = spec.devices[0]
+    assert (d.kind, d.index, d.path, d.cores, d.memory_mib, d.name, d.uuid) == (
+        "gpu",
+        0,
+        None,
+        0,
+        0,
+        "gpu",
+        "u0",
+    )
+
+
+def test_simulated_flag_is_false_unless_simulated_or_asked():
+    assert resources.instance_spec({"totalResources": _total()}).simulated is False
+    assert (
+        resources.instance_spec({"totalResources": _total(), "kilnSimulated": True}).simulated
+        is True
+    )
+    body = {
+        "attributes": [{"name": "ecs.instance-type", "value": "trn1.2xlarge"}],
+        "kilnSimulated": 0,
+    }
+    assert resources.instance_spec(body).simulated is False
+
+
+def test_instance_type_from_document_is_recorded_as_attribute():
+    doc = json.dumps({"instanceType": "trn1.2xlarge"})
+    spec = resources.instance_spec({"instanceIdentityDocument": doc})
+    assert spec.attributes["ecs.instance-type"] == "trn1.2xlarge"
+
+
+def test_simulated_devices_keep_catalog_uuid(monkeypatch):
+    from kiln.devices import discovery
+
+    real = discovery.simulated_devices
+    monkeypatch.setattr(
+        discovery,
+        "simulated_devices",
+        lambda t: [dataclasses.replace(d, uuid=f"U{d.index}") for d in real(t)],
+    )
+    spec = resources.instance_spec(
+        {"attributes": [{"name": "ecs.instance-type", "value": "trn1.2xlarge"}]}
+    )
+    assert spec.devices[0].uuid == "U0"
+
+
+def test_generated_instance_ids_are_unique_and_shaped():
+    ids = {resources.instance_spec({"totalResources": _total()}).ec2_instance_id for _ in range(20)}
+    assert len(ids) == 20 and all(len(i) == 19 and i[2:].isalnum() for i in ids)
 
 
 def test_amount_limits_are_inclusive():
