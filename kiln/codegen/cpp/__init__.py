@@ -54,11 +54,15 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
         elif n.op in _DIRECT:
             ok, emit = _DIRECT[n.op]
             in_types = [g.nodes[j].types[0] if g.nodes[j].types else None for j in n.inputs]
+            # arguments or shapes outside the kernel's proven contract: ATen's kernel runs it,
+            # counted (kiln.metrics fallbacks) with the reason
             if not ok(n, in_types):
+                metrics.fallback(f"{n.op} (arguments outside the Kiln kernel's contract)")
                 continue
             try:
                 src, spec = emit("KILN_KERNEL", n, in_types)
-            except ValueError:  # shapes the kernel does not cover: ATen runs it
+            except ValueError as e:
+                metrics.fallback(f"{n.op} ({e})")
                 continue
         else:
             continue
