@@ -32,6 +32,7 @@ TRAIN = textwrap.dedent(
     atexit.register(lambda: print("STEP_S", json.dumps(kiln.metrics.snapshot()["step_s"])))
     for _ in range(100):
         loss = ((m(x.to(dev)) - y.to(dev)) ** 2).mean()
+        loss.item()  # logging the loss: a forced sync (kiln::sync) in the middle of the step
         loss.backward()
         opt.step(); opt.zero_grad()
         kiln.mark_step()
@@ -96,6 +97,7 @@ def test_kiln_profile_writes_a_trace_of_kiln_stages(tmp_path: Path) -> None:
     assert {
         "kiln::record",
         "kiln::mark_step",
+        "kiln::sync",
         "kiln::compile",
         "kiln::graph",
         "kiln::kernel",

@@ -75,3 +75,20 @@ def test_missing_tensorboard_is_a_clear_error(
     with pytest.raises(TensorBoardMissing, match=r"pip install 'kiln\[observe\]'"):
         kiln.tensorboard(str(tmp_path))
     assert kiln.config.tensorboard_dir == ""  # nothing half switched on
+
+
+def test_config_field_switches_logging(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    kiln.metrics.reset()
+    kiln.config.update(tensorboard_dir=str(tmp_path))  # what KILN_TENSORBOARD_DIR sets
+    try:
+        for _ in range(3):
+            kiln.metrics.step_done()
+    finally:
+        kiln.config.update(tensorboard_dir="")
+        kiln.metrics.step_done()  # the hook sees the switch turned off: closes the writer
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("kiln/step_time_ms")] == [2, 3]
+    assert [e.step for e in acc.Scalars("kiln/fallbacks")] == [1, 2, 3]
