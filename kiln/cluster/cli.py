@@ -209,12 +209,14 @@ def serve(
 
 
 def _janitor(service: Any, stop: threading.Event, every: float = 2.0) -> None:
-    """Server-side upkeep: stop unclaimed tasks of instances whose agent went quiet."""
+    """Server-side upkeep: stop unclaimed tasks of instances whose agent went quiet; keep every
+    service at its desiredCount."""
     import logging
 
     while not stop.wait(every):
         try:
             service.reap_disconnected()
+            service.reconcile_services()
         except Exception:  # the store is unreachable for now: retry on the next tick
             logging.getLogger(__name__).exception("cluster upkeep failed")
 

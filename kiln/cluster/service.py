@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from kiln.cluster import invariants, resources, validate
+from kiln.cluster.ecs_services import ServiceActions
 from kiln.cluster.errors import (
     ClientException,
     ClusterNotFoundException,
@@ -46,10 +47,18 @@ ACTIONS = {
     "DescribeTasks": "describe_tasks",
     "ListTasks": "list_tasks",
     "StopTask": "stop_task",
+    "CreateService": "create_service",
+    "UpdateService": "update_service",
+    "DeleteService": "delete_service",
+    "DescribeServices": "describe_services",
+    "ListServices": "list_services",
+    "TagResource": "tag_resource",
+    "UntagResource": "untag_resource",
+    "ListTagsForResource": "list_tags_for_resource",
 }
 
 
-class ClusterService(TaskActions):
+class ClusterService(TaskActions, ServiceActions):
     """All API actions; one instance may be shared by many threads."""
 
     def __init__(
@@ -243,7 +252,13 @@ class ClusterService(TaskActions):
             "registeredContainerInstancesCount": inst["n"] if inst else 0,
             "runningTasksCount": counts.get("RUNNING", 0),
             "pendingTasksCount": sum(n for s, n in counts.items() if s != "RUNNING"),
-            "activeServicesCount": 0,
+            "activeServicesCount": (
+                tx.one(
+                    "SELECT COUNT(*) AS n FROM services WHERE cluster = ? AND status = 'ACTIVE'",
+                    (name,),
+                )
+                or {"n": 0}
+            )["n"],
         }
 
     def describe_clusters(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -105,6 +105,22 @@ _TABLES = [
         created_at {real} NOT NULL,
         PRIMARY KEY (cluster, token)
     )""",
+    """CREATE TABLE IF NOT EXISTS services (
+        arn TEXT PRIMARY KEY,
+        cluster TEXT NOT NULL,
+        name TEXT NOT NULL,
+        taskdef_arn TEXT NOT NULL,
+        desired_count INTEGER NOT NULL,
+        status TEXT NOT NULL,
+        spec TEXT NOT NULL,
+        created_at {real} NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS tags (
+        resource_arn TEXT NOT NULL,
+        key TEXT NOT NULL,
+        value TEXT NOT NULL,
+        PRIMARY KEY (resource_arn, key)
+    )""",
     "CREATE INDEX IF NOT EXISTS tasks_by_instance ON tasks (instance_arn, last_status)",
     "CREATE INDEX IF NOT EXISTS tasks_by_cluster ON tasks (cluster, last_status)",
     "CREATE INDEX IF NOT EXISTS devices_by_task ON devices (task_arn)",

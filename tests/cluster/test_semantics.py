@@ -66,3 +66,63 @@ def test_agent_heartbeat_gates_placement_and_reaps_unclaimed_tasks(svc):
     doc = svc.describe_container_instances({"containerInstances": [inst]})["containerInstances"][0]
     assert doc["agentConnected"] is True
     assert len(svc.run_task({"taskDefinition": "t"})["tasks"]) == 1
+
+
+def test_service_keeps_desired_count_and_replaces_failed_tasks(svc):
+    add_instance(svc, "trn1.32xlarge")
+    register(svc, "web", container())
+    out = svc.call(
+        "CreateService",
+        {
+            "serviceName": "api",
+            "taskDefinition": "web",
+            "desiredCount": 3,
+            "tags": [{"key": "team", "value": "ml"}],
+        },
+    )
+    arn = out["service"]["serviceArn"]
+    assert svc.call("ListServices", {})["serviceArns"] == [arn]
+    assert svc.reconcile_services() == {arn: 3}
+    tasks = svc.list_tasks({"startedBy": "ecs-svc/api"})["taskArns"]
+    assert len(tasks) == 3
+    svc.stop_task({"task": tasks[0]})  # a copy fails: it is replaced
+    assert svc.reconcile_services() == {arn: 1}
+    assert len(svc.list_tasks({"startedBy": "ecs-svc/api"})["taskArns"]) == 3
+    svc.call("UpdateService", {"service": "api", "desiredCount": 1})
+    assert svc.reconcile_services() == {arn: -2}
+    doc = svc.call("DescribeServices", {"services": ["api", "nope"]})
+    assert doc["services"][0]["desiredCount"] == 1 and doc["services"][0]["pendingCount"] == 1
+    assert doc["failures"] == [{"arn": "nope", "reason": "MISSING"}]
+    assert svc.call("ListTagsForResource", {"resourceArn": arn})["tags"] == [
+        {"key": "team", "value": "ml"}
+    ]
+    with pytest.raises(InvalidParameterException, match="scaled above 0"):
+        svc.call("DeleteService", {"service": "api"})
+    assert (
+        svc.call("DeleteService", {"service": "api", "force": True})["service"]["status"]
+        == "INACTIVE"
+    )
+    assert svc.list_tasks({"startedBy": "ecs-svc/api"})["taskArns"] == []
+    assert svc.call("ListServices", {})["serviceArns"] == []
+    assert svc.describe_clusters({})["clusters"][0]["activeServicesCount"] == 0
+
+
+def test_tags_on_existing_resources_only(svc):
+    from kiln.cluster.errors import ResourceNotFoundException
+
+    cluster_arn = svc.describe_clusters({})["clusters"][0]["clusterArn"]
+    svc.call(
+        "TagResource",
+        {
+            "resourceArn": cluster_arn,
+            "tags": [{"key": "a", "value": "1"}, {"key": "b", "value": "2"}],
+        },
+    )
+    svc.call("UntagResource", {"resourceArn": cluster_arn, "tagKeys": ["a"]})
+    assert svc.call("ListTagsForResource", {"resourceArn": cluster_arn})["tags"] == [
+        {"key": "b", "value": "2"}
+    ]
+    with pytest.raises(ResourceNotFoundException):
+        svc.call("ListTagsForResource", {"resourceArn": cluster_arn + "x"})
+    with pytest.raises(InvalidParameterException):
+        svc.call("TagResource", {"resourceArn": "not-an-arn", "tags": [{"key": "a", "value": "1"}]})
