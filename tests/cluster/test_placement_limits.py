@@ -348,3 +348,18 @@ def test_neuron_path_maps_by_index_when_the_device_has_no_path():
         d["path"] = None
     placed, _ = _place([c], needs(cpu=1, memory=1, devices=["/dev/neuron1"]), 1)
     assert [d["device_id"] for d in placed[0].devices[0]] == ["neuron1"]
+
+
+def test_failures_only_when_a_copy_is_left_unplaced():
+    binpack = [{"type": "binpack", "field": "cpu"}]  # "full" is tried first and fails
+    cs = [cand("full", remaining_cpu=0), cand("ok")]
+    placed, failures = _place(cs, needs(strategies=binpack), 1)
+    assert [p.candidate.arn for p in placed] == ["ok"] and failures == []
+
+
+def test_running_tasks_count_grows_from_its_current_value():
+    con = [{"type": "memberOf", "expression": "runningTasksCount < 2"}]
+    cs = [cand("a", running_tasks_count=1), cand("b", running_tasks_count=5)]
+    placed, failures = _place(cs, needs(cpu=1, memory=1, constraints=con), 2)
+    assert [p.candidate.arn for p in placed] == ["a"] and cs[0].running_tasks_count == 2
+    assert {f["reason"] for f in failures} == {placement.MEMBER_OF_FAILED}
