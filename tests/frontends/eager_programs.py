@@ -133,6 +133,14 @@ def module_conversion(d: Digest) -> None:
     m2.load_state_dict(sd, assign=True)
     d.add([p is sd[k] for k, p in m2.named_parameters()])
     d.add(m2.head.weight is m2.emb.weight)
+    import io
+
+    for where in (None, "cpu", torch.device("cpu"), {"cpu": "cpu"}):  # torch.save / torch.load
+        buf = io.BytesIO()
+        torch.save({"sd": m.state_dict(), "p": m.emb.weight, "opt": opt.state_dict()}, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, map_location=where)
+        d.add([loaded["sd"], type(loaded["p"]).__name__, loaded["opt"]["param_groups"]])
     m3 = _Tied().to_empty(device="cpu")
     d.add([p.shape for p in m3.parameters()])
     d.add(m(torch.tensor([4, 5])))

@@ -86,7 +86,7 @@ def _register() -> None:
             torch._C._acc.register_python_privateuseone_hook(_Hooks())
             if early_guard is None:
                 torch._C._acc.register_python_privateuseone_device_guard(_LATE_GUARD)
-        from kiln.frontends.lazy import autocast, conversion
+        from kiln.frontends.lazy import autocast, conversion, serialization
         from kiln.frontends.lazy.tensor import factory
 
         lib = torch.library.Library("_", "IMPL")
@@ -106,6 +106,7 @@ def _register() -> None:
         # excluded: copy_ then needs a kiln kernel of its own (the fallback cannot serve it).
         impl.impl("copy_", _copy_kernel, "PrivateUse1")
         libs = [lib, impl, *autocast.register(), *conversion.install()]
+        serialization.install()
         _register.libs = libs  # type: ignore[attr-defined]  # keep registrations alive
         _allow_foreach()
         _registered = True

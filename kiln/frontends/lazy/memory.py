@@ -8,6 +8,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
+
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
 _peak = 0
 
@@ -22,9 +24,13 @@ def _allocated() -> int:
     total = 0
     for st in list(_live):
         data = st.data
-        if data is None:
+        # no buffer: not materialized, or a zero tensor (autograd's efficient zeros) / non-strided
+        if data is None or data.layout != torch.strided or data._is_zerotensor():
             continue
-        s = data.untyped_storage()
+        try:
+            s = data.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # other tensor kinds without one storage
+            continue
         key = s.data_ptr()
         if key in seen:
             continue

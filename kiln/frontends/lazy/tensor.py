@@ -97,6 +97,12 @@ class LazyTensor(torch.Tensor):
         r._meta = meta
         return r
 
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """Pickled (``torch.save``) as the CPU tensor it holds: see lazy/serialization.py."""
+        from kiln.frontends.lazy.serialization import reduce_lazy
+
+        return reduce_lazy(self, protocol)
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002
         v = materialize(self, "print")
         body = repr(v)
@@ -105,11 +111,42 @@ class LazyTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
         with T._lock:
-            out = _dispatch(func, args, kwargs or {})
+            try:
+                out = _dispatch(func, args, kwargs or {})
+            except Exception as e:
+                if torch._C._current_graph_task_id() == -1:
+                    raise
+                return _BackwardError(func, e)
             if config.eager:
                 T.sync("eager")
                 metrics.incr("eager_ops")
             return out
+
+
+class _BackwardError:
+    """Returned instead of raising when recording an op fails inside a backward pass.
+
+    PyTorch runs the backward of kiln tensors on its autograd worker thread, where a Python
+    exception leaving ``__torch_dispatch__`` is still pending when PyTorch's Python device guard
+    restores its stream; the guard then calls into Python and the process aborts
+    (std::terminate).  PyTorch cannot convert this object to a tensor and raises a C++ error with
+    its repr -- the original error, which ``backward()`` then raises as a RuntimeError.  The
+    original exception is kept in ``last_backward_error``."""
+
+    def __init__(self, func: Any, exc: Exception) -> None:
+        global last_backward_error
+        last_backward_error = exc
+        self.text = (
+            f"[kiln] the backward pass failed on the kiln device in {func}: "
+            f"{type(exc).__name__}: {exc}"
+        )
+        metrics.incr("backward_errors")
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+last_backward_error: Exception | None = None
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -316,6 +353,10 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         out = func.decompose(*args, **kwargs)
         if out is not NotImplemented:
             return out
+    if func in _BIT_VIEWS:
+        # conj / neg bits: a lazy tensor's dispatcher flags do not carry them, so ops would see
+        # an unresolved conjugate in the meta only; compute the value instead (a copy, not a view)
+        return _dispatch(_BIT_VIEWS[func], args, kwargs)
     if f.view:
         return _view(func, args, kwargs)
     if f.inplace_view:
@@ -330,6 +371,12 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         if out is not NotImplemented:
             return out
     return _record(func, args, kwargs)
+
+
+_BIT_VIEWS = {
+    aten._conj.default: aten.conj_physical.default,
+    aten._neg_view.default: aten.neg.default,
+}
 
 
 def _is_composite_implicit(func: Any) -> bool:
@@ -358,11 +405,29 @@ def _upload(dst: Any, src: Any) -> bool:
 def _view(func: Any, args: tuple, kwargs: dict) -> Any:
     x = args[0]
     out_meta = func(*_map(_to_meta, args), **{k: _map(_to_meta, v) for k, v in kwargs.items()})
+    if func is aten.as_strided.default:
+        _check_in_storage(out_meta, x._st.meta)
     if isinstance(out_meta, (list, tuple)):
         links = split_links(func, args, kwargs, list(out_meta))
         return [LazyTensor(m, x._st, x._chain + (ln,)) for m, ln in zip(out_meta, links)]
     link = (func, tuple(args[1:]), tuple(kwargs.items()))
     return LazyTensor(out_meta, x._st, x._chain + (link,))
+
+
+def _check_in_storage(view: torch.Tensor, base: torch.Tensor) -> None:
+    """``as_strided`` may address any element of its storage, and its meta kernel checks nothing:
+    raise eager's error now (a view past the end would fail only when the step runs)."""
+    if view.numel() == 0:
+        return
+    last = view.storage_offset() + sum((n - 1) * st for n, st in zip(view.shape, view.stride()))
+    need = (last + 1) * view.element_size()
+    have = base.untyped_storage().nbytes()
+    if need > have:
+        raise RuntimeError(
+            f"setStorage: sizes {list(view.shape)}, strides {list(view.stride())}, storage offset "
+            f"{view.storage_offset()}, and itemsize {view.element_size()} requiring a storage "
+            f"size of {need} are out of bounds for storage of size {have}"
+        )
 
 
 def _with_defaults(func: Any, fn: Any, args: tuple, kwargs: dict) -> dict:

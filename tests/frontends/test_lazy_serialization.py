@@ -1,0 +1,176 @@
+"""torch.save / torch.load and load_state_dict with the kiln device (issue 16)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kiln
+
+DEV = kiln.device()
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, i: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(self.emb(i))))
+
+
+def _trained(steps: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = _Tied().to(DEV)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for _ in range(steps):
+        i = torch.randint(0, 11, (4, 5))
+        torch.nn.functional.cross_entropy(
+            m(i.to(DEV)).flatten(0, 1), i.flatten().to(DEV)
+        ).backward()
+        opt.step()
+        opt.zero_grad()
+    return m, opt  # the last step is still pending: save must run it
+
+
+def test_save_flushes_pending_work_and_writes_an_ordinary_cpu_checkpoint(tmp_path):
+    m, opt = _trained()
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "p": m.body.weight}, path)
+    kiln.mark_step()
+    want = {k: v.cpu() for k, v in m.state_dict().items()}
+    got = torch.load(path, weights_only=True)
+    assert set(got["model"]) == set(want)
+    for k, v in got["model"].items():
+        assert v.device.type == "cpu" and torch.equal(v, want[k]), k
+    assert isinstance(got["p"], torch.nn.Parameter) and torch.equal(got["p"], want["body.weight"])
+    st = got["opt"]["state"][0]
+    assert st["exp_avg"].device.type == "cpu" and int(st["step"]) == 2
+    # a process without kiln (no autoload, no import) reads the same file as CPU tensors
+    code = (
+        "import torch, sys, json\n"
+        f"sd = torch.load({str(path)!r}, weights_only=True)\n"
+        "print(json.dumps({k: [str(v.device), float(v.double().sum())] for k, v in "
+        "sd['model'].items()}))\n"
+        "assert 'kiln' not in sys.modules\n"
+    )
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    sums = json.loads(r.stdout)
+    for k, (dev, s) in sums.items():
+        assert dev == "cpu" and s == float(want[k].double().sum()), k
+
+
+@pytest.mark.parametrize("where", ["kiln", "kiln:0", torch.device("kiln"), {"cpu": "kiln"}])
+def test_load_with_a_kiln_map_location(tmp_path, where):
+    m, _ = _trained(1)
+    sd = m.state_dict()
+    path = tmp_path / "sd.pt"
+    torch.save({"sd": sd, "tied": [m.emb.weight, m.head.weight]}, path)
+    got = torch.load(path, map_location=where)
+    for k, v in got["sd"].items():
+        assert v.device == torch.device("kiln", 0)
+        assert torch.equal(v.cpu(), sd[k].cpu()), k
+    a, b = got["tied"]
+    assert isinstance(a, torch.nn.Parameter) and a is b  # shared in the file, shared after load
+
+
+def test_a_kiln_device_that_does_not_exist_is_a_clear_error(tmp_path):
+    path = tmp_path / "t.pt"
+    torch.save(torch.ones(3), path)
+    with pytest.raises(ValueError, match=r"kiln:7 does not exist.*valid: 'kiln', 'kiln:0'"):
+        torch.load(path, map_location="kiln:7")
+    with pytest.raises(RuntimeError, match="cannot restore a storage directly onto kiln"):
+        torch.load(
+            path,
+            map_location=lambda s, loc: torch.serialization.default_restore_location(s, "kiln"),
+        )
+    assert torch.load(path, map_location="cpu").device.type == "cpu"  # other locations: PyTorch's
+
+
+def test_load_state_dict_copies_in_place_like_eager():
+    m, opt = _trained(1)
+    params = list(m.parameters())
+    new = {k: torch.randn_like(v.cpu()) for k, v in m.state_dict().items()}
+    new["head.weight"] = new["emb.weight"]  # tied: one parameter under both names
+    m.load_state_dict(new)
+    assert all(p is q for p, q in zip(m.parameters(), params))  # same objects: optimizer refs ok
+    assert m.head.weight is m.emb.weight
+    for k, v in m.state_dict().items():
+        assert v.device.type == "kiln" and torch.equal(v.cpu(), new[k]), k
+    assert opt.param_groups[0]["params"][0] is params[0]
+    # strict=False reports what is missing; strict=True raises as eager does
+    partial = {k: v for k, v in new.items() if not k.startswith("body")}
+    res = m.load_state_dict(partial, strict=False)
+    assert sorted(res.missing_keys) == ["body.bias", "body.weight"]
+    with pytest.raises(RuntimeError, match="Missing key"):
+        m.load_state_dict(partial)
+    # assign=True takes the given tensors themselves
+    given = {k: v.to(DEV) for k, v in new.items()}
+    m.load_state_dict(given, assign=True)
+    assert m.body.weight is not params[1] and torch.equal(m.body.weight.cpu(), new["body.weight"])
+
+
+_RESUME = textwrap.dedent(
+    """
+    import json, sys, torch, kiln
+    dev = kiln.device()
+
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.1), torch.nn.GELU(),
+                                torch.nn.Linear(16, 3)).to(dev)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return m, opt, sched
+
+    def steps(m, opt, sched, n):
+        losses = []
+        for _ in range(n):
+            x = torch.randn(8, 6)
+            loss = m(x.to(dev)).pow(2).mean()
+            loss.backward(); opt.step(); opt.zero_grad(); sched.step(); kiln.mark_step()
+            losses.append(loss.item())
+        return losses
+
+    mode, path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    m, opt, sched = build()
+    if mode == "resume":
+        ck = torch.load(path, map_location="kiln")
+        m.load_state_dict(ck["model"]); opt.load_state_dict(ck["opt"])
+        sched.load_state_dict(ck["sched"]); torch.set_rng_state(ck["rng"].cpu())  # as with cuda
+        print(json.dumps(steps(m, opt, sched, n)))
+    else:
+        first = steps(m, opt, sched, n)
+        torch.save({"model": m.state_dict(), "opt": opt.state_dict(),
+                    "sched": sched.state_dict(), "rng": torch.get_rng_state()}, path)
+        print(json.dumps(first + steps(m, opt, sched, n)))
+    """
+)
+
+
+def test_resume_in_a_new_process_is_bit_exact(tmp_path):
+    path, n = str(tmp_path / "ck.pt"), 3
+    script = tmp_path / "resume.py"
+    script.write_text(_RESUME)
+
+    def run(mode: str) -> list[float]:
+        r = subprocess.run(
+            [sys.executable, str(script), mode, path, str(n)], capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    full = run("full")  # 2n uninterrupted steps, checkpoint written after step n
+    resumed = run("resume")  # a new process: load the checkpoint, n more steps
+    assert len(full) == 2 * n and resumed == full[n:]
