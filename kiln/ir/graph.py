@@ -51,11 +51,11 @@ class Graph:
         the values of their inputs and lifted scalars.  Used as the compile-cache key."""
         h = hashlib.sha256()
         for n in self.nodes:
-            h.update(_canon(n).encode())
+            h.update(canonical_text(n).encode())
             h.update(b"\n")
         h.update(repr(self.outputs).encode())
         for c in self.constants:
-            h.update(_tensor_digest(c).encode())
+            h.update(tensor_digest(c).encode())
         return h.hexdigest()[:32]
 
     def __len__(self) -> int:
@@ -68,12 +68,14 @@ class Graph:
         return format_graph(self)
 
 
-def _canon(n: Node) -> str:
+def canonical_text(n: Node) -> str:
+    """A node as text for structural hashing (equal for nodes that compute the same thing)."""
     types = ";".join(str(t) for t in n.types)
     return f"{n.op}|{n.inputs}|{n.args!r}|{n.kwargs!r}|{types}"
 
 
-def _tensor_digest(t: torch.Tensor) -> str:
+def tensor_digest(t: torch.Tensor) -> str:
+    """A short content hash of a tensor (dtype, shape and bytes)."""
     t = t.detach().cpu().clone(memory_format=torch.contiguous_format)  # also stride-0 tensors
     h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
     if t.numel():
@@ -93,19 +95,20 @@ class GraphBuilder:
         for j in node.inputs:
             if not 0 <= j < len(self.nodes):
                 raise ValueError(f"node {node.op} refers to %{j}, which does not exist yet")
+        if node.op in ("input", "scalar"):  # keep the next free input index past copied inputs
+            self._n_inputs = max(self._n_inputs, node.kwarg("index") + 1)
         self.nodes.append(node)
         return len(self.nodes) - 1
 
     def input(self, t: TensorType) -> int:
         i = self.add(Node("input", kwargs=(("index", self._n_inputs),), types=(t,)))
-        self._n_inputs += 1
         return i
 
-    def scalar(self, py: str) -> int:
-        i = self.add(
-            Node("scalar", kwargs=(("index", self._n_inputs),), types=(TensorType((), None, py),))
-        )
-        self._n_inputs += 1
+    def scalar(self, py: str, **attrs: object) -> int:
+        """A lifted Python number (``py``: "float", "int", "bool"); ``attrs`` are extra node
+        attributes (``role="seed"``)."""
+        kwargs = (("index", self._n_inputs), *attrs.items())
+        i = self.add(Node("scalar", kwargs=kwargs, types=(TensorType((), None, py),)))
         return i
 
     def constant(self, value: torch.Tensor) -> int:

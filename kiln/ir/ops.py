@@ -258,6 +258,24 @@ def is_known(op: str) -> bool:
     return packet_of(op) in OPS
 
 
+_FRESH = {
+    Category.ELEMENTWISE,
+    Category.REDUCTION,
+    Category.MATMUL,
+    Category.FACTORY,
+    Category.RANDOM,
+}
+
+
+def fresh_buffer(op: str, cat: Category) -> bool:
+    """Whether the op's outputs are new buffers (never views of its inputs)."""
+    if op == "fused":
+        return True
+    if cat is Category.DATA_MOVEMENT:
+        return not op.startswith("contiguous")
+    return cat in _FRESH and not op.startswith(("alias", "copy."))
+
+
 def side_effect_ops() -> frozenset[str]:
     """Ops whose value depends on data and which no pass may duplicate or drop."""
     return frozenset(n for n, d in OPS.items() if d.side_effects)

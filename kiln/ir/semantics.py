@@ -29,6 +29,7 @@ __all__ = [
     "shape_dim",
     "type_of",
     "types_of",
+    "value_type",
     "writeback",
 ]
 
@@ -96,17 +97,26 @@ def type_of(v: Any) -> TensorType | None:
     return None
 
 
-def types_of(v: Any) -> tuple[TensorType | None, ...]:
-    """A node's output types from its value: one per element of a tuple/list result."""
+def value_type(v: Any) -> TensorType | None:
+    """The Kiln type of one value: a tensor, or a Python / symbolic number (None otherwise)."""
+    if isinstance(v, torch.Tensor):
+        return type_of(v)
+    if isinstance(v, (bool, torch.SymBool)):
+        return TensorType((), None, "bool")
+    if isinstance(v, (int, torch.SymInt)):
+        return TensorType((), None, "int")
+    if isinstance(v, (float, torch.SymFloat)):
+        return TensorType((), None, "float")
+    return None
+
+
+def types_of(v: Any, numbers_in_sequences: bool = False) -> tuple[TensorType | None, ...]:
+    """A node's output types from its value: one per element of a tuple/list result (whose
+    non-tensor elements are typed only with ``numbers_in_sequences``)."""
     if isinstance(v, (tuple, list)):
-        return tuple(type_of(x) for x in v)
-    if isinstance(v, bool):
-        return (TensorType((), None, "bool"),)
-    if isinstance(v, int):
-        return (TensorType((), None, "int"),)
-    if isinstance(v, float):
-        return (TensorType((), None, "float"),)
-    return (type_of(v),)
+        each = value_type if numbers_in_sequences else type_of
+        return tuple(each(x) for x in v)
+    return (value_type(v),)
 
 
 def _meta_of(n: Node) -> Any:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from kiln.ir.graph import Graph, GraphBuilder, Node, _tensor_digest
+from kiln.ir.graph import Graph, GraphBuilder, Node, tensor_digest
 from kiln.ir.ops import SIDE_EFFECTS, Category
 from kiln.passes._util import cat_of
 
@@ -47,7 +47,7 @@ def cse(g: Graph) -> Graph:
             continue
         if n.op == "constant":
             value = g.constants[n.kwarg("index")]
-            key: Hashable = ("constant", str(n.types[0]), _tensor_digest(value))
+            key: Hashable = ("constant", str(n.types[0]), tensor_digest(value))
             if key in seen and i not in outputs:
                 remap.append(seen[key])
                 continue

@@ -353,7 +353,6 @@ def _rebuild(g: Graph, groups: list[_Group], lits: dict[int, Lit]) -> Graph:
         else:
             for p, m in enumerate(outs_g):
                 new_id[m] = b.getitem(fid, p)
-    b._n_inputs = len(g.inputs)
     return b.build(new_id[o] for o in g.outputs)
 
 

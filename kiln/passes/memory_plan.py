@@ -32,24 +32,7 @@ from __future__ import annotations
 
 from kiln.ir.graph import Graph, GraphBuilder
 from kiln.ir.kernel import FusedKernel, LoopKind, in_place
-from kiln.ir.ops import Category
-
-_FRESH = {
-    Category.ELEMENTWISE,
-    Category.REDUCTION,
-    Category.MATMUL,
-    Category.FACTORY,
-    Category.RANDOM,
-}
-
-
-def _fresh(op: str, cat: Category) -> bool:
-    """Whether the op's outputs are new buffers (never views of its inputs)."""
-    if op == "fused":
-        return True
-    if cat is Category.DATA_MOVEMENT:
-        return not op.startswith("contiguous")
-    return cat in _FRESH and not op.startswith(("alias", "copy."))
+from kiln.ir.ops import fresh_buffer
 
 
 def memory_plan(g: Graph) -> Graph:
@@ -61,7 +44,7 @@ def memory_plan(g: Graph) -> Graph:
     for i, n in enumerate(g.nodes):
         if (
             n.op in ("input", "scalar", "constant")
-            or _fresh(n.op, n.category)
+            or fresh_buffer(n.op, n.category)
             or (n.op == "getitem" and g.nodes[n.inputs[0]].op == "fused")
         ):
             roots.append(frozenset((i,)))

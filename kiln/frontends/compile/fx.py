@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType
+from kiln.ir.graph import Graph, GraphBuilder, In, Node
 from kiln.lowering.aten import Ref, lower_call
-from kiln.ir.semantics import PYOPS, shape_dim
+from kiln.ir.semantics import PYOPS, types_of, value_type
 
 _PYOP_NAMES = {v: k for k, v in PYOPS.items()}
 _PYOP_NAMES.update({operator.mul: "mul", operator.add: "add", operator.sub: "sub"})
@@ -28,24 +28,6 @@ _PYOP_NAMES.update({operator.mul: "mul", operator.add: "add", operator.sub: "sub
 
 class UnsupportedGraph(Exception):
     pass
-
-
-def _type(v: Any) -> TensorType | None:
-    if isinstance(v, torch.Tensor):
-        return TensorType(tuple(shape_dim(s) for s in v.shape), v.dtype)
-    if isinstance(v, (bool, torch.SymBool)):
-        return TensorType((), None, "bool")
-    if isinstance(v, (int, torch.SymInt)):
-        return TensorType((), None, "int")
-    if isinstance(v, (float, torch.SymFloat)):
-        return TensorType((), None, "float")
-    return None
-
-
-def _types(v: Any) -> tuple[TensorType | None, ...]:
-    if isinstance(v, (tuple, list)):
-        return tuple(_type(x) for x in v)
-    return (_type(v),)
 
 
 def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
@@ -64,7 +46,7 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder":
-            t = _type(val)
+            t = value_type(val)
             if t is None:
                 raise UnsupportedGraph(f"placeholder {node.name} has no known type ({type(val)})")
             env[node] = b.input(t) if t.py is None else b.scalar(t.py)
@@ -81,13 +63,27 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
                 updated.add(node.args[0])
                 env[node] = env[node.args[1]]  # the value after the copy (types checked)
             elif isinstance(tgt, torch._ops.OpOverload):
-                n = lower_call(tgt, node.args, dict(node.kwargs), ref_of, _types(val))
+                n = lower_call(
+                    tgt,
+                    node.args,
+                    dict(node.kwargs),
+                    ref_of,
+                    types_of(val, numbers_in_sequences=True),
+                )
                 env[node] = b.add(n)
             elif tgt in _PYOP_NAMES:
                 ins = tuple(env[a] for a in node.args if isinstance(a, torch.fx.Node))
                 k = iter(range(len(ins)))
                 targs = tuple(In(next(k)) if isinstance(a, torch.fx.Node) else a for a in node.args)
-                env[node] = b.add(Node(f"pyop.{_PYOP_NAMES[tgt]}", ins, targs, (), _types(val)))
+                env[node] = b.add(
+                    Node(
+                        f"pyop.{_PYOP_NAMES[tgt]}",
+                        ins,
+                        targs,
+                        (),
+                        types_of(val, numbers_in_sequences=True),
+                    )
+                )
             else:
                 raise UnsupportedGraph(f"call to {tgt} is not an ATen op")
         elif node.op == "get_attr":  # a tensor constant lifted by Dynamo/AOTAutograd

@@ -22,10 +22,18 @@ import torch
 from kiln import metrics
 from kiln.config import config
 from kiln.frontends.lazy.memory import track, update_peak
-from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType, _canon, _tensor_digest
-from kiln.passes.memory_plan import _fresh
+from kiln.ir.graph import (
+    Graph,
+    GraphBuilder,
+    In,
+    Node,
+    TensorType,
+    canonical_text,
+    tensor_digest,
+)
 from kiln.runtime.compiler import compile_graph
 from kiln.runtime.steps import lazy_step_end
+from kiln.ir.ops import fresh_buffer
 from kiln.ir.semantics import types_of
 
 
@@ -88,14 +96,7 @@ class Trace:
     def seed(self) -> int:
         """The graph input that seeds every random op of this step (drawn at the cut)."""
         if self.seed_node is None:
-            self.seed_node = self.b.add(
-                Node(
-                    "scalar",
-                    kwargs=(("index", len(self.values)), ("role", "seed")),
-                    types=(TensorType((), None, "int"),),
-                )
-            )
-            self.b._n_inputs += 1
+            self.seed_node = self.b.scalar("int", role="seed")
             self.values.append(None)  # filled at the cut
         return self.seed_node
 
@@ -150,14 +151,14 @@ def _prune(tr: Trace, outs: list[int]) -> tuple[Graph, list[Any]]:
     A steady loop records the same trace every step, so the pruned graph is cached by the raw
     trace's fingerprint: from the second step on, only the input values are picked out.
     """
-    consts = tuple(_tensor_digest(c) for c in tr.b.constants)
+    consts = tuple(tensor_digest(c) for c in tr.b.constants)
     key: Any = (tuple(tr.b.nodes), tuple(outs), consts)
     try:
         hit = _pruned.get(key)  # nodes are frozen dataclasses: hashed and compared field by field
     except TypeError:  # an unhashable attribute somewhere: fingerprint the text instead
         h = hashlib.sha256()
         for n in tr.b.nodes:
-            h.update(_canon(n).encode())
+            h.update(canonical_text(n).encode())
         h.update(repr((outs, consts)).encode())
         key = h.hexdigest()
         hit = _pruned.get(key)
@@ -226,7 +227,11 @@ def _donate(tr: Trace, st: Storage) -> int:
         return st.node
     dst, src = st.imported[1], st.node
     n = tr.b.nodes[src]
-    if len(n.types) != 1 or n.types[0] != tr.b.nodes[dst].types[0] or not _fresh(n.op, n.category):
+    if (
+        len(n.types) != 1
+        or n.types[0] != tr.b.nodes[dst].types[0]
+        or not fresh_buffer(n.op, n.category)
+    ):
         return st.node
     return tr.add(Node("writeback", (dst, src), (In(0), In(1)), (), tr.b.nodes[dst].types))
 
