@@ -174,3 +174,57 @@ def test_resume_in_a_new_process_is_bit_exact(tmp_path):
     full = run("full")  # 2n uninterrupted steps, checkpoint written after step n
     resumed = run("resume")  # a new process: load the checkpoint, n more steps
     assert len(full) == 2 * n and resumed == full[n:]
+
+
+def test_safetensors_save_file_of_a_kiln_state_dict(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    m, _ = _trained(1)  # tied weights: safetensors refuses shared tensors, as in eager
+    sd = {k: v for k, v in m.state_dict().items() if k != "head.weight"}
+    save_file(sd, tmp_path / "m.safetensors")
+    got = load_file(tmp_path / "m.safetensors")
+    assert set(got) == set(sd)
+    for k, v in sd.items():
+        assert torch.equal(got[k], v.cpu()), k
+    with pytest.raises(RuntimeError, match="share memory"):
+        save_file(m.state_dict(), tmp_path / "tied.safetensors")
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    return GPT2LMHeadModel, cfg
+
+
+def _bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
+    return BertForMaskedLM, cfg
+
+
+@pytest.mark.parametrize("arch", [_gpt2, _bert], ids=["gpt2", "bert"])
+def test_save_pretrained_and_from_pretrained_on_the_kiln_device(tmp_path, arch):
+    cls, cfg = arch()
+    torch.manual_seed(0)
+    model = cls(cfg).eval().to(DEV)
+    ids = torch.randint(0, 64, (2, 8))
+    want = model(input_ids=ids.to(DEV)).logits.cpu()
+    for safe in (True, False):
+        for shard in ("1GB", "20KB"):  # one file, and sharded
+            out = tmp_path / f"{safe}-{shard}"
+            model.save_pretrained(out, safe_serialization=safe, max_shard_size=shard)
+            weights = [p for p in out.iterdir() if p.suffix in (".safetensors", ".bin")]
+            assert len(weights) == (1 if shard == "1GB" else len(weights)) and weights
+            if shard == "20KB":
+                assert len(weights) > 2
+            loaded = cls.from_pretrained(out).eval().to(DEV)
+            assert torch.equal(loaded(input_ids=ids.to(DEV)).logits.cpu(), want), (safe, shard)

@@ -97,6 +97,15 @@ class LazyTensor(torch.Tensor):
         r._meta = meta
         return r
 
+    # Libraries that serialize state dicts (safetensors, transformers' save_pretrained) find
+    # shared tensors by their storage and data pointers; a kiln tensor answers with those of the
+    # host buffer it holds (pending work runs first).
+    def untyped_storage(self) -> torch.UntypedStorage:
+        return materialize(self, "storage").untyped_storage()
+
+    def data_ptr(self) -> int:
+        return materialize(self, "storage").data_ptr()
+
     def __reduce_ex__(self, protocol: int) -> tuple:
         """Pickled (``torch.save``) as the CPU tensor it holds: see lazy/serialization.py."""
         from kiln.frontends.lazy.serialization import reduce_lazy
