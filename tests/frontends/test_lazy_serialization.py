@@ -121,7 +121,7 @@ def test_load_state_dict_copies_in_place_like_eager():
     assert m.body.weight is not params[1] and torch.equal(m.body.weight.cpu(), new["body.weight"])
 
 
-_RESUME = textwrap.dedent(
+_RESUME_LIB = textwrap.dedent(
     """
     import json, sys, torch, kiln
     dev = kiln.device()
@@ -142,37 +142,41 @@ _RESUME = textwrap.dedent(
             loss.backward(); opt.step(); opt.zero_grad(); sched.step(); kiln.mark_step()
             losses.append(loss.item())
         return losses
-
-    mode, path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    """
+)
+_RESUME_MAIN = textwrap.dedent(
+    """
+    path, n = sys.argv[1], int(sys.argv[2])
     m, opt, sched = build()
-    if mode == "resume":
-        ck = torch.load(path, map_location="kiln")
-        m.load_state_dict(ck["model"]); opt.load_state_dict(ck["opt"])
-        sched.load_state_dict(ck["sched"]); torch.set_rng_state(ck["rng"].cpu())  # as with cuda
-        print(json.dumps(steps(m, opt, sched, n)))
-    else:
-        first = steps(m, opt, sched, n)
-        torch.save({"model": m.state_dict(), "opt": opt.state_dict(),
-                    "sched": sched.state_dict(), "rng": torch.get_rng_state()}, path)
-        print(json.dumps(first + steps(m, opt, sched, n)))
+    ck = torch.load(path, map_location="kiln")
+    m.load_state_dict(ck["model"]); opt.load_state_dict(ck["opt"])
+    sched.load_state_dict(ck["sched"]); torch.set_rng_state(ck["rng"].cpu())  # as with cuda
+    print(json.dumps(steps(m, opt, sched, n)))
     """
 )
 
 
 def test_resume_in_a_new_process_is_bit_exact(tmp_path):
     path, n = str(tmp_path / "ck.pt"), 3
-    script = tmp_path / "resume.py"
-    script.write_text(_RESUME)
-
-    def run(mode: str) -> list[float]:
-        r = subprocess.run(
-            [sys.executable, str(script), mode, path, str(n)], capture_output=True, text=True
-        )
-        assert r.returncode == 0, r.stderr[-3000:]
-        return json.loads(r.stdout.strip().splitlines()[-1])
-
-    full = run("full")  # 2n uninterrupted steps, checkpoint written after step n
-    resumed = run("resume")  # a new process: load the checkpoint, n more steps
+    lib: dict = {}
+    exec(_RESUME_LIB, lib)  # the uninterrupted run, here: 2n steps, checkpoint after step n
+    m, opt, sched = lib["build"]()
+    full = lib["steps"](m, opt, sched, n)
+    torch.save(
+        {
+            "model": m.state_dict(),
+            "opt": opt.state_dict(),
+            "sched": sched.state_dict(),
+            "rng": torch.get_rng_state(),
+        },
+        path,
+    )
+    full += lib["steps"](m, opt, sched, n)
+    script = tmp_path / "resume.py"  # a new process: load the checkpoint, n more steps
+    script.write_text(_RESUME_LIB + _RESUME_MAIN)
+    r = subprocess.run([sys.executable, str(script), path, str(n)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(full) == 2 * n and resumed == full[n:]
 
 
