@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import pwd
+import shutil
 import signal
 import subprocess
 import threading
@@ -414,11 +415,11 @@ class Agent:
         return out
 
     @staticmethod
-    def _user(spec: str | None) -> tuple[int | None, int | None, str]:
+    def _user(spec: str | None) -> tuple[int | None, int, str]:
         """(uid, gid, home) to run as; (None, None, home) for the agent's own user."""
         me = os.getuid()
         if not spec:
-            return None, None, pwd.getpwuid(me).pw_dir
+            return None, os.getgid(), pwd.getpwuid(me).pw_dir
         name, _, group = spec.partition(":")
         try:
             entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
@@ -433,7 +434,7 @@ class Agent:
             except KeyError as e:
                 raise LaunchError(f"group {group!r} does not exist on this instance") from e
         if entry.pw_uid == me and gid == os.getgid():
-            return None, None, entry.pw_dir
+            return None, gid, entry.pw_dir
         if me != 0:
             raise LaunchError(
                 f"the agent runs as uid {me} and cannot switch to user {spec!r}; run the agent"
@@ -451,22 +452,31 @@ class Agent:
         cwd = c.get("workingDirectory") or task_dir
         if not os.path.isdir(cwd):
             raise LaunchError(f"workingDirectory {cwd!r} does not exist on this instance")
-        if uid is not None:
-            os.chown(task_dir, uid, gid if gid is not None else -1)
+        command = [str(a) for a in c["command"]]
+        if uid is not None:  # the wrapper stays root (pid/exit files); the command drops to uid
+            setpriv = shutil.which("setpriv")
+            if setpriv is None:
+                raise LaunchError("switching users needs setpriv (util-linux) on the instance")
+            os.chown(task_dir, uid, gid)
+            command = [
+                setpriv,
+                f"--reuid={uid}",
+                f"--regid={gid}",
+                "--clear-groups",
+                "--",
+                *command,
+            ]
         prefix = self._prefix(task["arn"], i)
         fd = os.open(prefix + ".log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             popen = subprocess.Popen(
-                ["sh", "-c", WRAPPER, prefix, *[str(a) for a in c["command"]]],
+                ["sh", "-c", WRAPPER, prefix, *command],
                 stdout=fd,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
                 cwd=cwd,
                 start_new_session=True,
-                user=uid,
-                group=gid,
-                extra_groups=[] if uid is not None else None,
             )
         finally:
             os.close(fd)

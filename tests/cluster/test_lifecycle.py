@@ -252,3 +252,45 @@ def test_log_is_capped_with_rotation(tmp_path):
     log = os.path.join(agent.work_dir, arn.rsplit("/", 1)[1], "c0.log")
     assert os.path.exists(log + ".1")
     assert os.path.getsize(log + ".1") < 800_000  # 800 kB written; at most cap + one pass kept
+
+
+def test_killing_the_wrapper_still_ends_the_whole_task(env):
+    svc, agent, _ = env
+    add_instance(svc, "trn1.2xlarge")
+    register(svc, "ckpt", neuron_all(command=[PY, "-c", CHECKPOINTS]))
+    arn = svc.run_task({"taskDefinition": "ckpt"})["tasks"][0]["taskArn"]
+    task_dir = os.path.join(agent.work_dir, arn.rsplit("/", 1)[1])
+    wait_for(lambda: os.path.exists(os.path.join(task_dir, "ready")))
+    child = _read(os.path.join(task_dir, "child.pid"))
+    wrapper = svc.store.query("SELECT pid FROM tasks WHERE arn = ?", (arn,))[0]["pid"]
+    os.kill(wrapper, 9)  # the recorded pid dies; the workload and its setsid child do not
+    t = wait_for(lambda: _task(svc, arn)["lastStatus"] == "STOPPED" and _task(svc, arn))
+    assert os.path.exists(os.path.join(task_dir, "checkpoint.done"))  # SIGTERM, then waited
+    assert not _alive(child) and _held(svc) == 0
+    assert t["containers"][0]["exitCode"] == 137
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="switching users needs root")
+def test_user_is_honoured_when_the_agent_is_root(env):
+    svc, agent, _ = env
+    add_instance(svc, "trn1.2xlarge")
+    register(
+        svc,
+        "as-nobody",
+        container(command=["sh", "-c", "id -u; pwd"], user="nobody", workingDirectory="/tmp"),
+    )
+    arn = svc.run_task({"taskDefinition": "as-nobody"})["tasks"][0]["taskArn"]
+    t = wait_for(lambda: _task(svc, arn)["lastStatus"] == "STOPPED" and _task(svc, arn))
+    from kiln.cluster.agent import task_output
+
+    assert t["containers"][0]["exitCode"] == 0, t
+    assert task_output(agent.work_dir, arn).split() == ["65534", "/tmp"]
+
+
+def test_unknown_user_fails_that_task_with_a_reason(env):
+    svc, _agent, _ = env
+    add_instance(svc, "trn1.2xlarge")
+    register(svc, "ghost", container(user="no-such-user-kiln"))
+    arn = svc.run_task({"taskDefinition": "ghost"})["tasks"][0]["taskArn"]
+    t = wait_for(lambda: _task(svc, arn)["lastStatus"] == "STOPPED" and _task(svc, arn))
+    assert t["stopCode"] == "TaskFailedToStart" and "does not exist" in t["stoppedReason"]
