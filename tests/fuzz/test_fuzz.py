@@ -102,6 +102,8 @@ def test_random_programs_match_eager(prog: Program, data_seed: int) -> None:
 def test_zz_fuzz_summary(capsys) -> None:
     """Prints (and logs) how many programs ran; fails if the budget produced too few valid ones
     (a generator that only makes programs eager refuses would check nothing)."""
+    if STATS["programs"] + STATS["rejected"] == 0:
+        pytest.skip("the fuzz test did not run in this session (selected alone)")
     _log({"final": dict(STATS), "seconds": round(time.time() - _t0, 1)})
     with capsys.disabled():
         print(f"\nfuzz: {STATS} in {time.time() - _t0:.0f} s")
