@@ -103,6 +103,8 @@ def inline_literal(n: Node, claims: Claims) -> Lit | None:
         return None
     if t.dtype == torch.float32:
         v = float(v)
+    elif t.dtype in (torch.bfloat16, torch.float16):
+        v = float(torch.tensor(float(v), dtype=t.dtype))  # the value the tensor holds
     elif t.dtype == torch.int64:
         v = int(v)
     else:

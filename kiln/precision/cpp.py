@@ -104,3 +104,58 @@ def _f32_bits(v: float) -> int:
     import struct
 
     return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+# ---- what the code generator calls for bf16 / fp16 values in fused kernels -------------------
+# Inside a kernel every value is computed in float; a body entry whose dtype is bf16 / fp16 is
+# rounded to that format right where it is computed (as eager PyTorch rounds every op's result),
+# stochastically when the switch is on, so that stores are exact bit moves.
+
+LOWP = ("bf16", "f16")  # dtype abbreviations (kiln.ir.graph.dtype_abbr)
+STORAGE = {"bf16": "uint16_t", "f16": "_Float16"}
+SR_KEY = "kp_srkey"  # the kernel-local name of the run-time random key
+_SALT = 0x632BE59BD9B4E019
+
+
+def load_expr(abbr: str, ref: str) -> str:
+    """``ref`` (an element in memory) as a float."""
+    return f"kp_bf16_load({ref})" if abbr == "bf16" else f"((float)({ref}))"
+
+
+def round_expr(abbr: str, expr: str, sr: bool, salt: int) -> str:
+    """The float ``expr`` rounded to ``abbr``'s format (still a float).  ``salt`` tells apart the
+    roundings of one kernel, so each draws its own random bits for element ``i``."""
+    if not sr:
+        if abbr == "bf16":
+            return f"kp_bf16_load(kp_bf16_rne({expr}))"
+        return f"((float)(_Float16)({expr}))"
+    rnd = f"kp_rand64({SR_KEY} ^ 0x{(salt * _SALT) & (2**64 - 1):016X}ULL, i)"
+    if abbr == "bf16":
+        return f"kp_bf16_load(kp_bf16_sr({expr}, {rnd}))"
+    return f"((float)kp_fp16_sr({expr}, {rnd}))"
+
+
+def store_expr(abbr: str, value: str) -> str:
+    """A float that is already a ``abbr`` value, as its storage type (exact)."""
+    if abbr == "bf16":
+        return f"(uint16_t)(kp_bits({value}) >> 16)"
+    return f"(_Float16)({value})"
+
+
+def key_prologue(slot: str) -> str:
+    """C++ declaring the random key from two doubles ``D[slot]``, ``D[slot + 1]`` (low, high)."""
+    return f"  const uint64_t {SR_KEY} = (uint64_t)D[{slot}] | ((uint64_t)D[{slot} + 1] << 32);"
+
+
+# Standalone stochastic casts, for results of ops that run through ATen (see kiln.precision.aten_sr)
+CAST_KERNELS = r"""
+extern "C" void kp_sr_cast_bf16(const float* x, uint16_t* y, int64_t n, uint64_t key) {
+  #pragma omp parallel for simd if(parallel: n >= 32768)
+  for (int64_t i = 0; i < n; ++i) y[i] = kp_bf16_sr(x[i], kp_rand64(key, i));
+}
+extern "C" void kp_sr_cast_fp16(const float* x, _Float16* y, int64_t n, uint64_t key) {
+  #pragma omp parallel for simd if(parallel: n >= 32768)
+  for (int64_t i = 0; i < n; ++i) y[i] = kp_fp16_sr(x[i], kp_rand64(key, i));
+}
+"""
+CAST_NAMES = {"bf16": "kp_sr_cast_bf16", "f16": "kp_sr_cast_fp16"}

@@ -54,7 +54,8 @@ def optimize(g: Graph, trace: list | None = None) -> Graph:
 
 
 def compile_graph(g: Graph) -> Executable:
-    key = cache_key(g.hash, config.backend, ",".join(sorted(config.disabled_passes)))
+    sr = "|sr" if config.stochastic_rounding else ""  # kernels round stochastically
+    key = cache_key(g.hash, config.backend, ",".join(sorted(config.disabled_passes)) + sr)
     exe = _memory.get(key)
     if exe is not None:
         metrics.incr("cache_hits_memory")

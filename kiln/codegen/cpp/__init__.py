@@ -21,7 +21,7 @@ from kiln import metrics
 from kiln.codegen.base import Backend, Pass, register_backend
 from kiln.codegen.cpp.build import build_many
 from kiln.codegen.cpp.emit import KernelSpec, emit_kernel
-from kiln.codegen.cpp.executor import Executor, make_fused_call
+from kiln.codegen.cpp.executor import Executor, make_fused_call, prepare_aten_call
 from kiln.codegen.cpp.layer_norm import emit_layer_norm, layer_norm_ok
 from kiln.codegen.cpp.ops import CTYPE, PRELUDE, supported
 from kiln.codegen.cpp.softmax_backward import emit_softmax_backward, softmax_backward_ok
@@ -29,6 +29,8 @@ from kiln.config import config
 from kiln.ir.graph import Graph
 from kiln.passes.fuse import Claims, fuse, set_default_claims
 from kiln.passes.memory_plan import memory_plan
+from kiln.precision import cpp as lowp
+from kiln.precision.aten_sr import sr_call, sr_wanted
 
 # What this backend generates code for: element types with a C type, and calls with a formula.
 CLAIMS = Claims(CTYPE, supported)
@@ -76,7 +78,12 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
         [names] if len(names) <= SPLIT_AT else [names[: len(names) // 2], names[len(names) // 2 :]]
     )
     units = [u for u in units if u]
+    sr_nodes = [i for i, n in enumerate(g.nodes) if i not in specs and sr_wanted(n)]
+    if sr_nodes and not units:
+        units = [[]]
     sources = [PRELUDE + "\n".join(unique[k] for k in u) for u in units]
+    if sr_nodes:  # stochastic casts for bf16 / fp16 results of ops that run through ATen
+        sources[0] += lowp.CAST_KERNELS
     if config.log_enabled("kernels"):
         for s in sources:
             print(f"[kiln] generated kernels ({len(s)} chars):\n{s}")
@@ -92,6 +99,16 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
     slots: dict = {}
     metrics.incr("fused_kernels", len(specs))
     calls = {i: make_fused_call(s, fns[s.name], plan.get(i), slots) for i, s in specs.items()}
+    if sr_nodes:
+        casts = {}
+        for abbr, name in lowp.CAST_NAMES.items():
+            f = getattr(libs[0], name)
+            f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64]
+            f.restype = None
+            casts[abbr] = f
+        for i in sr_nodes:
+            calls[i] = sr_call(g.nodes[i], prepare_aten_call(g.nodes[i]), casts)
+        metrics.incr("sr_aten_nodes", len(sr_nodes))
     info = {
         "backend": "cpp",
         "units": len(sources),

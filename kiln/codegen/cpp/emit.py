@@ -26,8 +26,10 @@ from typing import Any
 import torch
 
 from kiln.codegen.cpp.ops import CTYPE, FORMULAS, Operand, literal
-from kiln.ir.graph import In, Node
+from kiln.ir.graph import In, Node, dtype_abbr
 from kiln.ir.kernel import FusedKernel, Lit, LoopKind, OutKind, Val
+from kiln.precision import cpp as lowp
+from kiln.precision import rounding
 
 # Elements: below this a kernel runs on one thread (fork/join costs more than it saves).  Measured
 # on a quiet 2-core machine, 32k beats 1M (tiny GPT step 25.4 vs 29.7 ms); on a heavily loaded one,
@@ -38,9 +40,16 @@ PARALLEL_MIN = 32768
 # lane count at 16 (one AVX-512 register of floats) cut a causal-softmax row kernel ~2x.
 SAFELEN = "safelen(16)"
 
-_ABBR_CT = {"f32": "float", "b8": "bool", "i64": "int64_t"}
+# bf16 / fp16 values are computed in float, rounded where computed (kiln.precision.cpp)
+_ABBR_CT = {"f32": "float", "b8": "bool", "i64": "int64_t", "bf16": "float", "f16": "float"}
 _STORE_CT = {"bool": "uint8_t"}  # how a dtype sits in memory (torch.bool is one byte, 0 or 1)
-_DTYPE = {"f32": torch.float32, "b8": torch.bool, "i64": torch.int64}
+_DTYPE = {
+    "f32": torch.float32,
+    "b8": torch.bool,
+    "i64": torch.int64,
+    "bf16": torch.bfloat16,
+    "f16": torch.float16,
+}
 
 
 @dataclass
@@ -58,6 +67,7 @@ class KernelSpec:
     out_dtypes: list[torch.dtype] = field(default_factory=list)
     members: tuple = ()
     source: str = ""
+    sr: bool = False  # rounds stochastically: takes a random key after the scalars in D
 
 
 def _mode(shape: tuple, it: tuple) -> str:
@@ -88,6 +98,7 @@ def emit_kernel(name: str, node: Node, in_types: list) -> tuple[str, KernelSpec]
     spec = KernelSpec(
         name, kind, rank, shape, tensor_inputs, modes, scalars, [], members=kernel.members
     )
+    spec.sr = rounding.enabled() and any(e[3] in lowp.LOWP for e in body)
     e = _Emitter(spec, node, in_types, body, outs)
     src = e.source()
     spec.source = src
@@ -128,8 +139,21 @@ class _Emitter:
             ref = f"in{k}[off{k} + j]"
         else:
             ref = f"in{k}[off{k}]"
+        return self.wrap_load(k, ref)
+
+    def wrap_load(self, k: int, ref: str) -> str:
+        abbr = dtype_abbr(self.in_types[k].dtype)
+        if abbr in lowp.LOWP:
+            return lowp.load_expr(abbr, ref)
         # bool tensors are read as bytes: gcc vectorizes uint8_t loads, not bool ones
         return f"({ref} != 0)" if self.ctype_of_input(k) == "bool" else ref
+
+    def storage_of_input(self, k: int) -> str:
+        abbr = dtype_abbr(self.in_types[k].dtype)
+        if abbr in lowp.LOWP:
+            return lowp.STORAGE[abbr]
+        ct = self.ctype_of_input(k)
+        return _STORE_CT.get(ct, ct)
 
     def operand(self, v: Any, vals: dict[int, tuple[str, str]]) -> Operand:
         if isinstance(v, In):
@@ -160,6 +184,8 @@ class _Emitter:
             ops = [self.operand(a, vals) for a in args]
             kw = {k: self.operand(v, vals) if isinstance(v, In) else v for k, v in kwargs}
             expr = FORMULAS[op](ops, kw, ct)
+            if dt in lowp.LOWP:  # rounded where computed, as eager rounds each op's result
+                expr = lowp.round_expr(dt, f"(float)({expr})", self.spec.sr, idx)
             self.w(f"{indent}const {ct} v{idx} = ({ct})({expr});")
             vals[idx] = (f"v{idx}", ct)
 
@@ -167,15 +193,18 @@ class _Emitter:
         nm = self.spec.name
         self.w(f'extern "C" void {nm}(void** P, const int64_t* I, const double* D) {{')
         for p, k in enumerate(self.spec.tensor_inputs):
-            ct = _STORE_CT.get(self.ctype_of_input(k), self.ctype_of_input(k))
+            ct = self.storage_of_input(k)
             self.w(f"  const {ct}* in{k} = (const {ct}*)P[{p}];")
         nin = len(self.spec.tensor_inputs)
         for o, b in enumerate(self.outs):
-            ct = _STORE_CT.get(_ABBR_CT[self.body[b][3]], _ABBR_CT[self.body[b][3]])
+            abbr = self.body[b][3]
+            ct = lowp.STORAGE.get(abbr) or _STORE_CT.get(_ABBR_CT[abbr], _ABBR_CT[abbr])
             self.w(f"  {ct}* out{o} = ({ct}*)P[{nin + o}];")
             self.spec.out_dtypes.append(_DTYPE[self.body[b][3]])
         for p, k in enumerate(self.spec.scalar_inputs):
             self.w(f"  const double d{k} = D[{p}];")
+        if self.spec.sr:
+            self.w(lowp.key_prologue(str(len(self.spec.scalar_inputs))))
         for d in range(self.R):
             self.w(f"  const int64_t s{d} = I[{d}];")
         n = " * ".join(f"s{d}" for d in range(self.R)) or "1"
@@ -184,8 +213,8 @@ class _Emitter:
         for p, k in enumerate(self.spec.tensor_inputs):
             if self.spec.input_modes[p] == "one":
                 # hoisted: a load under a condition (where(mask, c, x)) keeps gcc from vectorizing
-                ct, load = self.ctype_of_input(k), f"in{k}[0]"
-                self.w(f"  const {ct} one{k} = {f'({load} != 0)' if ct == 'bool' else load};")
+                ct = self.ctype_of_input(k)
+                self.w(f"  const {ct} one{k} = {self.wrap_load(k, f'in{k}[0]')};")
         slot = self.R
         self.bcast = [
             k
@@ -266,7 +295,10 @@ class _Emitter:
     def store_full(self, vals, indent: str) -> None:
         for o, b in enumerate(self.outs):
             if self.body[b][0] in FORMULAS:
-                self.w(f"{indent}out{o}[i] = {vals[b][0]};")
+                v, abbr = vals[b][0], self.body[b][3]
+                self.w(
+                    f"{indent}out{o}[i] = {lowp.store_expr(abbr, v) if abbr in lowp.LOWP else v};"
+                )
 
     # ---- kernels -------------------------------------------------------------------------
     def source(self) -> str:

@@ -21,6 +21,7 @@ from kiln.codegen.cpp.emit import KernelSpec
 from kiln.ir.graph import Graph, In, Node
 from kiln.ir.kernel import OutKind
 from kiln.ir.semantics import call_node, last_uses, resolve, writeback
+from kiln.precision.rounding import key_halves, next_key
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -53,7 +54,8 @@ def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) 
     inner = [p for p, m in enumerate(modes) if m == "bcast_inner"]
     n_i = R + R * len(bcast)
     IA = _I * max(n_i, 1)
-    DA = _D * max(len(sins), 1)
+    sr = spec.sr  # stochastic rounding: a fresh random key (two doubles) after the scalars
+    DA = _D * max(len(sins) + (2 if sr else 0), 1)
     no_scalars = DA()
     outs = list(zip(spec.out_kinds, spec.out_dtypes))
     out_plan = plan or tuple(None for _ in outs)
@@ -104,7 +106,11 @@ def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) 
                     slots[slot] = buf
             results.append(buf)
         ptrs = PA(*[t.data_ptr() for t in ts], *[t.data_ptr() for t in results])
-        fn(ptrs, ia, DA(*[float(ins[k]) for k in sins]) if sins else no_scalars)
+        if sr:
+            da = DA(*[float(ins[k]) for k in sins], *key_halves(next_key()))
+        else:
+            da = DA(*[float(ins[k]) for k in sins]) if sins else no_scalars
+        fn(ptrs, ia, da)
         return results
 
     call.kiln_kernel = spec.name  # type: ignore[attr-defined]  # profiler range name

@@ -16,8 +16,16 @@ from typing import Any, Callable
 import torch
 
 from kiln.ir.node import In
+from kiln.precision.cpp import HELPERS
 
-CTYPE = {torch.float32: "float", torch.bool: "bool", torch.int64: "int64_t"}
+# dtype -> the C type values are computed in (bf16 / fp16: float, rounded per op; see emit.py)
+CTYPE = {
+    torch.float32: "float",
+    torch.bool: "bool",
+    torch.int64: "int64_t",
+    torch.bfloat16: "float",
+    torch.float16: "float",
+}
 
 
 @dataclass(frozen=True)
@@ -386,6 +394,9 @@ def register_formula(op: str, formula: Formula | str, replace: bool = False) -> 
 
 def unregister_formula(op: str) -> None:
     FORMULAS.pop(op, None)
+
+
+PRELUDE += HELPERS  # bf16 / fp16 / fp8 rounding (kiln.precision.cpp)
 
 
 def _literal_ok(v: Any) -> bool:
