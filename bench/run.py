@@ -43,6 +43,8 @@ from bench.report import table, write_json  # noqa: E402
 from bench.workloads import WORKLOADS, Workload, build  # noqa: E402
 
 MODES = ("eager", "inductor", "kiln", "lazy")
+# bf16 column: the same steps under torch.autocast("cpu", bfloat16) (--modes ...,eager-bf16 or --bf16)
+BF16_MODES = ("eager-bf16", "inductor-bf16", "kiln-bf16")
 GEMM_N, GEMM_REPS = 2048, 5
 
 
@@ -53,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None, help="measured steps (default 10)")
     ap.add_argument("--warmup", type=int, default=None, help="unmeasured steps, incl. the first")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 3 steps")
+    ap.add_argument("--bf16", action="store_true", help="add the autocast bf16 modes")
     ap.add_argument("--timeout", type=float, default=90.0, help="seconds one step may take")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results.json"))
@@ -65,9 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.warm_steps = 2 if a.quick else 3
     a.workloads = [w for w in a.workloads.split(",") if w]
     a.modes = [m for m in a.modes.split(",") if m]
+    if a.bf16:
+        a.modes += [m for m in BF16_MODES if m not in a.modes]
     for m in a.modes:
-        if m not in MODES:
-            ap.error(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+        if m not in MODES + BF16_MODES:
+            ap.error(f"unknown mode {m!r}; choose from {', '.join(MODES + BF16_MODES)}")
     return a
 
 
@@ -118,8 +123,11 @@ def make_step(model: torch.nn.Module, loss_fn: Callable, mode: str) -> Callable:
     """The full training step for ``mode``: forward, backward, AdamW step, zero_grad."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
 
+    bf16, mode = mode.endswith("-bf16"), mode.removesuffix("-bf16")
+
     def step(*batch: torch.Tensor) -> torch.Tensor:
-        loss = loss_fn(model, batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_fn(model, batch)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -168,7 +176,7 @@ class Runner:
     def compile_s(self, warmup: int) -> float | None:
         """First step minus a steady step (the median of the steps after ``warmup``)."""
         steady = self.times[warmup:]
-        if self.error or not steady or self.mode == "eager":
+        if self.error or not steady or self.mode.startswith("eager"):
             return None
         return max(0.0, self.times[0] - statistics.median(steady))
 
@@ -240,7 +248,7 @@ def bench_workload(name: str, a: argparse.Namespace, peak: float) -> tuple[dict,
                 "peak_rss_mb": None,
                 "loss_drift": drift,
                 "mfu_pct": 100 * flops / (ms / 1e3) / peak if ms else None,
-                "kiln_graphs": r.graphs if m in ("kiln", "lazy") else None,
+                "kiln_graphs": r.graphs if m in ("kiln", "lazy", "kiln-bf16") else None,
                 "dyn_graphs": None,
                 "note": r.error,
                 "losses": r.losses,
