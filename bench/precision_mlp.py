@@ -3,7 +3,7 @@
     python bench/precision_mlp.py                               # the full study (long)
     python bench/precision_mlp.py --steps 300 --seeds 0 --modes fp32,bf16-rne,bf16-sr
 
-64-256-256-64 MLP, GELU, batch 256, AdamW lr 1e-4 (kiln/precision/mlp_study.py).  Each run's final
+64-256-256-64 MLP, GELU, batch 256, AdamW lr 1e-4 (bench/precision_study.py).  Each run's final
 loss (mean of the last 50 steps) is merged into ``--json`` as soon as it finishes (atomic write),
 so a long study can be stopped and resumed; runs already in the file are skipped.  Then a markdown
 table: final loss per mode and seed, and its ratio to fp32.
@@ -22,7 +22,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from kiln.precision.mlp_study import MODES, final_loss, train
+from bench.precision_study import MODES, final_loss, train
 
 DEFAULT_MODES = "fp32,bf16-sr,bf16-rne,lazy-bf16-sr,lazy-bf16-rne,autocast,fp8"
 

@@ -3,13 +3,18 @@ the generated kernels (compile mode and lazy device), reproducible, and does not
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import kiln
 from kiln import metrics
 from kiln.precision import manual_seed
-from kiln.precision.mlp_study import mlp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: bench/
+from bench.precision_study import mlp
 
 
 @pytest.fixture

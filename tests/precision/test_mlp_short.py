@@ -6,8 +6,12 @@ Calibrated on this machine: at 150 steps, seed 0, final loss fp32 1.939e-3, bf16
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
-from kiln.precision.mlp_study import final_loss, train
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: bench/
+
+from bench.precision_study import final_loss, train
 
 STEPS = 100
 

@@ -18,6 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import kiln
+from kiln.precision import convert_to_fp8, manual_seed
+
 MODES = (
     "fp32",
     "bf16-rne",
@@ -48,9 +51,6 @@ def batches(seed: int, steps: int, batch: int = 256) -> tuple[torch.Tensor, torc
 
 def train(mode: str, seed: int, steps: int, lr: float = 1e-4) -> list[float]:
     """Per-step losses (float) of one run."""
-    import kiln
-    from kiln.precision import convert_to_fp8, manual_seed
-
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
     xs, ys = batches(seed, steps)
