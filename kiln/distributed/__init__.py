@@ -12,6 +12,7 @@ kd.save(state, path); kd.load(state, path)           # torch.distributed.checkpo
 
 from __future__ import annotations
 
+from kiln.distributed import checkpoint
 from kiln.distributed.grad_sync import GradientSync
 from kiln.distributed.process_group import KilnProcessGroup, register
 from kiln.distributed.rank import (
@@ -28,6 +29,7 @@ register()
 __all__ = [
     "GradientSync",
     "KilnProcessGroup",
+    "checkpoint",
     "gather_metrics",
     "init_process_group",
     "is_rank0",

@@ -48,11 +48,16 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-def compiled_once_per_job(ranks: list[dict]) -> tuple[int, list[int]]:
-    """(graphs compiled over all ranks, graphs each rank obtained: compiled + disk-cache hits)."""
+def compiled_once_per_job(res: dict, cache_dir: Path) -> tuple[int, list[int], int]:
+    """(graphs compiled over all ranks, graphs each rank obtained: compiled + disk-cache hits,
+    graphs the job added to its cache).  A graph compiled twice in the job would make the first
+    exceed the last.  (Graphs in the cache before training -- ``import kiln`` compiles a tiny
+    device probe graph in every process -- are left out: dp_train.py counts them first.)"""
+    ranks = res["ranks"]
     total = sum(r["metrics"].get("graphs_compiled", 0) for r in ranks)
     got = [
         r["metrics"].get("graphs_compiled", 0) + r["metrics"].get("cache_hits_disk", 0)
         for r in ranks
     ]
-    return total, got
+    added = len(list((cache_dir / "graphs").glob("*.kgc"))) - res["graphs_before"]
+    return total, got, added

@@ -6,7 +6,8 @@
 A tiny transformer trains for --steps AdamW steps on a fixed global batch; each rank takes its
 contiguous shard of the batch.  Modes: ``compile`` (DistributedDataParallel, torch.compile with
 backend="kiln"), ``lazy`` (kiln device, kiln.distributed.GradientSync: bucketed all-reduce in the
-step graph), ``lazy_pg`` (kiln device, ``dist.all_reduce(p.grad)`` through the "kiln" process
+step graph), ``compile_funcol`` (the all-reduce of
+the gradients inside a function compiled with backend="kiln"), ``lazy_pg`` (kiln device, ``dist.all_reduce(p.grad)`` through the "kiln" process
 group backend).  Rank 0 writes the global loss of every step and every rank's kiln.metrics.
 """
 
@@ -86,6 +87,12 @@ def global_loss(loss: torch.Tensor, world: int) -> float:
     return float(v)
 
 
+def average_grads(grads: list[torch.Tensor], world: int) -> None:
+    for g in grads:
+        torch.distributed.all_reduce(g)
+        g.div_(world)
+
+
 def train(
     mode: str, steps: int, rank: int, world: int, kill_at: int, pg: object, ckpt: str
 ) -> list[float]:
@@ -93,6 +100,21 @@ def train(
     model = TinyGPT()
     x, y = (shard(t, rank, world) for t in batch())
     losses = []
+    if mode == "compile_funcol":
+        # the gradient all-reduce inside a compiled function: Dynamo puts the collectives in
+        # the graph (_c10d_functional.all_reduce + wait_tensor) and Kiln compiles that graph
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        fwd = torch.compile(model, backend="kiln")
+        sync = torch.compile(average_grads, backend="kiln")
+        for i in range(steps):
+            loss = fwd(x, y)
+            loss.backward()
+            if world > 1:
+                sync([p.grad for p in model.parameters()], world)
+            opt.step()
+            opt.zero_grad()
+            losses.append(global_loss(loss, world))
+        return losses
     if mode == "compile":
         if world > 1:
             model = nn.parallel.DistributedDataParallel(model)
@@ -146,12 +168,26 @@ def main() -> None:
         kd.init_process_group(timeout_s=60)
         if "lazy_pg" in a.modes:
             pg = torch.distributed.new_group(backend="kiln")
+    # Graphs already in the cache before training (kiln's import-time device probe, in the
+    # launcher and in each worker) are not the job's: count them, then start the metrics afresh.
+    # Taken between two synchronization points, so no rank has started training yet.
+    cache = os.path.join(kiln.config.cache_dir, "graphs")
+    pre = len([f for f in os.listdir(cache) if f.endswith(".kgc")]) if os.path.isdir(cache) else 0
+    if world > 1:
+        torch.distributed.barrier()
+    kiln.metrics.reset()
     rank = kd.rank()
     kill_at = a.kill_step if rank == a.kill_rank else -1
-    out: dict = {"world": world, "losses": {}, "env": {}}
+    out: dict = {"world": world, "losses": {}, "graphs_before": pre}
     t0 = time.perf_counter()
+    out["fallbacks"] = {}
     for mode in a.modes.split(","):
+        before = dict(kiln.metrics.counters()["fallbacks"])
         out["losses"][mode] = train(mode, a.steps, rank, world, kill_at, pg, a.ckpt)
+        after = kiln.metrics.counters()["fallbacks"]
+        out["fallbacks"][mode] = {
+            k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)
+        }
     out["seconds"] = time.perf_counter() - t0
     mine = {
         "rank": rank,
