@@ -1,0 +1,185 @@
+"""Small models as users build them, for the real-model conformance tests.
+
+Every transformers model is built offline from its library-default config (random init, default
+attention implementation, i.e. SDPA), changed only in size and with dropout set to 0.  Each model
+is wrapped as ``batch -> loss`` and comes with a batch maker, so one training loop runs them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import transformers
+
+BATCH, SEQ, VOCAB, IMAGE = 2, 8, 128, 16
+
+Batch = dict[str, torch.Tensor]
+
+# Small, shared sizes for every transformer.
+_LM = dict(vocab_size=VOCAB, use_cache=False)
+
+
+class LossOf(nn.Module):
+    """A transformers model as ``batch -> loss`` (the model computes the loss from ``labels``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return self.model(**batch).loss
+
+
+class SmallCNN(nn.Module):
+    """A plain convolutional classifier: conv/batch-norm/ReLU blocks, pooling, a linear head."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1, bias=False),  # batch norm follows
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1, stride=2, bias=False),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        logits = self.head(self.body(batch["pixel_values"]))
+        return nn.functional.cross_entropy(logits, batch["labels"])
+
+
+def _lm_batch(g: torch.Generator) -> Batch:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _seq2seq_batch(g: torch.Generator) -> Batch:
+    return {
+        "input_ids": torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+        "labels": torch.randint(2, VOCAB, (BATCH, SEQ // 2), generator=g),
+    }
+
+
+def _image_batch(g: torch.Generator) -> Batch:
+    return {
+        "pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g),
+        "labels": torch.randint(0, 10, (BATCH,), generator=g),
+    }
+
+
+@dataclass(frozen=True)
+class Spec:
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator], Batch]
+    what: str  # the architectural feature the model stands for
+
+
+def _hf(cls_name: str, cfg: transformers.PretrainedConfig) -> nn.Module:
+    model = getattr(transformers, cls_name)._from_config(cfg)  # library-default attention
+    model.train()
+    return LossOf(model)
+
+
+def gpt2() -> nn.Module:
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, **_LM,
+    )  # fmt: skip
+    return _hf("GPT2LMHeadModel", cfg)
+
+
+def llama() -> nn.Module:
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=32, **_LM,
+    )  # fmt: skip
+    return _hf("LlamaForCausalLM", cfg)
+
+
+def gemma() -> nn.Module:
+    cfg = transformers.GemmaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=8, intermediate_size=64, max_position_embeddings=32, **_LM,
+    )  # fmt: skip
+    return _hf("GemmaForCausalLM", cfg)
+
+
+def bloom() -> nn.Module:
+    cfg = transformers.BloomConfig(
+        n_layer=2, hidden_size=32, n_head=4, hidden_dropout=0.0, attention_dropout=0.0, **_LM
+    )
+    return _hf("BloomForCausalLM", cfg)
+
+
+def gpt_neox() -> nn.Module:
+    cfg = transformers.GPTNeoXConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0, **_LM,
+    )  # fmt: skip
+    return _hf("GPTNeoXForCausalLM", cfg)
+
+
+def qwen2() -> nn.Module:
+    cfg = transformers.Qwen2Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=32, **_LM,
+    )  # fmt: skip
+    return _hf("Qwen2ForCausalLM", cfg)
+
+
+def bert() -> nn.Module:
+    cfg = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=VOCAB,
+    )  # fmt: skip
+    return _hf("BertForMaskedLM", cfg)
+
+
+def roberta() -> nn.Module:
+    cfg = transformers.RobertaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=VOCAB,
+    )  # fmt: skip
+    return _hf("RobertaForMaskedLM", cfg)
+
+
+def t5() -> nn.Module:
+    cfg = transformers.T5Config(
+        num_layers=2, num_decoder_layers=2, d_model=32, d_kv=8, d_ff=64, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, **_LM,
+    )  # fmt: skip
+    return _hf("T5ForConditionalGeneration", cfg)
+
+
+def vit() -> nn.Module:
+    cfg = transformers.ViTConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        image_size=IMAGE, patch_size=4, num_labels=10, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return _hf("ViTForImageClassification", cfg)
+
+
+MODELS: dict[str, Spec] = {
+    "gpt2": Spec(gpt2, _lm_batch, "decoder LM, learned positions, tied head, GELU(tanh) in Python"),
+    "llama": Spec(llama, _lm_batch, "decoder LM, rotary, grouped-query attention, untied head"),
+    "gemma": Spec(gemma, _lm_batch, "decoder LM, rotary, multi-query, GELU(tanh), tied head"),
+    "bloom": Spec(bloom, _lm_batch, "decoder LM, ALiBi positions, tied head"),
+    "gpt_neox": Spec(gpt_neox, _lm_batch, "decoder LM, partial rotary, parallel residual, untied"),
+    "qwen2": Spec(qwen2, _lm_batch, "decoder LM, rotary, GQA with q/k/v bias"),
+    "bert": Spec(bert, _lm_batch, "encoder MLM, learned positions"),
+    "roberta": Spec(roberta, _lm_batch, "encoder MLM, padding-offset positions"),
+    "t5": Spec(t5, _seq2seq_batch, "encoder-decoder, relative position bias, untied head"),
+    "vit": Spec(vit, _image_batch, "vision transformer, patch embedding convolution"),
+    "cnn": Spec(SmallCNN, _image_batch, "convolutional network with batch norm"),
+}
