@@ -2,7 +2,8 @@
 
 Checks that the one command produces a row per mode with finite numbers, loss drift against eager,
 and a JSON file, and that the eager losses it reports are those of plain PyTorch training.  Kiln
-failures show up as ``error: ...`` rows (that is the harness working); timing is never asserted.
+failures show up as ``error: ...`` rows in the table (that is the harness working), and fail this
+test; timing is never asserted.
 """
 
 import json
@@ -53,7 +54,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "--warmup",
         "1",
         "--timeout",
-        "60",
+        "300",  # per mode: generous, so a loaded machine does not turn into an error row
         "--json",
         str(out / "r.json"),
         "--cache-dir",
@@ -73,8 +74,9 @@ def test_one_row_per_mode_with_finite_numbers(result: dict) -> None:
     assert rows["eager"]["note"] is None and rows["eager"]["loss_drift"] == 0.0
     assert result["gemm_peak_gflops"] > 0 and result["workloads"]["mlp"]["gflop_per_step"] > 0
     for mode, r in rows.items():
-        if r["note"] and r["note"].startswith("error:"):
-            continue  # a Kiln/Inductor failure, reported in the table instead of crashing
+        # the harness reports a Kiln/Inductor failure as an "error: ..." row instead of crashing;
+        # here every mode must have run
+        assert not (r["note"] or "").startswith("error:"), f"{mode}: {r['note']}"
         assert len(r["losses"]) == 3 and len(r["times_s"]) == 3, mode
         for key in ("ms_per_step", "speedup", "loss_drift", "mfu_pct", "peak_rss_mb"):
             assert isinstance(r[key], float) and math.isfinite(r[key]), (mode, key, r[key])

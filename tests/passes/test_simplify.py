@@ -217,3 +217,23 @@ def test_view_sized_by_graph_values_is_kept_unless_types_are_symbolic():
     v = call(b, "view.default", [V(x), (V(n), 4)], sym)
     g = b.build([call(b, "exp.default", [V(v)], sym)])
     assert "view" not in str(verify(simplify(g)))
+
+
+def test_constant_operand_with_different_elements_is_not_a_neutral_number():
+    """``x * [1, 2, 3]`` is not ``x``: only a constant whose elements are all the neutral value may
+    be dropped (``x * [1, 1, 1] -> x``); ``x + [0, 0, 1]`` keeps its add too."""
+    b = GraphBuilder()
+    x = b.input(f32(2, 3))
+    scale = b.constant(torch.tensor([1.0, 2.0, 3.0]))
+    ones = b.constant(torch.tensor([1.0, 1.0, 1.0]))
+    shift = b.constant(torch.tensor([0.0, 0.0, 1.0]))
+    m = call(b, "mul.Tensor", [V(x), V(scale)], f32(2, 3))
+    k = call(b, "mul.Tensor", [V(m), V(ones)], f32(2, 3))
+    a = call(b, "add.Tensor", [V(k), V(shift)], f32(2, 3))
+    r = call(b, "mul.Tensor", [V(scale), V(a)], f32(2, 3))  # constant first: commuted form
+    g = b.build([r])
+    out = dce(simplify(g))
+    verify(out)
+    ops = [n.op for n in out.nodes]
+    assert ops.count("mul.Tensor") == 2 and ops.count("add.Tensor") == 1, str(out)
+    same_results(g, out)

@@ -1,0 +1,289 @@
+"""Mutation testing of Kiln's test suite: how many planted bugs do the tests catch?
+
+    python bench/mutation.py formulas              # every mutant of the C++ formula tables
+    python bench/mutation.py formulas --every 3    # a deterministic third of them (quicker)
+    python bench/mutation.py passes                # mutmut over kiln/passes (tests/passes)
+    python bench/mutation.py planted               # the planted bugs of issue 18
+
+``formulas`` perturbs the generated-code formula strings of kiln/codegen/cpp/ops.py (the FORMULAS
+table and the helper functions of PRELUDE): every numeric constant (x2, or 1 for 0) and every
+binary operator (+ <-> -, * <-> /, < <-> <=, > <-> >=, == <-> !=, && <-> ||).  Each mutant is
+written into a scratch copy of the tree and the kernel tests (tests/kernels, lazy mode, only the
+cases that use the mutated formula; ``-x``) run against it; a mutant that no test fails is a
+survivor and is run again against both modes.  ``passes`` runs mutmut (configured in
+pyproject.toml) over kiln/passes with tests/passes.  Each prints a report and, with
+``--report FILE``, writes it as Markdown (docs/mutation.md keeps the last one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tokenize
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OPS = Path("kiln/codegen/cpp/ops.py")
+sys.path.insert(0, str(ROOT))
+
+_OPS = [(" + ", " - "), (" - ", " + "), (" * ", " / "), (" / ", " * "), (" <= ", " < "),
+        (" >= ", " > "), (" < ", " <= "), (" > ", " >= "), (" == ", " != "), (" != ", " == "),
+        (" && ", " || "), (" || ", " && ")]  # fmt: skip
+_NUM = re.compile(r"(?<![\w.])(\d+\.\d*(?:e[-+]?\d+)?|\d+(?:e[-+]?\d+)?)(f|LL)?(?![\w.])")
+
+
+@dataclass
+class Mutant:
+    index: int
+    line: int  # 1-based line in ops.py
+    where: str  # the FORMULAS key or helper the line belongs to
+    before: str
+    after: str
+    source: str  # the whole mutated ops.py
+
+
+def _regions(text: str) -> list[tuple[int, int]]:
+    """Character ranges of the formula code: the formula functions and table, and PRELUDE."""
+    start = text.index("def _cast(")
+    end = text.index("# Helpers every generated translation unit")
+    p0 = text.index("static inline float exp(float x)")
+    p1 = text.index('"""', p0)
+    return [(start, end), (p0, p1)]
+
+
+def _where(text: str, pos: int) -> str:
+    line = text[:pos].rsplit("\n", 1)[0]
+    keys = re.findall(r'^\s*"([\w.:]+)": ', text[:pos], re.M)
+    funcs = re.findall(r"^(?:def (\w+)|static inline \w+ (\w+)\()", text[:pos], re.M)
+    last_key = keys[-1] if keys else ""
+    last_fn = next((a or b for a, b in reversed(funcs)), "")
+    if "FORMULAS: dict" in text[:pos] and pos < text.index("# Helpers every"):
+        return last_key or last_fn
+    return last_fn or line.strip()
+
+
+def formula_mutants() -> list[Mutant]:
+    text = (ROOT / OPS).read_text()
+    regions = _regions(text)
+    strings: list[tuple[int, int]] = []  # absolute ranges of string tokens in the regions
+    offsets = [0]
+    for ln in text.splitlines(keepends=True):
+        offsets.append(offsets[-1] + len(ln))
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type in (tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", -1)):
+            a = offsets[tok.start[0] - 1] + tok.start[1]
+            b = offsets[tok.end[0] - 1] + tok.end[1]
+            strings.append((a, b))
+    out: list[Mutant] = []
+
+    def add(pos: int, old: str, new: str) -> None:
+        src = text[:pos] + new + text[pos + len(old) :]
+        line = text.count("\n", 0, pos) + 1
+        snippet = text.splitlines()[line - 1].strip()
+        out.append(
+            Mutant(
+                len(out), line, _where(text, pos), snippet, f"{old.strip()} -> {new.strip()}", src
+            )
+        )
+
+    for a, b in strings:
+        for r0, r1 in regions:
+            lo, hi = max(a, r0), min(b, r1)
+            if lo >= hi:
+                continue
+            seg = text[lo:hi]
+            if text[a:b].lstrip("rRbB").startswith(("f", "F")):  # leave {replacement fields} be
+                seg = re.sub(r"\{[^{}]*\}", lambda m: " " * len(m.group(0)), seg)
+            for old, new in _OPS:
+                for m in re.finditer(re.escape(old), seg):
+                    add(lo + m.start(), old, new)
+            for m in _NUM.finditer(seg):
+                num, suffix = m.group(1), m.group(2) or ""
+                v = float(num)
+                if "e" in num or "." in num:
+                    repl = repr(v * 2 if v else 1.0)
+                else:
+                    repl = str(int(v) * 2 if v else 1)
+                if suffix == "f" and "." not in repl and "e" not in repl:
+                    repl += ".0"
+                add(lo + m.start(), m.group(0), repl + suffix)
+    return out
+
+
+# formula helpers -> the FORMULAS keys that use them (others: every case runs)
+HELPERS = {
+    "_gelu": ["gelu.default"],
+    "_gelu_backward": ["gelu_backward.default"],
+    "kiln_gelu_bwd": ["gelu_backward.default", "gelu.default"],
+    "kiln_gelu_tanh_bwd": ["gelu_backward.default", "gelu.default"],
+    "kiln_silu_bwd": ["silu_backward.default", "silu.default"],
+    "_pow_tensor_scalar": ["pow.Tensor_Scalar"],
+    "_lerp": ["lerp.Scalar", "lerp.Tensor"],
+    "_addc": ["addcmul.default", "addcdiv.default"],
+    "_where": ["where.self"],
+    "_masked_fill": ["masked_fill.Scalar", "masked_fill.Tensor"],
+    "_fma": ["opaque.prims::fma.default"],
+    "_clamp": ["clamp.default"],
+}
+
+
+def cases_for(mut: Mutant) -> list[str]:
+    """Kernel test cases that run the mutated formula (all cases for shared helpers)."""
+    sys.path.insert(0, str(ROOT / "tests" / "kernels"))
+    from _cases import CASES, KERNEL_CASES
+
+    keys = HELPERS.get(mut.where, [mut.where])
+    hits = [c.name for c in CASES + KERNEL_CASES if set(keys) & set(c.formulas)]
+    if mut.where in ("kiln_gelu_bwd", "kiln_gelu_tanh_bwd", "kiln_silu_bwd", "_gelu"):
+        hits += [c.name for c in KERNEL_CASES if c.grad_inputs is not None]
+    return hits or [c.name for c in CASES + KERNEL_CASES]
+
+
+def _scratch() -> Path:
+    d = Path(tempfile.mkdtemp(prefix="kiln_mut_"))
+    for part in ("kiln", "tests", "pyproject.toml"):
+        s = ROOT / part
+        (shutil.copytree if s.is_dir() else shutil.copy)(s, d / part)
+    return d
+
+
+def run_tests(tree: Path, args: list[str], env_extra: dict, timeout: int) -> tuple[bool, str]:
+    """True when the tests pass (the mutant survives)."""
+    env = dict(os.environ, PYTHONPATH=str(tree), **env_extra)
+    env["KILN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln_mut_cache_")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args]
+    try:
+        p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, "timeout (counted as killed)"
+    if "error during collection" in p.stdout or "no tests ran" in p.stdout:
+        raise RuntimeError(f"the tests did not run: {p.stdout[-2000:]}")
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", p.stdout, re.M)
+    return p.returncode == 0, (failed[0] if failed else p.stdout.strip().splitlines()[-1:][0])
+
+
+def cmd_formulas(a: argparse.Namespace) -> list[str]:
+    muts = formula_mutants()[:: a.every]
+    tree = _scratch()
+    killed, survivors = 0, []
+    t0 = time.perf_counter()
+    ok, why = run_tests(tree, ["tests/kernels", "-k", "lazy"], {}, a.timeout * 4)
+    if not ok:
+        raise RuntimeError(f"the kernel tests fail on the unmutated tree: {why}")
+    for m in muts:
+        (tree / OPS).write_text(m.source)
+        env = {"KILN_TEST_KERNEL_CASES": ",".join(cases_for(m))}
+        ok, why = run_tests(tree, ["tests/kernels", "-k", "lazy"], env, a.timeout)
+        if ok:  # survived lazy: try both modes and the codegen tests
+            ok, why = run_tests(tree, ["tests/kernels", "tests/codegen"], {}, a.timeout * 4)
+        verdict = "SURVIVED" if ok else "killed by " + why
+        print(f"[{m.index}] line {m.line} {m.where}: {m.after}: {verdict}", flush=True)
+        if ok:
+            survivors.append(m)
+        else:
+            killed += 1
+    (tree / OPS).write_text((ROOT / OPS).read_text())
+    shutil.rmtree(tree, ignore_errors=True)
+    n = len(muts)
+    lines = [
+        f"## Formula tables ({OPS})",
+        "",
+        f"`python bench/mutation.py formulas --every {a.every}`: {n} mutants, {killed} killed, "
+        f"{len(survivors)} survived: score {100 * killed / max(n, 1):.1f}% "
+        f"({time.perf_counter() - t0:.0f} s).",
+        "",
+    ]
+    if survivors:
+        lines += ["| # | line | formula | mutation | code |", "|---|---|---|---|---|"]
+        lines += [
+            f"| {m.index} | {m.line} | {m.where} | `{m.after}` | `{m.before}` |" for m in survivors
+        ]
+    return lines
+
+
+PLANTED = {
+    "gelu_tanh_bwd without its factor 3": (OPS, "(1.0f + 3.0f * c * x2)", "(1.0f + c * x2)"),
+    "sigmoid_backward without * y": (
+        OPS,
+        """f"({_cast(a[0], o)} * ((({o})1) - {_cast(a[1], o)}) * {_cast(a[1], o)})\"""",
+        """f"({_cast(a[0], o)} * ((({o})1) - {_cast(a[1], o)}))\"""",
+    ),
+    "simplify.number without its all-elements-equal check": (
+        Path("kiln/passes/simplify.py"),
+        "        if not bool((flat == flat[0]).all()):\n            return None\n",
+        "",
+    ),
+}
+PLANTED_TESTS = {
+    "gelu_tanh_bwd without its factor 3": ["tests/kernels"],
+    "sigmoid_backward without * y": ["tests/kernels"],
+    "simplify.number without its all-elements-equal check": ["tests/passes/test_simplify.py"],
+}
+
+
+def cmd_planted(a: argparse.Namespace) -> list[str]:
+    lines = ["## Planted bugs (issue 18)", "", "| bug | caught by |", "|---|---|"]
+    for name, (path, old, new) in PLANTED.items():
+        tree = _scratch()
+        text = (tree / path).read_text()
+        assert old in text, f"planted bug {name!r}: code not found"
+        (tree / path).write_text(text.replace(old, new, 1))
+        ok, why = run_tests(tree, PLANTED_TESTS[name], {}, a.timeout * 4)
+        shutil.rmtree(tree, ignore_errors=True)
+        print(f"{name}: {'NOT CAUGHT' if ok else 'caught by ' + why}", flush=True)
+        lines.append(f"| {name} | {'NOT CAUGHT' if ok else why} |")
+    return lines
+
+
+def cmd_passes(a: argparse.Namespace) -> list[str]:
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=ROOT, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "mutmut", "results", "--all", "true"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    status = re.findall(r"^\s*(\S+): (\w[\w ]*)$", r.stdout, re.M)
+    counts: dict[str, int] = {}
+    for _, s in status:
+        counts[s] = counts.get(s, 0) + 1
+    n = sum(counts.values())
+    killed = counts.get("killed", 0) + counts.get("timeout", 0)
+    lines = [
+        "## kiln/passes (mutmut)",
+        "",
+        f"`python bench/mutation.py passes` (exit {p.returncode}): {n} mutants, {counts}; "
+        f"score {100 * killed / max(n, 1):.1f}% ({time.perf_counter() - t0:.0f} s).",
+        "",
+    ]
+    lines += [f"- `{m}`: {s}" for m, s in status if s not in ("killed", "timeout")]
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["formulas", "passes", "planted", "list"])
+    ap.add_argument("--every", type=int, default=1, help="run every Nth formula mutant")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per test run")
+    ap.add_argument("--report", default="", help="write the report (Markdown) here")
+    a = ap.parse_args()
+    if a.what == "list":
+        for m in formula_mutants():
+            print(m.index, m.line, m.where, m.after, "|", m.before)
+        return
+    lines = {"formulas": cmd_formulas, "passes": cmd_passes, "planted": cmd_planted}[a.what](a)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.report:
+        Path(a.report).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
