@@ -167,7 +167,8 @@ def run_tests(tree: Path, args: list[str], env_extra: dict, timeout: int) -> tup
     if "error during collection" in p.stdout or "no tests ran" in p.stdout:
         raise RuntimeError(f"the tests did not run: {p.stdout[-2000:]}")
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", p.stdout, re.M)
-    return p.returncode == 0, (failed[0] if failed else p.stdout.strip().splitlines()[-1:][0])
+    tail = (p.stdout.strip() or p.stderr.strip() or f"exit {p.returncode}").splitlines()[-1]
+    return p.returncode == 0, (failed[0] if failed else tail)
 
 
 def cmd_formulas(a: argparse.Namespace) -> list[str]:
@@ -243,12 +244,29 @@ def cmd_planted(a: argparse.Namespace) -> list[str]:
     return lines
 
 
+PASSES_MUTMUT = """[tool.mutmut]
+source_paths = ["kiln/"]
+only_mutate = [{files}]
+pytest_add_cli_args_test_selection = ["tests/passes"]
+pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-x"]
+"""
+
+
 def cmd_passes(a: argparse.Namespace) -> list[str]:
+    """mutmut over kiln/passes with tests/passes, in a scratch copy whose pyproject.toml names
+    those files (the repository's own [tool.mutmut] section is the cluster's)."""
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=ROOT, text=True)
+    tree = _scratch()
+    files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "kiln" / "passes").glob("*.py"))
+    py = (tree / "pyproject.toml").read_text()
+    py = re.sub(r"\[tool\.mutmut\][^\[]*", "", py)
+    py += "\n" + PASSES_MUTMUT.format(files=", ".join(f'"{f}"' for f in files))
+    (tree / "pyproject.toml").write_text(py)
+    env = dict(os.environ, KILN_CACHE_DIR=tempfile.mkdtemp(prefix="kiln_mut_cache_"))
+    p = subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=tree, env=env, text=True)
     r = subprocess.run(
         [sys.executable, "-m", "mutmut", "results", "--all", "true"],
-        cwd=ROOT, capture_output=True, text=True,
+        cwd=tree, capture_output=True, text=True, env=env,
     )  # fmt: skip
     status = re.findall(r"^\s*(\S+): (\w[\w ]*)$", r.stdout, re.M)
     counts: dict[str, int] = {}
