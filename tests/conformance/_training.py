@@ -153,15 +153,17 @@ def tensor_mismatch(got: torch.Tensor | None, want: torch.Tensor | None) -> str 
     scale = float(w.abs().max())
     err = float((g - w).abs().max())
     if err > TENSOR_RTOL * scale + TENSOR_ATOL:
-        return f"max abs err {err:.3g} vs max |eager| {scale:.3g} (rel {err / max(scale, 1e-30):.3g})"
+        return (
+            f"max abs err {err:.3g} vs max |eager| {scale:.3g} (rel {err / max(scale, 1e-30):.3g})"
+        )
     return None
 
 
-# AdamW divides each gradient element by its own running magnitude, so an element whose gradient is
-# rounding noise (the bias of a convolution followed by batch norm, a key bias under softmax: zero in
-# exact arithmetic) gets a full-size update whose sign is the noise's.  Such elements (eager
-# gradient below NOISE times the model's largest gradient element at some step) are left out of the parameter
-# comparison for scale-invariant optimizers; their gradients are still compared.
+# AdamW divides each gradient element by its own running magnitude, so an element whose gradient
+# is rounding noise (a key bias under softmax: zero in exact arithmetic) gets a full-size update
+# whose sign is the noise's.  Such elements (eager gradient below NOISE times the model's largest
+# gradient element at some step) are left out of the parameter comparison for scale-invariant
+# optimizers; their gradients are still compared.
 NOISE = 1e-4
 
 

@@ -83,8 +83,6 @@ EXPECTED: dict[tuple[str, str, str], str] = {
             "multinomial",
         )
     },
-    # --- compile: wrong results
-    ("atanh", "compile", "grad"): "wrong result: max abs diff 0.000114 (gradient near |x| -> 1)",
     # --- lazy: errors
     ("tensor_split", "lazy", "*"): (
         "tensor_split needs its indices tensor on the CPU ('expected tensor_indices_or_sections "

@@ -1,254 +1,190 @@
-"""Real ``transformers`` models (and a tiny in-house GPT) trained through both Kiln modes.
+"""Real models trained through both Kiln modes, compared with eager PyTorch at every step.
 
-Each model is built from a small config (no weights downloaded, dropout 0, eager attention), copied
-three times from the same initial weights, and trained 20 steps with AdamW (lr 1e-3, weight decay)
-on fixed random token batches: in eager PyTorch, on the lazy device, and with
-``torch.compile(backend="kiln")``.  The loss must match eager within 1e-4 relative at every step.
-On the lazy device the training loop must settle: nothing compiles and nothing recompiles after
-the second step.  A second process reusing the same ``KILN_CACHE_DIR`` must compile nothing.
+The models (tests/conformance/_models.py) are ``transformers`` models built offline from library
+defaults (default attention, i.e. SDPA; random init; only sizes changed and dropout 0) plus a
+convolutional network.  Each is trained ``STEPS`` steps, a new batch every step, with SGD (so a
+wrong gradient scale shows in the parameters) and AdamW, in eager PyTorch and:
+
+- ``lazy``: on ``kiln.device()`` with ``kiln.mark_step()`` after every step;
+- ``compile_step``: the whole step (zero_grad, forward, backward, optimizer step) in one
+  ``torch.compile(step, backend="kiln")`` function;
+- ``compile_model``: ``torch.compile(model, backend="kiln")`` with the optimizer eager.
+
+At every step the loss (1e-5 relative), every parameter gradient and every parameter/buffer after
+the step must match eager (tolerances in _training.py; a gradient scaled by 3 or 0.5 fails, see
+``test_comparison_catches_scaled_gradients``), Kiln must have run the step (graphs executed) and
+only the listed ATen fallbacks may appear.
+
+CI time: Dynamo's trace of a transformers model costs 5-30 s on 2 cores, so by default the lazy
+mode runs every model with both optimizers, ``compile_step`` every model with SGD, and AdamW
+``compile_step`` / SGD ``compile_model`` run on a rotating subset; ``KILN_TEST_ALL_MODELS=1`` runs
+the whole matrix.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import kiln
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).parent))
+from _models import MODELS  # noqa: E402
+from _training import (  # noqa: E402
+    MODES,
+    OPTIMIZERS,
+    STEPS,
+    Record,
+    Run,
+    fresh,
+    mismatches,
+    train_eager,
+)
 
-STEPS = 20
-BATCH, SEQ, VOCAB = 2, 16, 256
-RTOL = 1e-4
+ALL = os.environ.get("KILN_TEST_ALL_MODELS", "") not in ("", "0")
 
+# (mode, optimizer) -> models run by default; everything runs with KILN_TEST_ALL_MODELS=1.
+DEFAULT: dict[tuple[str, str], set[str]] = {
+    ("lazy", "sgd"): set(MODELS),
+    ("lazy", "adamw"): set(MODELS),
+    ("compile_step", "sgd"): set(MODELS),
+    ("compile_step", "adamw"): {"gpt2", "gpt_neox", "bert", "t5", "cnn"},
+    ("compile_model", "sgd"): {"gpt2", "bloom", "roberta", "vit", "cnn"},
+    ("compile_model", "adamw"): set(),
+}
 
-# ---------------------------------------------------------------------------------------------
-# models
+# ATen ops each mode may run outside Kiln (counted in kiln.metrics "fallbacks"), with why.
+ALLOWED_FALLBACKS: dict[str, dict[str, str]] = {
+    "lazy": {
+        "_local_scalar_dense": "transformers reads a tensor as a Python number (a sync)",
+        "_safe_softmax": "SDPA's math path softmax: no Kiln rule yet",
+        "slice_backward": "no Kiln rule yet (rotary embeddings)",
+        "select_backward": "no Kiln rule yet",
+        "rsub": "no Kiln rule yet (ALiBi mask)",
+    },
+    "compile": {
+        "fma": "prims.fma from AdamW's decomposition: counted as opaque, computed by the fused "
+        "kernel formula 'opaque.prims::fma.default'",
+        "lift_fresh_copy": "a tensor constant built inside the forward (T5)",
+    },
+}
 
-
-class TinyGPT(nn.Module):
-    """A minimal pre-norm GPT block stack, written the way users write one."""
-
-    def __init__(self, vocab: int = VOCAB, d: int = 32, heads: int = 4, layers: int = 2) -> None:
-        super().__init__()
-        self.heads = heads
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.randn(SEQ, d) * 0.02)
-        self.blocks = nn.ModuleList(
-            nn.ModuleDict(
-                dict(
-                    ln1=nn.LayerNorm(d),
-                    qkv=nn.Linear(d, 3 * d),
-                    proj=nn.Linear(d, d),
-                    ln2=nn.LayerNorm(d),
-                    up=nn.Linear(d, 4 * d),
-                    down=nn.Linear(4 * d, d),
-                )
-            )
-            for _ in range(layers)
-        )
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        b, t = ids.shape
-        x = self.tok(ids) + self.pos[:t]
-        mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
-        for blk in self.blocks:
-            q, k, v = blk["qkv"](blk["ln1"](x)).chunk(3, dim=-1)
-            q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
-            att = (q @ k.transpose(-1, -2)) / (q.shape[-1] ** 0.5)
-            att = att.masked_fill(~mask, float("-inf")).softmax(-1)
-            x = x + blk["proj"]((att @ v).transpose(1, 2).reshape(b, t, -1))
-            x = x + blk["down"](F.gelu(blk["up"](blk["ln2"](x))))
-        logits = self.head(self.ln(x))
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
-
-
-class HFLoss(nn.Module):
-    """A transformers model as ``(ids, labels) -> loss``."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, labels=labels).loss
-
-
-def gpt2() -> nn.Module:
-    cfg = transformers.GPT2Config(
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        vocab_size=VOCAB,
-        n_positions=64,
-        use_cache=False,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return HFLoss(transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager"))
-
-
-def bert() -> nn.Module:
-    cfg = transformers.BertConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return HFLoss(transformers.BertForMaskedLM._from_config(cfg, attn_implementation="eager"))
-
-
-def llama() -> nn.Module:
-    cfg = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        attention_dropout=0.0,
-        use_cache=False,
-    )
-    return HFLoss(transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager"))
-
-
-MODELS: dict[str, Callable[[], nn.Module]] = {
-    "tiny_gpt": TinyGPT,
-    "gpt2": gpt2,
-    "bert": bert,
-    "llama": llama,
+# Known wrong or failing (model, mode) pairs: strict xfail with the measured problem.
+_VIEW_ERR = (
+    "RuntimeError: view size is not compatible with input tensor's size and stride (at least one "
+    "dimension spans across two contiguous subspaces): compile mode fails on the rotary-embedding "
+    "models' graphs (llama, gemma, qwen2; gpt_neox's partial rotary passes)"
+)
+XFAIL: dict[tuple[str, str], str] = {
+    (m, mode): _VIEW_ERR
+    for m in ("llama", "gemma", "qwen2")
+    for mode in ("compile_step", "compile_model")
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# training in each mode
-
-
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
+def _cases() -> list:
     out = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        out.append((ids, ids.clone()))
+    for (mode, opt), default in DEFAULT.items():
+        for name in MODELS:
+            if not ALL and name not in default:
+                continue
+            marks = []
+            reason = XFAIL.get((name, mode))
+            if reason:
+                marks.append(pytest.mark.xfail(strict=True, reason=reason))
+            out.append(pytest.param(name, mode, opt, id=f"{name}-{mode}-{opt}", marks=marks))
     return out
 
 
-def make_opt(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+_DATA: dict[str, tuple[nn.Module, list[dict]]] = {}
+_EAGER: dict[tuple[str, str], Run] = {}
 
 
-def train_eager(model: nn.Module, data: list) -> list[float]:
-    opt = make_opt(model)
-    losses = []
-    for ids, labels in data:
-        opt.zero_grad(set_to_none=True)
-        loss = model(ids, labels)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+def initial(name: str) -> tuple[nn.Module, list[dict]]:
+    """The model's initial weights and its ``STEPS`` batches (built once per test session)."""
+    if name not in _DATA:
+        spec = MODELS[name]
+        torch.manual_seed(0)
+        model = spec.build()
+        g = torch.Generator().manual_seed(1)
+        _DATA[name] = (model, [spec.batch(g) for _ in range(STEPS)])
+    return _DATA[name]
 
 
-def train_compile(model: nn.Module, data: list) -> list[float]:
-    torch._dynamo.reset()
-    cmodel = torch.compile(model, backend="kiln", fullgraph=False, dynamic=False)
-    opt = make_opt(model)
-    losses = []
-    for ids, labels in data:
-        opt.zero_grad(set_to_none=True)
-        loss = cmodel(ids, labels)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+def eager(name: str, opt: str) -> Run:
+    if (name, opt) not in _EAGER:
+        model, data = initial(name)
+        _EAGER[(name, opt)] = train_eager(fresh(model), opt, data)
+    return _EAGER[(name, opt)]
 
 
-def train_lazy(model: nn.Module, data: list) -> tuple[list[float], list[dict]]:
-    """Losses, and a snapshot of ``kiln.metrics.counters()`` after every step."""
-    dev = kiln.device()
-    model.to(dev)  # tied weights stay tied (see test_module_to_kiln_keeps_tied_parameters)
-    opt = make_opt(model)
-    losses, snaps = [], []
-    for ids, labels in data:
-        opt.zero_grad(set_to_none=True)
-        loss = model(ids.to(dev), labels.to(dev))
-        loss.backward()
-        opt.step()
-        kiln.mark_step()
-        losses.append(loss.cpu().item())
-        snaps.append(kiln.metrics.counters())
-    return losses, snaps
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("name", "mode", "opt"), _cases())
+def test_training_matches_eager(name: str, mode: str, opt: str) -> None:
+    model, data = initial(name)
+    want = eager(name, opt)
+    got = MODES[mode](fresh(model), opt, data)
+    bad = mismatches(got, want, scale_invariant=opt == "adamw")
+    assert not bad, f"{name} {mode} {opt}: {len(bad)} mismatches with eager:\n" + "\n".join(
+        bad[:12]
+    )
 
+    # the steps ran through Kiln: graphs were built (or found in a cache) and executed
+    last = got.counters[-1]
+    built = sum(last.get(k, 0) for k in ("graphs_compiled", "cache_hits_memory", "cache_hits_disk"))
+    per_step = 1 if mode == "lazy" else 2  # lazy: one graph per step; compile: forward + backward
+    assert built > 0, f"{name} {mode}: no Kiln graph was built or loaded: {last}"
+    assert last.get("graphs_executed", 0) >= per_step * STEPS, last
+    allowed = ALLOWED_FALLBACKS["lazy" if mode == "lazy" else "compile"]
+    extra = {op: n for op, n in last["fallbacks"].items() if op not in allowed}
+    assert not extra, f"{name} {mode}: ATen fallbacks beyond the listed ones: {extra}"
 
-def assert_losses_match(name: str, mode: str, got: list[float], want: list[float]) -> None:
-    assert len(got) == len(want) == STEPS
-    for step, (a, e) in enumerate(zip(got, want), 1):
-        assert abs(a - e) <= RTOL * abs(e), (
-            f"{name} {mode}: step {step} loss {a!r} vs eager {e!r} "
-            f"(rel diff {abs(a - e) / abs(e):.2e})\n  kiln:  {got}\n  eager: {want}"
+    if mode == "lazy":
+        # Step 1 has no optimizer state yet (AdamW creates it), so step 2 traces a different
+        # graph; from step 3 on every step must hit the compile cache.
+        after2 = got.counters[1]
+        assert last.get("graphs_compiled", 0) == after2.get("graphs_compiled", 0), (
+            f"{name}: steps 3..{STEPS} compiled new graphs; recompiles: "
+            f"{last['recompile_reasons'][len(after2['recompile_reasons']) :]}"
         )
 
 
-@pytest.fixture(scope="module")
-def data() -> list:
-    return batches()
+def test_models_use_library_default_attention() -> None:
+    """No model is switched to a special attention: SDPA wherever transformers supports it."""
+    for name in MODELS:
+        model, _ = initial(name)
+        inner = getattr(model, "model", None)
+        if inner is None:
+            continue  # the in-house CNN
+        impl = inner.config._attn_implementation
+        assert impl == ("sdpa" if inner._supports_sdpa else "eager"), (name, impl)
 
 
-@pytest.fixture(scope="module")
-def eager_losses(data: list) -> dict[str, tuple[nn.Module, list[float]]]:
-    """Each model's initial weights and its eager losses (computed once for both modes)."""
-    out = {}
-    for name, build in MODELS.items():
-        torch.manual_seed(0)
-        base = build()
-        out[name] = (copy.deepcopy(base), train_eager(base, data))
-    return out
-
-
-@pytest.mark.parametrize("name", list(MODELS))
-def test_lazy_training_matches_eager(name: str, data: list, eager_losses: dict) -> None:
-    base, want = eager_losses[name]
-    kiln.metrics.reset()
-    got, snaps = train_lazy(copy.deepcopy(base), data)
-    assert_losses_match(name, "lazy", got, want)
-    # Step 1 has no optimizer state yet (AdamW creates exp_avg/exp_avg_sq/step in it), so step 2
-    # traces a different graph; from step 3 on every step must hit the compile cache.
-    after2, after_last = snaps[1], snaps[-1]
-    assert after_last["graphs_compiled"] == after2["graphs_compiled"], (
-        f"{name}: steps 3..{STEPS} compiled "
-        f"{after_last['graphs_compiled'] - after2['graphs_compiled']} new graphs; recompiles: "
-        f"{after_last['recompile_reasons'][len(after2['recompile_reasons']) :]}"
-    )
-    assert after_last["recompile_reasons"] == after2["recompile_reasons"]
-    assert after_last.get("cache_hits_memory", 0) >= STEPS - 2
-
-
-@pytest.mark.parametrize("name", list(MODELS))
-def test_compile_training_matches_eager(name: str, data: list, eager_losses: dict) -> None:
-    base, want = eager_losses[name]
-    kiln.metrics.reset()
-    got = train_compile(copy.deepcopy(base), data)
-    assert_losses_match(name, "compile", got, want)
-    assert kiln.metrics.counters().get("graphs_executed", 0) >= 2 * STEPS  # fwd + bwd per step
+@pytest.mark.parametrize("factor", [3.0, 0.5])
+def test_comparison_catches_scaled_gradients(factor: float) -> None:
+    """The planted bug of the tolerance choice: every gradient of one layer scaled by ``factor``
+    (and SGD's parameter update with it) must be reported at the first step."""
+    want = eager("gpt2", "sgd")
+    lr = OPTIMIZERS["sgd"](nn.Linear(1, 1)).defaults["lr"]
+    name = "model.transformer.h.1.mlp.c_fc.weight"
+    records = []
+    for r in want.records:
+        grads, state = dict(r.grads), dict(r.state)
+        grads[name] = r.grads[name] * factor
+        state[name] = r.state[name] - lr * (factor - 1) * r.grads[name]
+        records.append(Record(r.loss, grads, state))
+    bad = mismatches(Run(records), want)
+    assert any(f"step 1 grad {name}" in b for b in bad), bad
+    assert any(f"step 1 param {name}" in b for b in bad), bad
 
 
 def test_module_to_kiln_keeps_tied_parameters() -> None:

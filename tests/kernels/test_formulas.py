@@ -8,8 +8,9 @@ overflow edge, huge, +-inf, NaN).  Each case runs forward, and, where it has ``g
 backward (``autograd.grad`` with a fixed random output gradient) on finite inputs, on the lazy
 device and through ``torch.compile(backend="kiln")``.
 
-All cases of one mode and check run as one Kiln graph (one C++ build); when that graph fails as a
-whole, each case is rerun alone so the failure names its case.
+All formula cases of one mode and check run as one Kiln graph (one C++ build); when that graph
+fails as a whole, each case is rerun alone so the failure names its case.  Each kept-whole kernel
+case runs alone, so an ATen fallback is attributed to its case.
 """
 
 from __future__ import annotations
@@ -37,15 +38,30 @@ if os.environ.get("KILN_TEST_KERNEL_CASES"):
 GRAD = [c.name for c in ALL.values() if c.grad_inputs is not None]
 
 # Known wrong results, each a strict xfail with what was measured (a compiler fix removes it).
+_FMA = (
+    "ATen's CPU kernel computes this with a fused multiply-add; Kiln's generated code, built with "
+    "-ffp-contract=off since b684e24, rounds the product first: at overflow edges they differ "
+)
 XFAIL = {
     "add_scalar": "add.Scalar(x, 1.5, alpha=2) computes x + 1.5: alpha dropped (both modes)",
     "sub_scalar": "sub.Scalar(x, -0.5, alpha=0.5) ignores alpha (both modes)",
+    "add_alpha": _FMA + "(x=-inf, y=-3e38, alpha=-2.5: ATen -inf, Kiln NaN; 2 of 1089 elements)",
+    "sub_alpha": _FMA + "(NaN vs inf, 2 of 1089 elements)",
+    "tanh_backward": _FMA + "(max abs diff 2.5e30, 8 of 1089 elements, huge gradients)",
+    "addcmul": _FMA + "(NaN vs inf, 8 of 1089 elements)",
+    "lerp_tensor": _FMA + "(inf vs finite, 11 of 1089 elements)",
 }
 
 
-def _params(names: list[str]) -> list:
+GRAD_XFAIL = {
+    "layer_norm_big_mean": "ATen runs native_layer_norm_backward for a layer norm without weight "
+    "and bias ('arguments outside the Kiln kernel's contract', a counted fallback since 8d7243c)",
+}
+
+
+def _params(names: list[str], table: dict[str, str]) -> list:
     return [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=XFAIL[n])) if n in XFAIL else n
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=table[n])) if n in table else n
         for n in names
     ]
 
@@ -141,7 +157,8 @@ RUNNERS = {"lazy": run_lazy, "compile": run_compile}
 # ---------------------------------------------------------------------------------------------
 # one batched run per (mode, check), shared by the per-case tests
 
-_RESULTS: dict[tuple[str, str], tuple[dict, dict, dict]] = {}
+_RESULTS: dict[tuple, tuple[dict, dict, dict]] = {}
+KERNEL_NAMES = {c.name for c in KERNEL_CASES}
 
 
 def results(mode: str, check: str) -> tuple[dict, dict, dict]:
@@ -149,6 +166,7 @@ def results(mode: str, check: str) -> tuple[dict, dict, dict]:
     key = (mode, check)
     if key not in _RESULTS:
         names = list(ALL) if check == "fwd" else GRAD
+        names = [n for n in names if n not in KERNEL_NAMES]
         kiln.metrics.reset()
         errors: dict[str, str] = {}
         try:
@@ -173,8 +191,26 @@ def expected(check: str, name: str) -> Any:
     return _EAGER[(check, name)]
 
 
+def _kernel_result(name: str, mode: str, check: str) -> tuple[dict, dict, dict]:
+    """A kept-whole kernel case runs alone: its fallbacks are its own."""
+    key = (mode, check, name)
+    if key not in _RESULTS:
+        kiln.metrics.reset()
+        errors: dict[str, str] = {}
+        got: dict = {}
+        try:
+            got = RUNNERS[mode]([name], check)
+        except Exception as e:  # noqa: BLE001
+            errors[name] = f"{type(e).__name__}: {str(e)[:500]}"
+        _RESULTS[key] = (got, errors, kiln.metrics.counters())
+    return _RESULTS[key]
+
+
 def _check(name: str, mode: str, check: str) -> None:
-    got, errors, counters = results(mode, check)
+    if name in KERNEL_NAMES:
+        got, errors, counters = _kernel_result(name, mode, check)
+    else:
+        got, errors, counters = results(mode, check)
     assert name not in errors, f"{mode} {check} {name}: {errors[name]}"
     c = ALL[name]
     torch.testing.assert_close(
@@ -188,13 +224,13 @@ def _check(name: str, mode: str, check: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["lazy", "compile"])
-@pytest.mark.parametrize("name", _params(list(ALL)))
+@pytest.mark.parametrize("name", _params(list(ALL), XFAIL))
 def test_forward(name: str, mode: str) -> None:
     _check(name, mode, "fwd")
 
 
 @pytest.mark.parametrize("mode", ["lazy", "compile"])
-@pytest.mark.parametrize("name", _params(GRAD))
+@pytest.mark.parametrize("name", _params(GRAD, {**XFAIL, **GRAD_XFAIL}))
 def test_backward(name: str, mode: str) -> None:
     _check(name, mode, "grad")
 
