@@ -78,6 +78,8 @@ def formula_mutants() -> list[Mutant]:
     for ln in text.splitlines(keepends=True):
         offsets.append(offsets[-1] + len(ln))
     for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.STRING and tok.string.startswith('"""'):
+            continue  # a docstring: not generated code (PRELUDE is an r-string)
         if tok.type in (tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", -1)):
             a = offsets[tok.start[0] - 1] + tok.start[1]
             b = offsets[tok.end[0] - 1] + tok.end[1]
