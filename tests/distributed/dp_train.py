@@ -6,7 +6,8 @@
 A tiny transformer trains for --steps AdamW steps on a fixed global batch; each rank takes its
 contiguous shard of the batch.  Modes: ``compile`` (DistributedDataParallel, torch.compile with
 backend="kiln"), ``lazy`` (kiln device, kiln.distributed.GradientSync: bucketed all-reduce in the
-step graph), ``compile_funcol`` (the all-reduce of
+step graph), ``fsdp`` (FSDP2 ``fully_shard``, compiled with
+backend="kiln"), ``compile_funcol`` (the all-reduce of
 the gradients inside a function compiled with backend="kiln"), ``lazy_pg`` (kiln device, ``dist.all_reduce(p.grad)`` through the "kiln" process
 group backend).  Rank 0 writes the global loss of every step and every rank's kiln.metrics.
 """
@@ -100,7 +101,16 @@ def train(
     model = TinyGPT()
     x, y = (shard(t, rank, world) for t in batch())
     losses = []
-    if mode == "compile_funcol":
+    if mode == "fsdp":
+        # FSDP2: parameters sharded over the ranks (the block, then the rest), compiled by Kiln
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(model.block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        mode = "compile_plain"
+    if mode in ("compile_funcol", "compile_plain"):
         # the gradient all-reduce inside a compiled function: Dynamo puts the collectives in
         # the graph (_c10d_functional.all_reduce + wait_tensor) and Kiln compiles that graph
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -109,7 +119,7 @@ def train(
         for i in range(steps):
             loss = fwd(x, y)
             loss.backward()
-            if world > 1:
+            if world > 1 and mode == "compile_funcol":
                 sync([p.grad for p in model.parameters()], world)
             opt.step()
             opt.zero_grad()

@@ -24,7 +24,13 @@ from dist_testlib import (
 
 import kiln.distributed.checkpoint as kcheckpoint
 
-_REF = {"compile": "compile", "compile_funcol": "compile", "lazy": "lazy", "lazy_pg": "lazy"}
+_REF = {
+    "fsdp": "compile",
+    "compile": "compile",
+    "compile_funcol": "compile",
+    "lazy": "lazy",
+    "lazy_pg": "lazy",
+}
 
 
 def _check_job(res: dict, reference: dict, modes: list[str], cache_dir) -> None:
@@ -136,3 +142,11 @@ def test_killed_worker_stops_the_job_with_a_clear_error(tmp_path):
     assert "rank 1" in p.stderr and "SIGKILL" in p.stderr, p.stderr[-3000:]
     assert not (tmp_path / "x.json").exists()
     assert took < 120, took
+
+
+def test_fsdp2_fully_shard_compiled_by_kiln(tmp_path, reference):
+    out = tmp_path / "fsdp.json"
+    cmd = kiln_run("--nproc-per-node", "2", SCRIPT, "--modes", "fsdp", "--steps", str(STEPS))
+    p = run(cmd + ["--out", str(out)], job_env(tmp_path / "cache"), timeout=420)
+    assert p.returncode == 0, p.stderr[-4000:]
+    _check_job(load(out), reference, ["fsdp"], tmp_path / "cache")
