@@ -285,8 +285,10 @@ def run(seconds: float, seed: int = 0, workers: int = 4, work_root: str | None =
     finally:
         cluster.stop()
         kill_task_processes(svc.store)
-        for ps in procs.marked_processes().values():  # nothing of ours outlives the run
-            procs.signal_all(ps, [], signal.SIGKILL)
+        ours = {r["arn"] for r in svc.store.query("SELECT arn FROM tasks")}
+        for arn, ps in procs.marked_processes().items():  # nothing of ours outlives the run
+            if arn in ours:  # tasks of other servers on this machine are not ours to kill
+                procs.signal_all(ps, [], signal.SIGKILL)
 
 
 def main() -> None:
