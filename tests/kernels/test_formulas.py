@@ -43,10 +43,6 @@ _FMA = (
     "-ffp-contract=off since b684e24, rounds the product first: at overflow edges they differ "
 )
 XFAIL = {
-    "add_scalar": "add.Scalar(x, 1.5, alpha=2) computes x + 1.5: alpha dropped (both modes)",
-    "sub_scalar": "sub.Scalar(x, -0.5, alpha=0.5) ignores alpha (both modes)",
-    "add_alpha": _FMA + "(x=-inf, y=-3e38, alpha=-2.5: ATen -inf, Kiln NaN; 2 of 1089 elements)",
-    "sub_alpha": _FMA + "(NaN vs inf, 2 of 1089 elements)",
     "tanh_backward": _FMA + "(max abs diff 2.5e30, 8 of 1089 elements, huge gradients)",
     "addcmul": _FMA + "(NaN vs inf, 8 of 1089 elements)",
     "lerp_tensor": _FMA + "(inf vs finite, 11 of 1089 elements)",

@@ -88,12 +88,23 @@ def _binary(sym: str) -> Formula:
 
 
 def _alpha(sym: str) -> Formula:
+    """``x + alpha * y`` / ``x - alpha * y``.  ``alpha`` is keyword-only in the Tensor overloads
+    and positional in the Scalar ones (``add.Scalar(self, other, alpha=1)``).  Floating point
+    uses one fused multiply-add, as ATen's CPU kernels do (``vec::fmadd``), so results agree
+    bit for bit, overflow edges included."""
+
     def f(a: list[Operand], kw: dict, out: str) -> str:
-        alpha = kw.get("alpha", 1)
+        alpha = kw["alpha"] if "alpha" in kw else (a[2] if len(a) > 2 else 1)
+        if isinstance(alpha, Operand) and alpha.ctype is None:
+            alpha = alpha.literal  # a Python literal passed positionally
         x, y = _cast(a[0], out), _cast(a[1], out)
-        if alpha != 1:
-            y = f"(({out}){literal(alpha)} * {y})"
-        return f"({x} {sym} {y})"
+        if not isinstance(alpha, Operand) and alpha == 1:
+            return f"({x} {sym} {y})"
+        scale = f"(({out}){literal(alpha)})"
+        if out in ("float", "double"):
+            sign = "-" if sym == "-" else ""
+            return f"km::fma({y}, {sign}{scale}, {x})"
+        return f"({x} {sym} ({scale} * {y}))"
 
     return f
 
