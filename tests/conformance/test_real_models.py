@@ -79,16 +79,7 @@ ALLOWED_FALLBACKS: dict[str, dict[str, str]] = {
 }
 
 # Known wrong or failing (model, mode) pairs: strict xfail with the measured problem.
-_VIEW_ERR = (
-    "RuntimeError: view size is not compatible with input tensor's size and stride (at least one "
-    "dimension spans across two contiguous subspaces): compile mode fails on the rotary-embedding "
-    "models' graphs (llama, gemma, qwen2; gpt_neox's partial rotary passes)"
-)
-XFAIL: dict[tuple[str, str], str] = {
-    (m, mode): _VIEW_ERR
-    for m in ("llama", "gemma", "qwen2")
-    for mode in ("compile_step", "compile_model")
-}
+XFAIL: dict[tuple[str, str], str] = {}
 
 
 def _cases() -> list:

@@ -135,10 +135,22 @@ def _filler(v: Any) -> Callable[[Sequence[Any]], Any]:
     return lambda ins: seq(x if f is None else f(ins) for f, x in subs)
 
 
+def _view(x: torch.Tensor, shape: Any) -> torch.Tensor:
+    """``x.view(shape)``; where a Kiln kernel gave ``x`` other strides than the traced graph
+    assumed (its outputs are contiguous, eager keeps an input's permuted layout), the view can be
+    impossible: the graph is functional, so a reshape (a copy) gives the same values."""
+    try:
+        return x.view(shape)
+    except RuntimeError:
+        if x.is_contiguous():
+            raise  # not a layout difference: a real error of the graph
+        return x.reshape(shape)
+
+
 # View ops called as Tensor methods: same ATen kernels, without the OpOverload Python dispatch
 # (~5 us -> ~2 us a call; a transformer step runs a few hundred of them).
 _METHODS: dict[str, Callable] = {
-    "view.default": torch.Tensor.view,
+    "view.default": _view,
     "reshape.default": torch.Tensor.reshape,
     "permute.default": torch.Tensor.permute,
     "expand.default": torch.Tensor.expand,
