@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.devices.cpu import format_cpu_list
 from kiln.devices.instances import lookup_instance_type
 
 log = logging.getLogger(__name__)
@@ -181,13 +182,4 @@ def neuron_core_ranges(devices: list[Device]) -> str:
             for offset in range(device.cores)
         }
     )
-    blocks: list[str] = []
-    first = 0
-    while first < len(cores):
-        last = first
-        while last + 1 < len(cores) and cores[last + 1] == cores[last] + 1:
-            last += 1
-        low, high = cores[first], cores[last]
-        blocks.append(str(low) if low == high else f"{low}-{high}")
-        first = last + 1
-    return ",".join(blocks)
+    return format_cpu_list(cores)
