@@ -87,8 +87,21 @@ def test_kept_whole_op_matches_eager(name, monkeypatch):
     eo, eg, cot = _grads(fn, xs)
     ko, kg, _ = _grads(torch.compile(fn, backend="kiln"), xs, cot)
     torch.testing.assert_close(ko, eo, rtol=1e-5, atol=1e-6, equal_nan=True)
-    for a, b in zip(kg, eg):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
+    for i, (a, b) in enumerate(zip(kg, eg)):
+        try:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
+        except AssertionError:
+            # Ill-conditioned gradients (a one-element layer norm: rstd = 1/sqrt(eps) ~ 316
+            # amplifies float rounding) differ from eager by more than eager's own error allows
+            # only if Kiln is further from a float64 run than 4x eager's error (as tests/fuzz).
+            x64 = [x.double() for x in xs if x.is_floating_point()]
+            if len(x64) != len(xs):
+                raise
+            _, rg, _ = _grads(fn, x64, cot.double())
+            ref = rg[i]
+            assert ((a.double() - ref).abs() <= 4 * (b.double() - ref).abs() + 1e-6).all(), (
+                f"{name}: gradient {i} is further from float64 than 4x eager's error"
+            )
 
 
 def test_kernel_refusal_is_a_counted_fallback():
