@@ -8,12 +8,17 @@ graph(%0: f32[4,8], %1: f32[8]) {
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, Sequence
 
 from kiln.ir.node import In, Node
 
-if TYPE_CHECKING:
-    from kiln.ir.graph import Graph
+
+class GraphLike(Protocol):
+    """What the printer reads of a graph (kiln.ir.graph imports this module, not the reverse)."""
+
+    nodes: Sequence[Node]
+    inputs: Sequence[int]
+    outputs: Sequence[int]
 
 
 def _fmt(v: Any, node: Node) -> str:
@@ -34,7 +39,7 @@ def format_node(i: int, n: Node) -> str:
     return f"%{i} = {n.op}({', '.join(parts)}) : {types}"
 
 
-def format_graph(g: Graph) -> str:
+def format_graph(g: GraphLike) -> str:
     ins = ", ".join(f"%{i}: {g.nodes[i].types[0]}" for i in g.inputs)
     lines = [f"graph({ins}) {{"]
     for i, n in enumerate(g.nodes):
