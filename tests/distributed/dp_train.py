@@ -143,6 +143,10 @@ def train(
         return losses
     dev = kiln.device()
     model = model.to(dev)
+    if mode == "lazy_ddp" and world > 1:
+        # PyTorch's DistributedDataParallel on a kiln-device model: its C++ reducer buckets the
+        # kiln gradients and all-reduces them through the process group
+        model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sync = kd.GradientSync(model, bucket_cap_mb=0.02) if mode == "lazy" and world > 1 else None
     xd, yd = x.to(dev), y.to(dev)

@@ -30,6 +30,7 @@ _REF = {
     "compile_funcol": "compile",
     "lazy": "lazy",
     "lazy_pg": "lazy",
+    "lazy_ddp": "lazy",
 }
 
 
@@ -52,7 +53,7 @@ def _check_job(res: dict, reference: dict, modes: list[str], cache_dir) -> None:
 
 def test_two_workers_match_single_process(tmp_path, reference):
     out, ckpt = tmp_path / "dp.json", tmp_path / "ckpt"
-    modes = ["compile", "compile_funcol", "lazy", "lazy_pg"]
+    modes = ["compile", "compile_funcol", "lazy", "lazy_pg", "lazy_ddp"]
     cmd = kiln_run("--nproc-per-node", "2", SCRIPT, "--modes", ",".join(modes))
     cmd += ["--steps", str(STEPS), "--out", str(out), "--ckpt", str(ckpt)]
     p = run(cmd, job_env(tmp_path / "cache"), timeout=420)

@@ -353,6 +353,11 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if func is aten.copy_.default or func is aten.copy.default:
         if func is aten.copy_.default and _upload(args[0], args[1]):
             return args[0]
+        if func is aten.copy_.default and not isinstance(args[0], LazyTensor):
+            # into a host tensor (C++ callers such as DistributedDataParallel's parameter
+            # checks): run the pending work, then an ordinary host copy
+            args[0].copy_(materialize(args[1], "to_cpu"), *args[2:], **kwargs)
+            return args[0]
     elif name not in _CPU_INDICES_OK:
         _check_devices(func, args, kwargs)
     if f.composite:
