@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.devices import nvml
 from kiln.devices.cpu import format_cpu_list
 from kiln.devices.instances import lookup_instance_type
 
@@ -101,38 +102,23 @@ def discover_neuron_devices(root: str = "/") -> list[Device]:
     return sorted(devices, key=lambda device: device.index)
 
 
-def _text(value: object) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
 def discover_gpus() -> list[Device]:
     """GPUs reported by NVML (pynvml); [] when pynvml is missing or NVML does not initialize."""
-    try:
-        import pynvml  # type: ignore[import-not-found]
-    except Exception:  # noqa: BLE001 - a broken pynvml install means "no GPUs"
-        return []
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:  # noqa: BLE001 - NVMLError when no driver
-        log.debug("NVML unavailable: %s", exc)
-        return []
-    devices: list[Device] = []
-    try:
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            name = _text(pynvml.nvmlDeviceGetName(handle))
-            gpu_uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
-            memory = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // (1024 * 1024)
-            devices.append(Device("gpu", index, None, 0, memory, name, gpu_uuid))
-    except Exception as exc:  # noqa: BLE001 - any NVMLError: report no GPUs
-        log.warning("NVML query failed: %s", exc)
-        return []
-    finally:
+    with nvml.session() as nv:
+        if nv is None:
+            return []
+        devices: list[Device] = []
         try:
-            pynvml.nvmlShutdown()
-        except Exception as exc:  # noqa: BLE001
-            log.debug("nvmlShutdown failed: %s", exc)
-    return devices
+            for index in range(nv.nvmlDeviceGetCount()):
+                handle = nv.nvmlDeviceGetHandleByIndex(index)
+                name = nvml.text(nv.nvmlDeviceGetName(handle))
+                gpu_uuid = nvml.text(nv.nvmlDeviceGetUUID(handle))
+                memory = int(nv.nvmlDeviceGetMemoryInfo(handle).total) // (1024 * 1024)
+                devices.append(Device("gpu", index, None, 0, memory, name, gpu_uuid))
+        except Exception as exc:  # noqa: BLE001 - any NVMLError: report no GPUs
+            log.warning("NVML query failed: %s", exc)
+            return []
+        return devices
 
 
 def discover(root: str = "/") -> list[Device]:

@@ -8,7 +8,8 @@ GPU does not support (NVMLError) leaves that field None for it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,8 @@ class GpuStatus:
     processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, MiB used)
 
 
-def _text(value: object) -> str:
+def text(value: object) -> str:
+    """An NVML string (bytes in older pynvml) as str."""
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
@@ -54,43 +56,56 @@ def _processes(nvml: Any, handle: Any, index: int) -> list[tuple[int, int | None
     return sorted(found.items())
 
 
-def gpu_status() -> list[GpuStatus]:
-    """Every GPU NVML reports, with its current memory use, utilization and processes."""
+@contextmanager
+def session() -> Iterator[Any]:
+    """``pynvml``, initialized, for the body of the ``with``; None when pynvml is missing or NVML
+    does not initialize (no driver).  An NVMLError escaping the body is logged and stops the
+    query (the caller reports what it has: nothing); NVML is shut down at the end."""
     try:
         import pynvml  # type: ignore[import-not-found]
     except Exception:  # noqa: BLE001 - a broken pynvml install means "no GPUs"
-        return []
+        yield None
+        return
     try:
         pynvml.nvmlInit()
     except Exception as exc:  # noqa: BLE001 - NVMLError when there is no driver
         log.debug("NVML unavailable: %s", exc)
-        return []
+        yield None
+        return
     try:
-        out: list[GpuStatus] = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = _query(pynvml, pynvml.nvmlDeviceGetMemoryInfo, h, i)
-            util = _query(pynvml, pynvml.nvmlDeviceGetUtilizationRates, h, i)
-            pci = _query(pynvml, pynvml.nvmlDeviceGetPciInfo, h, i)
-            uuid = _query(pynvml, pynvml.nvmlDeviceGetUUID, h, i)
-            out.append(
-                GpuStatus(
-                    index=i,
-                    name=_text(pynvml.nvmlDeviceGetName(h)),
-                    uuid=_text(uuid) if uuid is not None else None,
-                    memory_mib=int(mem.total) // _MIB if mem is not None else None,
-                    memory_used_mib=int(mem.used) // _MIB if mem is not None else None,
-                    utilization_pct=int(util.gpu) if util is not None else None,
-                    pci_bus_id=_text(pci.busId) if pci is not None else None,
-                    processes=_processes(pynvml, h, i),
-                )
-            )
-        return out
-    except Exception as exc:  # noqa: BLE001 - NVMLError on count/handle/name: report no GPUs
-        log.warning("NVML query failed: %s", exc)
-        return []
+        yield pynvml
     finally:
         try:
             pynvml.nvmlShutdown()
         except Exception as exc:  # noqa: BLE001
             log.debug("nvmlShutdown failed: %s", exc)
+
+
+def gpu_status() -> list[GpuStatus]:
+    """Every GPU NVML reports, with its current memory use, utilization and processes."""
+    with session() as nv:
+        if nv is None:
+            return []
+        try:
+            return [_status(nv, i) for i in range(nv.nvmlDeviceGetCount())]
+        except Exception as exc:  # noqa: BLE001 - NVMLError on count/handle/name: report no GPUs
+            log.warning("NVML query failed: %s", exc)
+            return []
+
+
+def _status(nv: Any, i: int) -> GpuStatus:
+    h = nv.nvmlDeviceGetHandleByIndex(i)
+    mem = _query(nv, nv.nvmlDeviceGetMemoryInfo, h, i)
+    util = _query(nv, nv.nvmlDeviceGetUtilizationRates, h, i)
+    pci = _query(nv, nv.nvmlDeviceGetPciInfo, h, i)
+    uuid = _query(nv, nv.nvmlDeviceGetUUID, h, i)
+    return GpuStatus(
+        index=i,
+        name=text(nv.nvmlDeviceGetName(h)),
+        uuid=text(uuid) if uuid is not None else None,
+        memory_mib=int(mem.total) // _MIB if mem is not None else None,
+        memory_used_mib=int(mem.used) // _MIB if mem is not None else None,
+        utilization_pct=int(util.gpu) if util is not None else None,
+        pci_bus_id=text(pci.busId) if pci is not None else None,
+        processes=_processes(nv, h, i),
+    )
