@@ -1,0 +1,115 @@
+"""Lazy-device overhead microbenchmark: per-op recording cost and mark_step overhead.
+
+    python bench/lazy_overhead.py                 # defaults: 4,000-op chain, 5,000-op graph
+    python bench/lazy_overhead.py --reps 7 --ops 4000 --graph-ops 5000
+
+1. Recording: a chain of ``--ops`` small pointwise ops (add, mul, relu, sub, in turn, on a
+   64-element tensor, a Python float as second operand) recorded on the kiln device, timed up to
+   (not including) ``mark_step``; the same chain run in eager on the CPU for comparison.
+2. mark_step on a steady graph: ``--graph-ops`` ops recorded, then ``mark_step`` timed; from the
+   second repetition on the graph is a cache hit, so mark_step is cut + lookup + launch + the
+   kernels themselves; the kernel time the runtime measured (``kiln.metrics`` execute time) is
+   printed beside it, and the difference is the overhead.
+
+Medians over ``--reps`` repetitions (after one warm-up); the machine is shared, so numbers vary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch
+
+import kiln
+from kiln import metrics
+
+
+def chain(x: torch.Tensor, n: int) -> torch.Tensor:
+    for i in range(n):
+        k = i % 4
+        if k == 0:
+            x = x + 0.5
+        elif k == 1:
+            x = x * 0.75
+        elif k == 2:
+            x = torch.relu(x)
+        else:
+            x = x - 0.25
+    return x
+
+
+def record_cost(n: int, reps: int) -> tuple[float, float]:
+    """(kiln recording us/op, eager CPU us/op), medians."""
+    dev = kiln.device()
+    base = torch.randn(64)
+    lazy_t, eager_t = [], []
+    for r in range(reps + 1):
+        x = base.to(dev)
+        kiln.mark_step()
+        t0 = time.perf_counter()
+        y = chain(x, n)
+        t1 = time.perf_counter()
+        kiln.mark_step()
+        del y
+        t2 = time.perf_counter()
+        chain(base, n)
+        t3 = time.perf_counter()
+        if r:
+            lazy_t.append((t1 - t0) / n * 1e6)
+            eager_t.append((t3 - t2) / n * 1e6)
+    return statistics.median(lazy_t), statistics.median(eager_t)
+
+
+def mark_step_cost(n: int, reps: int) -> tuple[float, float, float]:
+    """(mark_step ms, of which kernel execution ms, recording ms) on a steady ``n``-op graph."""
+    dev = kiln.device()
+    x = torch.randn(64).to(dev)
+    kiln.mark_step()
+    step_t, exec_t, rec_t = [], [], []
+    for r in range(reps + 1):
+        t0 = time.perf_counter()
+        y = chain(x, n)
+        t1 = time.perf_counter()
+        e0 = metrics.snapshot().get("execute_s", 0.0)
+        kiln.mark_step()
+        t2 = time.perf_counter()
+        e1 = metrics.snapshot().get("execute_s", 0.0)
+        del y
+        if r:
+            step_t.append((t2 - t1) * 1e3)
+            exec_t.append((e1 - e0) * 1e3)
+            rec_t.append((t1 - t0) * 1e3)
+    return statistics.median(step_t), statistics.median(exec_t), statistics.median(rec_t)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", type=int, default=4000, help="ops in the recording chain")
+    ap.add_argument("--graph-ops", type=int, default=5000, help="ops in the mark_step graph")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    lazy_us, eager_us = record_cost(a.ops, a.reps)
+    print(f"recording: {lazy_us:.2f} us/op on kiln (eager CPU runs the op in {eager_us:.2f} us)")
+    step_ms, exec_ms, rec_ms = mark_step_cost(a.graph_ops, a.reps)
+    print(
+        f"mark_step, steady {a.graph_ops}-op graph: {step_ms:.3f} ms "
+        f"(kernels {exec_ms:.3f} ms, overhead {step_ms - exec_ms:.3f} ms); "
+        f"recording it took {rec_ms:.1f} ms"
+    )
+    c = metrics.counters()
+    print(
+        f"graphs compiled: {c.get('graphs_compiled', 0)}, forced syncs: {c.get('forced_syncs', 0)}"
+    )
+
+
+if __name__ == "__main__":
+    main()
