@@ -19,12 +19,12 @@ infinities must be at the same places.
 from __future__ import annotations
 
 import linecache
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from fuzz_programs import Input, Program
 
 RTOL, ATOL, SLACK = 1e-5, 1e-6, 4.0
@@ -40,7 +40,7 @@ def make_function(prog: Program) -> Callable:
     src = prog.source
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
     ns: dict[str, Any] = {"torch": torch, "F": F}
-    exec(compile(src, filename, "exec"), ns)
+    exec(compile(src, filename, "exec"), ns)  # noqa: S102 - the generated program
     return ns["program"]
 
 
@@ -99,6 +99,25 @@ class Result:
     bufs: list[torch.Tensor]
 
 
+def make_batch_function(progs: list[Program]) -> Callable:
+    """One function running ``progs`` side by side: it takes every program's arguments in order
+    and returns every program's outputs in order (each program is its own function, which Dynamo
+    inlines, so the batch is one graph)."""
+    _counter[0] += 1
+    filename = f"<kiln-fuzz-batch-{_counter[0]}>"
+    ns: dict[str, Any] = {f"prog{i}": make_function(p) for i, p in enumerate(progs)}
+    params, calls, k = [], [], 0
+    for i, p in enumerate(progs):
+        names = [f"a{k + j}" for j in range(len(p.inputs))]
+        k += len(p.inputs)
+        params += names
+        calls.append(f"*prog{i}({', '.join(names)})")
+    src = f"def batch({', '.join(params)}):\n    return ({', '.join(calls)},)\n"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    exec(compile(src, filename, "exec"), ns)  # noqa: S102 - the generated program
+    return ns["batch"]
+
+
 def run(
     prog: Program,
     fn: Callable,
@@ -109,35 +128,72 @@ def run(
 ) -> Result:
     """Run ``fn`` (the program, compiled or not) on ``data``; ``device`` is where the inputs go
     (None: CPU); ``after`` runs once everything was recorded (the lazy device's ``mark_step``)."""
-    leaves, args = [], []
-    for inp, base in zip(prog.inputs, data.bases):
-        t = base.clone() if inp.role == "mask" else base.to(dtype).clone()
-        if device is not None:
-            t = t.to(device)
-        if inp.role == "grad":
-            t.requires_grad_(True)
-        leaves.append(t)
-        args.append(_view(inp, t))
-    outs = list(fn(*args))
-    n_bufs = sum(1 for i in prog.inputs if i.role == "buf" and i.name in prog.outputs)
-    main = outs[: len(outs) - n_bufs]
-    if data.cots is None:
-        g = torch.Generator().manual_seed(len(main))
-        data.cots = [torch.randn(tuple(o.shape), generator=g) for o in main]
-    grad_leaves = [t for t, i in zip(leaves, prog.inputs) if i.role == "grad"]
+    return run_many([prog], fn, [data], dtype, device, after)[0]
+
+
+def run_many(
+    progs: list[Program],
+    fn: Callable,
+    datas: list[Data],
+    dtype: torch.dtype = torch.float32,
+    device: Any = None,
+    after: Callable[[], None] | None = None,
+) -> list[Result]:
+    """As :func:`run` for a batch: ``fn`` takes all programs' arguments and returns all their
+    outputs (:func:`make_batch_function`); one backward over the sum of every program's
+    ``sum(out * cotangent)`` (the programs share no tensors, so each program's gradients are
+    exactly its own); one ``after``."""
+    leaves, args, metas = [], [], []
+    for prog, data in zip(progs, datas):
+        mine = []
+        for inp, base in zip(prog.inputs, data.bases):
+            t = base.clone() if inp.role == "mask" else base.to(dtype).clone()
+            if device is not None:
+                t = t.to(device)
+            if inp.role == "grad":
+                t.requires_grad_(True)
+            mine.append(t)
+            args.append(_view(inp, t))
+        leaves.append(mine)
+    flat = list(fn(*args))
+    outs_per, k = [], 0
+    for prog in progs:
+        outs_per.append(flat[k : k + len(prog.outputs)])
+        k += len(prog.outputs)
+    if k != len(flat):
+        raise AssertionError(f"the batch returned {len(flat)} outputs, its programs {k}")
     loss = None
-    for o, c in zip(main, data.cots):
-        if o.requires_grad:
-            term = (o * c.to(dtype).to(o.device)).sum()
-            loss = term if loss is None else loss + term
-    grads: list[torch.Tensor | None] = [None] * len(grad_leaves)
+    all_grad_leaves: list[torch.Tensor] = []
+    for prog, data, outs, mine in zip(progs, datas, outs_per, leaves):
+        n_bufs = sum(1 for i in prog.inputs if i.role == "buf" and i.name in prog.outputs)
+        main = outs[: len(outs) - n_bufs]
+        if data.cots is None:
+            g = torch.Generator().manual_seed(len(main))
+            data.cots = [torch.randn(tuple(o.shape), generator=g) for o in main]
+        grad_leaves = [t for t, i in zip(mine, prog.inputs) if i.role == "grad"]
+        metas.append((len(all_grad_leaves), len(grad_leaves)))
+        all_grad_leaves += grad_leaves
+        for o, c in zip(main, data.cots):
+            if o.requires_grad:
+                term = (o * c.to(dtype).to(o.device)).sum()
+                loss = term if loss is None else loss + term
+    grads: list[torch.Tensor | None] = [None] * len(all_grad_leaves)
     if loss is not None:
-        grads = list(torch.autograd.grad(loss, grad_leaves, allow_unused=True))
-    bufs = [t for t, i in zip(leaves, prog.inputs) if i.role == "buf"]
+        grads = list(torch.autograd.grad(loss, all_grad_leaves, allow_unused=True))
     if after is not None:
         after()
-    cpu = lambda t: None if t is None else t.detach().to("cpu")  # noqa: E731
-    return Result([cpu(o) for o in outs], [cpu(g) for g in grads], [cpu(b) for b in bufs])
+    cpu = lambda t: None if t is None else t.detach().to("cpu")
+    results = []
+    for prog, outs, mine, (g0, ng) in zip(progs, outs_per, leaves, metas):
+        bufs = [t for t, i in zip(mine, prog.inputs) if i.role == "buf"]
+        results.append(
+            Result(
+                [cpu(o) for o in outs],
+                [cpu(g) for g in grads[g0 : g0 + ng]],
+                [cpu(b) for b in bufs],
+            )
+        )
+    return results
 
 
 def compare(what: str, got: Result, ref32: Result, ref64: Result) -> list[str]:
@@ -184,7 +240,7 @@ def _compare_one(g: Any, e: Any, r: Any) -> str | None:
         # measured against float64: Kiln's error at most SLACK times float32 eager's own, over
         # the tensor (root mean square and worst element), as Inductor's fp64-reference check
         ke, ee = (g - r).abs(), (e - r).abs()
-        rms = lambda t: float(t.square().mean().sqrt())  # noqa: E731
+        rms = lambda t: float(t.square().mean().sqrt())
         if rms(ke) <= SLACK * rms(ee) + ATOL and float(ke.max()) <= SLACK * float(ee.max()) + (
             ATOL + RTOL * float(r.abs().max())
         ):

@@ -14,8 +14,9 @@ The program is rendered as source (``Program.source``) so that a failure prints 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from hypothesis import strategies as st
 

@@ -1,16 +1,31 @@
 """Differential fuzzer: random small programs, compile mode and the lazy device against eager.
 
-CI runs a fixed-seed, small budget (``KILN_TEST_FUZZ_EXAMPLES``, default 25 programs).  The long
-run is one command (the kernel cache in a fixed folder makes programs that differ only in shapes
-or constants reuse their compiled kernels across runs)::
+CI runs a fixed-seed, small budget (``KILN_TEST_FUZZ_EXAMPLES``, default 25 programs), one
+program per graph.  The long run is one command; it checks programs in batches
+(``KILN_TEST_FUZZ_BATCH``), since compiling one program costs a Dynamo trace, an AOTAutograd
+trace and a g++ build of its own, and most of that is fixed cost per graph::
 
-    KILN_TEST_FUZZ_EXAMPLES=20000 KILN_TEST_FUZZ_LOG=fuzz.jsonl KILN_CACHE_DIR=~/.cache/kiln-fuzz \
-        .venv/bin/python -m pytest -q -p no:cacheprovider tests/fuzz
+    KILN_TEST_FUZZ_EXAMPLES=20000 KILN_TEST_FUZZ_BATCH=48 KILN_TEST_FUZZ_LOG=fuzz.jsonl \
+        KILN_CACHE_DIR=~/.cache/kiln-fuzz .venv/bin/python -m pytest -q -p no:cacheprovider tests/fuzz
+
+A batch is one function that runs its programs side by side (each program's own arguments and
+outputs), compiled as one graph per mode; every program's outputs, gradients and updated inputs
+are compared with its own eager run (float32 and float64, each program alone), exactly as for a
+single program.  What batching changes: the programs of a batch share one graph, so Kiln's passes
+may fuse kernels or eliminate common subexpressions across them and a kernel may hold pieces of
+several programs; that checks more than one program per graph does, not less, but it is a
+different graph from the single program's.  A batch that fails in a mode (a mismatch, an error, or
+a whole graph left to ATen, which would hide its programs from Kiln) is bisected, half batches
+down to single programs, so every mismatch is reported against the one program at fault (with its
+data seed, to rerun it alone); a failure seen only in a batch is logged as ``batch_only`` with
+the smallest batch that shows it.  Batches do not shrink; ``python tests/fuzz/replay.py LOG``
+reruns every logged program (or batch) alone.
 
 With ``KILN_TEST_FUZZ_LOG`` set, a mismatch is written to that file (program source, inputs,
 what differed) and the run goes on; without it the first mismatch fails the test and hypothesis
-shrinks it to a minimal program.  ``KILN_TEST_FUZZ_SEED`` picks another fixed seed; the count of
-programs run is printed at the end and logged.
+shrinks it to a minimal program.  ``KILN_TEST_FUZZ_SEED`` picks another fixed seed;
+``KILN_TEST_FUZZ_MODES`` (``compile,lazy``) the modes.  The count of programs run and the seconds
+spent per phase are printed at the end and logged.
 """
 
 from __future__ import annotations
@@ -18,13 +33,24 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import pytest
 import torch
-from fuzz_harness import compare, make_data, make_function, run
+from fuzz_harness import (
+    Data,
+    Result,
+    compare,
+    make_batch_function,
+    make_data,
+    make_function,
+    run,
+    run_many,
+)
+from fuzz_programs import Program, programs
 from hypothesis import HealthCheck, given, reject, seed, settings
 from hypothesis import strategies as st
-from fuzz_programs import Program, programs
 
 import kiln
 from kiln import metrics
@@ -33,9 +59,24 @@ EXAMPLES = int(os.environ.get("KILN_TEST_FUZZ_EXAMPLES", "25"))
 SEED = int(os.environ.get("KILN_TEST_FUZZ_SEED", "20261130"))
 LOG = os.environ.get("KILN_TEST_FUZZ_LOG", "")
 MODES = os.environ.get("KILN_TEST_FUZZ_MODES", "compile,lazy").split(",")
+BATCH = max(1, int(os.environ.get("KILN_TEST_FUZZ_BATCH", "1")))
 
-STATS = {"programs": 0, "rejected": 0, "mismatches": 0, "compile_fallbacks": 0}
+STATS = {
+    "programs": 0,  # programs eager accepted, each checked in every mode of MODES
+    "rejected": 0,
+    "mismatches": 0,  # programs with a mismatch (any mode)
+    "batch_only": 0,  # batches that failed while none of their programs fails alone
+    "batch_reruns": 0,  # (batch, mode) pairs re-run program by program
+    "compile_fallbacks": 0,
+    "eager_s": 0.0,  # seconds spent per phase (references, then each mode incl. re-runs)
+    "compile_s": 0.0,
+    "lazy_s": 0.0,
+}
 _t0 = time.time()
+
+
+def _rounded() -> dict:
+    return {k: round(v, 1) if isinstance(v, float) else v for k, v in STATS.items()}
 
 
 def _log(record: dict) -> None:
@@ -44,59 +85,142 @@ def _log(record: dict) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-def check_program(prog: Program, data_seed: int) -> list[str]:
-    """Run ``prog`` eagerly (float32, float64), compiled and lazily; the mismatches found."""
+@dataclass
+class Case:
+    prog: Program
+    data_seed: int
+    fn: Callable
+    data: Data
+    e32: Result
+    e64: Result
+
+
+def _prepare(prog: Program, data_seed: int) -> Case | None:
+    """Eager float32 and float64 references; None when eager refuses the program (e.g. autograd:
+    a value saved for backward was updated in place): not a program the fuzzer checks."""
+    t0 = time.perf_counter()
     fn = make_function(prog)
     data = make_data(prog, data_seed)
     try:
         e32 = run(prog, fn, data)
         e64 = run(prog, fn, data, torch.float64)
     except (RuntimeError, IndexError, ValueError):
-        # eager refuses the program (e.g. autograd: a value saved for backward was updated in
-        # place): not a program the fuzzer checks
-        STATS["rejected"] += 1
-        reject()
-    STATS["programs"] += 1
-    bad: list[str] = []
-    if "compile" in MODES:
-        torch._dynamo.reset()
-        fb = sum(metrics.counters()["fallbacks"].values())
-        try:
-            got = run(prog, torch.compile(fn, backend="kiln", fullgraph=True), data)
-            bad += compare("compile", got, e32, e64)
-        except Exception as e:  # noqa: BLE001 - any error where eager works is a finding
-            bad.append(f"compile: raised {type(e).__name__}: {str(e)[:400]}")
-        STATS["compile_fallbacks"] += sum(metrics.counters()["fallbacks"].values()) - fb
-    if "lazy" in MODES:
-        try:
-            got = run(prog, fn, data, device=kiln.device(), after=kiln.mark_step)
-            bad += compare("lazy", got, e32, e64)
-        except Exception as e:  # noqa: BLE001
-            bad.append(f"lazy: raised {type(e).__name__}: {str(e)[:400]}")
-    if bad:
-        STATS["mismatches"] += 1
-    if STATS["programs"] % 50 == 0 or bad:
-        _log({"stats": dict(STATS), "seconds": round(time.time() - _t0, 1)})
-    if bad:
-        _log({"mismatch": bad, "program": prog.describe(), "data_seed": data_seed})
+        return None
+    finally:
+        STATS["eager_s"] += time.perf_counter() - t0
+    return Case(prog, data_seed, fn, data, e32, e64)
+
+
+def _graph_fallbacks() -> int:
+    return sum(v for k, v in metrics.counters()["fallbacks"].items() if k.startswith("graph:"))
+
+
+def _check_mode(mode: str, cases: list[Case]) -> tuple[list[list[str]], bool]:
+    """Run ``cases`` in ``mode`` (several: as one batch function, one graph); per case, what
+    differed from eager, and whether a whole graph went to ATen (Kiln checked nothing of it)."""
+    progs, datas = [c.prog for c in cases], [c.data for c in cases]
+    fn = cases[0].fn if len(cases) == 1 else make_batch_function(progs)
+    gfb = _graph_fallbacks()
+    try:
+        if mode == "compile":
+            torch._dynamo.reset()
+            fb = sum(metrics.counters()["fallbacks"].values())
+            got = run_many(progs, torch.compile(fn, backend="kiln", fullgraph=True), datas)
+            STATS["compile_fallbacks"] += sum(metrics.counters()["fallbacks"].values()) - fb
+        else:
+            got = run_many(progs, fn, datas, device=kiln.device(), after=kiln.mark_step)
+    except Exception as e:  # noqa: BLE001 - any error where eager works is a finding
+        return [[f"{mode}: raised {type(e).__name__}: {str(e)[:400]}"] for _ in cases], False
+    bad = [compare(mode, g, c.e32, c.e64) for g, c in zip(got, cases)]
+    return bad, _graph_fallbacks() > gfb
+
+
+def _bisect(mode: str, cases: list[Case], got: list[list[str]]) -> list[list[str]]:
+    """``cases`` failed together in ``mode`` (``got``: a mismatch, an error, or a whole graph
+    left to ATen): re-run each half as a batch, recursively, down to the programs at fault (a
+    program whose batch went to ATen is so checked by Kiln after all).  A failure that vanishes
+    when its batch is split is logged as ``batch_only`` with the smallest batch that shows it."""
+    if len(cases) == 1:
+        return got
+    mid = len(cases) // 2
+    out: list[list[str]] = []
+    for part in (cases[:mid], cases[mid:]):
+        g, whole_fallback = _check_mode(mode, part)
+        out += _bisect(mode, part, g) if any(g) or whole_fallback else g
+    if any(got) and not any(out):
+        STATS["batch_only"] += 1
+        _log(
+            {
+                "batch_only": sorted({m for b in got for m in b})[:20],
+                "programs": [c.prog.describe() for c in cases],
+                "specs": [asdict(c.prog) for c in cases],
+                "data_seeds": [c.data_seed for c in cases],
+            }
+        )
+    return out
+
+
+def check_cases(cases: list[Case]) -> list[list[str]]:
+    """Check ``cases`` in every mode, as one batch (one graph per mode); per case, the
+    mismatches found.  A batch that fails is bisected (:func:`_bisect`) to name the programs at
+    fault."""
+    bad: list[list[str]] = [[] for _ in cases]
+    for mode in MODES:
+        t0 = time.perf_counter()
+        got, whole_fallback = _check_mode(mode, cases)
+        if len(cases) > 1 and (whole_fallback or any(got)):
+            STATS["batch_reruns"] += 1
+            got = _bisect(mode, cases, got)
+        for b, g in zip(bad, got):
+            b += g
+        STATS[f"{mode}_s"] += time.perf_counter() - t0
+    STATS["programs"] += len(cases)
+    for c, b in zip(cases, bad):
+        if b:
+            STATS["mismatches"] += 1
+            _log(
+                {
+                    "mismatch": b,
+                    "program": c.prog.describe(),
+                    "spec": asdict(c.prog),
+                    "data_seed": c.data_seed,
+                }
+            )
+    if STATS["programs"] // 50 != (STATS["programs"] - len(cases)) // 50 or any(bad):
+        _log({"stats": _rounded(), "seconds": round(time.time() - _t0, 1)})
     return bad
+
+
+def _batches(strategy: st.SearchStrategy) -> st.SearchStrategy:
+    """BATCH draws of ``strategy`` (one: the same draws as a plain ``strategy``, so the CI seed
+    keeps its programs)."""
+    if BATCH == 1:
+        return strategy.map(lambda x: [x])
+    return st.lists(strategy, min_size=BATCH, max_size=BATCH)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @seed(SEED)
 @settings(
-    max_examples=EXAMPLES,
+    max_examples=-(-EXAMPLES // BATCH),
     deadline=None,
     database=None,
     derandomize=False,
     suppress_health_check=list(HealthCheck),
     print_blob=True,
 )
-@given(prog=programs(), data_seed=st.integers(0, 2**16))
-def test_random_programs_match_eager(prog: Program, data_seed: int) -> None:
-    bad = check_program(prog, data_seed)
-    if bad and not LOG:
-        raise AssertionError("\n".join(bad) + "\n" + prog.describe())
+@given(progs=_batches(programs()), data_seeds=_batches(st.integers(0, 2**16)))
+def test_random_programs_match_eager(progs: list[Program], data_seeds: list[int]) -> None:
+    cases = [_prepare(p, s) for p, s in zip(progs, data_seeds)]
+    STATS["rejected"] += sum(c is None for c in cases)
+    cases = [c for c in cases if c is not None]
+    if not cases:
+        reject()
+    bad = check_cases(cases)
+    if any(bad) and not LOG:
+        raise AssertionError(
+            "\n\n".join("\n".join(b) + "\n" + c.prog.describe() for b, c in zip(bad, cases) if b)
+        )
 
 
 def test_zz_fuzz_summary(capsys) -> None:
@@ -104,7 +228,7 @@ def test_zz_fuzz_summary(capsys) -> None:
     (a generator that only makes programs eager refuses would check nothing)."""
     if STATS["programs"] + STATS["rejected"] == 0:
         pytest.skip("the fuzz test did not run in this session (selected alone)")
-    _log({"final": dict(STATS), "seconds": round(time.time() - _t0, 1)})
+    _log({"final": _rounded(), "seconds": round(time.time() - _t0, 1)})
     with capsys.disabled():
-        print(f"\nfuzz: {STATS} in {time.time() - _t0:.0f} s")
+        print(f"\nfuzz: {_rounded()} in {time.time() - _t0:.0f} s")
     assert STATS["programs"] >= max(1, EXAMPLES // 2), STATS
