@@ -10,7 +10,6 @@ backend's build (:mod:`kiln.codegen`: generated C++ kernels, or the reference in
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -110,18 +109,6 @@ def _seeded(run: Callable, seed_index: int) -> Callable:
             return run(inputs)
 
     return seeded
-
-
-def stop_after_max_steps() -> None:
-    """``KILN_MAX_STEPS`` (set by ``kiln precompile`` / ``kiln explain``): end the process cleanly
-    once that many steps have run; the compile cache already holds every graph they needed."""
-    print(
-        f"[kiln] stopping after {config.max_steps} steps (KILN_MAX_STEPS): "
-        f"{metrics.get('graphs_compiled')} graphs compiled, "
-        f"{metrics.get('cache_hits_disk')} loaded from the disk cache",
-        file=sys.stderr,
-    )
-    raise SystemExit(0)
 
 
 def executables() -> list[Executable]:

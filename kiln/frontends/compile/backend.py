@@ -21,48 +21,37 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from kiln import metrics
-from kiln.config import config
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.ir.ops import keep_whole_ops
 from kiln.runtime import steps
-from kiln.runtime.compiler import compile_graph, stop_after_max_steps
+from kiln.runtime.compiler import compile_graph
+from kiln.runtime.steps import Recompiles, Signature, call_site, stack_trace_frames
 
-_last_shapes: dict[str, list] = {}
+_recompiles = Recompiles()
 
 
 def _site(gm: torch.fx.GraphModule) -> str:
+    """The user's line the graph comes from (its first node with a stack trace)."""
     for n in gm.graph.nodes:
         st = n.meta.get("stack_trace")
-        if st:
-            lines = [ln.strip() for ln in st.strip().splitlines() if ln.strip().startswith("File")]
-            if lines:
-                return "compile:" + lines[-1].replace("File ", "").split(", in ")[0]
+        site = call_site("compile", stack_trace_frames(st)) if st else None
+        if site is not None:
+            return site
     return f"compile:{gm.__class__.__name__}"
 
 
-def _note_recompile(site: str, example_inputs: list) -> None:
-    shapes = [
-        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
-        for x in example_inputs
-    ]
-    prev = _last_shapes.get(site)
-    _last_shapes[site] = shapes
-    if prev is None:
-        return
-    if len(prev) != len(shapes):
-        reason = f"number of inputs changed {len(prev)} -> {len(shapes)}"
-    else:
-        diffs = [i for i, (a, b) in enumerate(zip(prev, shapes)) if a != b]
-        if not diffs:
-            return  # same signature: a different graph at the same site, not a recompile
-        i = diffs[0]
-        reason = f"input {i} changed {prev[i]} -> {shapes[i]}"
-    metrics.recompile(site, reason, config.recompile_warn)
+def _signature(example_inputs: list) -> Signature:
+    return Signature(
+        tuple(
+            (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
+            for x in example_inputs
+        )
+    )
 
 
 def _kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-    site = _site(gm)
-    _note_recompile(site + f"#{len(example_inputs)}", example_inputs)
+    # a different graph with the same input signature at one site is not a recompile
+    _recompiles.seen(_site(gm) + f"#{len(example_inputs)}", _signature(example_inputs))
     try:
         g, out_spec = fx_to_kiln(gm)
     except UnsupportedGraph as e:
@@ -75,13 +64,10 @@ def _kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     kinds = [k for k, _ in out_spec]
     idx = [v for _, v in out_spec]
 
-    runs = [0]
+    runs: list = []  # identifies this graph's runs to kiln.runtime.steps
 
     def run(args: list) -> list:
-        steps.graph_run(runs)  # step boundaries (kiln.runtime.steps)
-        if config.max_steps and runs[0] >= config.max_steps:
-            stop_after_max_steps()
-        runs[0] += 1
+        steps.graph_run(runs)  # step boundaries and KILN_MAX_STEPS (kiln.runtime.steps)
         t0 = time.perf_counter()
         outs = exe(args)
         args.clear()

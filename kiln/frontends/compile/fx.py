@@ -21,6 +21,7 @@ import torch.fx
 from kiln.ir.graph import Graph, GraphBuilder, In, Node
 from kiln.lowering.aten import Ref, lower_call
 from kiln.ir.semantics import PYOPS, types_of, value_type
+from kiln.runtime.writebacks import Update, add_writebacks
 
 _PYOP_NAMES = {v: k for k, v in PYOPS.items()}
 _PYOP_NAMES.update({operator.mul: "mul", operator.add: "add", operator.sub: "sub"})
@@ -132,7 +133,7 @@ def _storage(v: Any) -> Any:
 
 
 def _writebacks(b: GraphBuilder, env: dict, pending: list, gm: torch.fx.GraphModule) -> None:
-    """Emit the collected input updates, cloning sources that alias a graph input first."""
+    """Emit the collected input updates (sources that alias a graph input are cloned first)."""
     if not pending:
         return
     inputs = {
@@ -140,13 +141,8 @@ def _writebacks(b: GraphBuilder, env: dict, pending: list, gm: torch.fx.GraphMod
         for p in gm.graph.nodes
         if p.op == "placeholder" and isinstance(p.meta.get("val"), torch.Tensor)
     }
-    srcs = []
-    for _, src in pending:
-        s = env[src]
+    updates = []
+    for dst, src in pending:
         st = _storage(src.meta["val"])
-        if st is None or st in inputs:
-            t = b.nodes[s].types
-            s = b.add(Node("clone.default", (s,), (In(0),), (), t))
-        srcs.append(s)
-    for (dst, _), s in zip(pending, srcs):
-        b.add(Node("writeback", (env[dst], s), (In(0), In(1)), (), b.nodes[env[dst]].types))
+        updates.append(Update(env[dst], env[src], fresh=st is not None and st not in inputs))
+    add_writebacks(b, updates, clone_aliased=True)

@@ -10,7 +10,6 @@ loop compiles nothing after its first step), run, and every live storage gets it
 from __future__ import annotations
 
 import hashlib
-import sys
 import gc
 import threading
 import time
@@ -25,14 +24,14 @@ from kiln.frontends.lazy.memory import track, update_peak
 from kiln.ir.graph import (
     Graph,
     GraphBuilder,
-    In,
     Node,
     TensorType,
     canonical_text,
     tensor_digest,
 )
 from kiln.runtime.compiler import compile_graph
-from kiln.runtime.steps import lazy_step_end
+from kiln.runtime.steps import Recompiles, Signature, call_site, python_frames, step_end
+from kiln.runtime.writebacks import Update, add_writebacks
 from kiln.ir.ops import fresh_buffer
 from kiln.ir.semantics import types_of
 
@@ -109,7 +108,7 @@ class Trace:
 
 _lock = threading.RLock()
 _trace = Trace(0)
-_last_graph: dict[str, Graph] = {}
+_recompiles = Recompiles()
 
 
 def current() -> Trace:
@@ -134,15 +133,6 @@ def rng_rewind(state: torch.Tensor) -> None:
             _trace.replay = mark[1]
         else:
             _trace.replay = None
-
-
-def _site() -> str:
-    f = sys._getframe(1)
-    while f is not None and ("/kiln/" in f.f_code.co_filename or "torch/" in f.f_code.co_filename):
-        f = f.f_back
-    if f is None:
-        return "lazy:<unknown>"
-    return f"lazy:{f.f_code.co_filename}:{f.f_lineno}"
 
 
 def _prune(tr: Trace, outs: list[int]) -> tuple[Graph, list[Any]]:
@@ -205,35 +195,25 @@ def _prune_uncached(tr: Trace, outs: list[int]) -> tuple[Graph, list[int]]:
     return g, picks
 
 
-def _recompile_reason(prev: Graph, g: Graph) -> str:
-    pi = [prev.nodes[i].types[0] for i in prev.inputs]
-    gi = [g.nodes[i].types[0] for i in g.inputs]
-    for k, (a, b) in enumerate(zip(pi, gi)):
-        if a != b:
-            return f"input {k} changed {a} -> {b}"
-    if len(pi) != len(gi):
-        return f"number of inputs changed {len(pi)} -> {len(gi)}"
-    return f"graph structure changed ({len(prev)} -> {len(g)} nodes)"
-
-
-def _donate(tr: Trace, st: Storage) -> int:
-    """The output node for live storage ``st``: its new value, or -- when the storage came into
-    this trace as an input and its new value is freshly computed -- a ``writeback`` of that value
-    into the input's buffer, so that the memory planner can let the kernel update the buffer in
-    place (parameters and optimizer state: no new buffers each step).  A value that aliases some
-    input (a view, or an input itself) stays a plain output: writebacks run in order at the end
-    and must not read a buffer another one has overwritten."""
-    if st.imported is None or st.imported[0] != tr.gen or st.imported[1] == st.node:
-        return st.node
-    dst, src = st.imported[1], st.node
-    n = tr.b.nodes[src]
-    if (
-        len(n.types) != 1
-        or n.types[0] != tr.b.nodes[dst].types[0]
-        or not fresh_buffer(n.op, n.category)
-    ):
-        return st.node
-    return tr.add(Node("writeback", (dst, src), (In(0), In(1)), (), tr.b.nodes[dst].types))
+def _outputs(tr: Trace, live: list[Storage]) -> list[int]:
+    """The output node of each live storage: its new value, or -- when the storage came into this
+    trace as an input and its new value is freshly computed -- a ``writeback`` of that value into
+    the input's buffer (:mod:`kiln.runtime.writebacks`: parameters and optimizer state updated in
+    place, no new buffers each step).  A value that may alias some input (a view, or an input
+    itself) stays a plain output: the storage takes it as its new buffer."""
+    outs: list[int] = [st.node for st in live]  # type: ignore[misc]
+    updates: list[Update] = []
+    where: list[int] = []
+    for k, st in enumerate(live):
+        if st.imported is None or st.imported[0] != tr.gen or st.imported[1] == st.node:
+            continue
+        n = tr.b.nodes[st.node]  # type: ignore[index]
+        updates.append(Update(st.imported[1], st.node, fresh_buffer(n.op, n.category)))  # type: ignore[arg-type]
+        where.append(k)
+    for k, wb in zip(where, add_writebacks(tr.b, updates, clone_aliased=False)):
+        if wb is not None:
+            outs[k] = wb
+    return outs
 
 
 def _settle_heap() -> None:
@@ -281,21 +261,19 @@ def sync(reason: str | None = None) -> None:
         if reason is not None and reason != "eager":
             metrics.forced_sync(reason)
         live.sort(key=lambda s: s.node)
-        outs = [_donate(tr, st) for st in live]
+        outs = _outputs(tr, live)
         g, values = _prune(tr, outs)
         metrics.traced(time.perf_counter() - tr.t0)
         if tr.seed_node is not None:
             seed_idx = next((n.kwarg("index") for n in g.nodes if n.kwarg("role") == "seed"), None)
             if seed_idx is not None:
                 values[seed_idx] = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-        site = _site()
+        site = call_site("lazy", python_frames()) or "lazy:<unknown>"
         before = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
         exe = compile_graph(g)
         after = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
-        prev = _last_graph.get(site)
-        if after > before and prev is not None and prev.hash != g.hash:
-            metrics.recompile(site, _recompile_reason(prev, g), config.recompile_warn)
-        _last_graph[site] = g
+        inputs = tuple(g.nodes[i].types[0] for i in g.inputs)
+        _recompiles.seen(site, Signature(inputs, g.hash, len(g)), compiled=after > before)
         t0 = time.perf_counter()
         results = exe(values)
         metrics.executed(time.perf_counter() - t0)
@@ -316,7 +294,7 @@ def sync(reason: str | None = None) -> None:
         _settle_heap()
     metrics.open_span("record", "kiln::record")
     if reason is None:
-        lazy_step_end(metrics.get("mark_steps"))
+        step_end(metrics.get("mark_steps"))
 
 
 def out_types(meta: Any) -> tuple[TensorType | None, ...]:
