@@ -14,7 +14,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ClassVar, Sequence
 
 
 class ConfigError(ValueError):
@@ -50,7 +50,7 @@ class Config:
     eager: bool = False  # lazy device runs every op at once (KILN_EAGER=1)
     cache_dir: str = field(default_factory=_default_cache_dir)  # persistent compile cache
     disk_cache: bool = True  # use the persistent cache at all
-    backend: str = "cpp"  # "cpp" (generated C++ kernels) or "interpreter" (ATen reference)
+    backend: str = "cpp"  # a registered backend (kiln.codegen): "cpp" (C++ kernels), "interpreter"
     disable_passes: str = ""  # comma-separated pass names to switch off
     log: str = ""  # comma-separated: "graphs", "passes", "kernels", "recompiles", "fallbacks"
     recompile_warn: int = 4  # warn when one call site compiles more graphs than this
@@ -68,9 +68,18 @@ class Config:
     profile_steps: int = 3  # steps the profile records
     profile_skip: int = 0  # steps run before the profile starts recording (0: from import)
 
-    _CHOICES = {"backend": ("cpp", "interpreter")}
+    # key -> the function that lists its valid values, registered by the layer that owns them (the
+    # backend registry registers "backend"), so that this module imports nothing from above.  A
+    # value read before its choices are registered (KILN_BACKEND, read when kiln.config is first
+    # imported) is checked where it is used (kiln.codegen.base.get_backend).
+    _CHOICES: ClassVar[dict[str, Callable[[], Sequence[str]]]] = {}
     _MINIMUM = {"profile_steps": 1, "profile_skip": 0}
     _LOG_CHOICES = ("graphs", "passes", "kernels", "recompiles", "fallbacks", "all")
+
+    @classmethod
+    def register_choices(cls, key: str, valid: Callable[[], Sequence[str]]) -> None:
+        """Values of ``key`` must be among ``valid()`` from now on."""
+        cls._CHOICES[key] = valid
 
     @classmethod
     def names(cls) -> list[str]:
@@ -92,10 +101,9 @@ class Config:
             raise ConfigError(f"config {k!r} must be an int, got {v!r}")
         if k in self._MINIMUM and v < self._MINIMUM[k]:
             raise ConfigError(f"config {k!r} must be at least {self._MINIMUM[k]}, got {v!r}")
-        if k in self._CHOICES and v not in self._CHOICES[k]:
-            raise ConfigError(
-                f"config {k!r} must be one of {', '.join(self._CHOICES[k])}; got {v!r}"
-            )
+        choices = self._CHOICES.get(k)
+        if choices is not None and v not in choices():
+            raise ConfigError(f"config {k!r} must be one of {', '.join(choices())}; got {v!r}")
         if k == "log" and v:
             for part in v.split(","):
                 if part not in self._LOG_CHOICES:

@@ -37,3 +37,22 @@ def test_good_env_values():
 def test_type_checked_update():
     with pytest.raises(ConfigError, match="config 'checks' must be True or False"):
         kiln.config.update(checks="yes")
+
+
+def test_backend_choices_come_from_the_backend_registry():
+    from kiln.codegen import Backend, get_backend, register_backend
+    from kiln.codegen.base import unregister_backend
+    from kiln.codegen.interpreter import build
+
+    with pytest.raises(ConfigError, match="'backend' must be one of cpp, interpreter; got 'tiny'"):
+        kiln.config.update(backend="tiny")
+    register_backend(Backend("tiny", build))
+    saved = kiln.config.backend
+    try:
+        kiln.config.update(backend="tiny")  # a registered backend is a valid value at once
+        assert from_env({"KILN_BACKEND": "tiny"}).backend == "tiny"
+    finally:
+        kiln.config.update(backend=saved)
+        unregister_backend("tiny")
+    with pytest.raises(ConfigError, match="no Kiln backend named 'tiny'; registered: cpp, interp"):
+        get_backend("tiny")  # e.g. KILN_BACKEND read before the registry was

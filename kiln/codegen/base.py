@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from kiln.config import Config, ConfigError
 from kiln.ir.graph import Graph
 
 Pass = Callable[[Graph], Graph]
@@ -46,12 +47,16 @@ def unregister_backend(name: str) -> None:
 def get_backend(name: str) -> Backend:
     b = _BACKENDS.get(name)
     if b is None:
-        raise KeyError(
+        raise ConfigError(
             f"no Kiln backend named {name!r}; registered: {', '.join(sorted(_BACKENDS))} "
-            "(set KILN_BACKEND / kiln.config.backend to one of them)"
+            "(set KILN_BACKEND / kiln.config.backend to one of them, or import the package that "
+            "registers it first)"
         )
     return b
 
 
 def backend_names() -> list[str]:
     return sorted(_BACKENDS)
+
+
+Config.register_choices("backend", backend_names)  # config.backend: a registered backend

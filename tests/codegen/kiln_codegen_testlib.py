@@ -9,7 +9,7 @@ import torch
 from kiln.codegen.cpp import build
 from kiln.ir.graph import Graph, GraphBuilder, Node, TensorType
 from kiln.passes.fuse import fuse
-from kiln.runtime.interpreter import Interpreter
+from kiln.codegen.interpreter import Interpreter
 
 F32 = torch.float32
 

@@ -12,7 +12,7 @@ import kiln
 from kiln import metrics
 from kiln.codegen.cpp import build
 from kiln.ir.graph import GraphBuilder, In, Node, TensorType
-from kiln.runtime.interpreter import Interpreter
+from kiln.codegen.interpreter import Interpreter
 
 F32 = torch.float32
 

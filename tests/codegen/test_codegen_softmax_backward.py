@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import kiln
 from kiln.codegen.cpp import build
 from kiln.ir.graph import GraphBuilder, In, Node, TensorType
-from kiln.runtime.interpreter import Interpreter
+from kiln.codegen.interpreter import Interpreter
 
 F32 = torch.float32
 

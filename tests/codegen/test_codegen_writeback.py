@@ -15,7 +15,7 @@ from kiln.codegen.cpp import build
 from kiln.ir.graph import GraphBuilder, In, Node
 from kiln.passes.fuse import fuse
 from kiln.passes.memory_plan import memory_plan
-from kiln.runtime.interpreter import Interpreter
+from kiln.codegen.interpreter import Interpreter
 
 
 def _update_graph(read_old_later: bool = False):

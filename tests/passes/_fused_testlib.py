@@ -11,7 +11,7 @@ from _passes_testlib import example_inputs
 
 from kiln.codegen.cpp import build
 from kiln.ir import Graph, verify
-from kiln.runtime.interpreter import Interpreter
+from kiln.codegen.interpreter import Interpreter
 
 
 def check_codegen_pass(

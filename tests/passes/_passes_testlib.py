@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from kiln.frontends.compile.fx import fx_to_kiln
 from kiln.ir import Graph, GraphBuilder, In, Node, TensorType, verify
-from kiln.runtime.interpreter import Interpreter
+from kiln.codegen.interpreter import Interpreter
 
 
 def capture(fn: Callable, *example: torch.Tensor, decompose: bool = True) -> Graph:

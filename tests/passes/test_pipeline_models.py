@@ -19,7 +19,7 @@ from kiln.config import config
 from kiln.ir import verify
 from kiln.passes.pipeline import PIPELINE_NAMES, run_pipeline
 from kiln.runtime.compiler import clear_memory_cache
-from kiln.runtime.interpreter import Interpreter
+from kiln.codegen.interpreter import Interpreter
 
 _SETTINGS = ("backend", "disk_cache", "checks", "disable_passes")
 # The graph-optimization passes under test.  Codegen passes after them (``fuse``) make nodes only

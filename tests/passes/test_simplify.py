@@ -102,7 +102,7 @@ def test_unsafe_rewrites_are_not_done():
     g = capture(f, torch.randn(4))
     out = check_pass(simplify, g, str(g))
     x = torch.tensor([float("inf"), float("nan"), 1.0, -2.0])
-    from kiln.runtime.interpreter import Interpreter
+    from kiln.codegen.interpreter import Interpreter
 
     torch.testing.assert_close(Interpreter(out)([x])[0], f(x)[0], equal_nan=True)
 
