@@ -49,7 +49,7 @@ from fuzz_harness import (
     run_many,
 )
 from fuzz_programs import Program, programs
-from hypothesis import HealthCheck, given, reject, seed, settings
+from hypothesis import HealthCheck, Phase, given, reject, seed, settings
 from hypothesis import strategies as st
 
 import kiln
@@ -208,6 +208,9 @@ def _batches(strategy: st.SearchStrategy) -> st.SearchStrategy:
     derandomize=False,
     suppress_health_check=list(HealthCheck),
     print_blob=True,
+    # a failing batch was already bisected to its programs: shrinking the batch would re-run
+    # dozens of batches for nothing
+    phases=list(Phase) if BATCH == 1 else [Phase.explicit, Phase.generate],
 )
 @given(progs=_batches(programs()), data_seeds=_batches(st.integers(0, 2**16)))
 def test_random_programs_match_eager(progs: list[Program], data_seeds: list[int]) -> None:
