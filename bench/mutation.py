@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -173,33 +175,96 @@ def run_tests(tree: Path, args: list[str], env_extra: dict, timeout: int) -> tup
     return p.returncode == 0, (failed[0] if failed else tail)
 
 
+class Worker:
+    """bench/_mutation_worker.py in a subprocess: many mutants per process (torch, Kiln and the
+    eager reference results are loaded once).  A worker that dies (a mutant that crashes the
+    process, e.g. SIGFPE) or runs past the timeout fails the run (as it would fail CI's pytest)
+    and is replaced."""
+
+    def __init__(self, timeout: int) -> None:
+        self.timeout = timeout
+        self.cache = tempfile.mkdtemp(prefix="kiln_mut_cache_")
+        self.p: subprocess.Popen | None = None
+
+    def _start(self) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), KILN_CACHE_DIR=self.cache)
+        return subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / "_mutation_worker.py")],
+            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True, bufsize=1,
+        )  # fmt: skip
+
+    def run(self, index: int, cases: list[str], modes: list[str]) -> tuple[bool, str]:
+        """True when every test passes (the mutant survives)."""
+        if self.p is None or self.p.poll() is not None:
+            self.p = self._start()
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.write(json.dumps({"index": index, "cases": cases, "modes": modes}) + "\n")
+        self.p.stdin.flush()
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.p.stdout], [], [], max(left, 0))
+            if not ready:
+                self.close()
+                return False, f"timeout after {self.timeout} s (counted as killed)"
+            line = self.p.stdout.readline()
+            if not line:  # the process died
+                rc = self.p.wait()
+                self.p = None
+                return False, f"the test process died (exit {rc}: signal {-rc})" if rc < 0 else (
+                    f"the test process exited ({rc})"
+                )
+            if line.startswith("@@MUT "):
+                r = json.loads(line[6:])
+                if r["why"].startswith("HARNESS ERROR"):
+                    raise RuntimeError(f"mutant {index}: {r['why']}")
+                return r["ok"], r["why"]
+
+    def close(self) -> None:
+        if self.p is not None:
+            self.p.kill()
+            self.p.wait()
+            self.p = None
+
+
 def cmd_formulas(a: argparse.Namespace) -> list[str]:
     muts = formula_mutants()[:: a.every]
-    tree = _scratch()
+    if a.only:
+        muts = [m for m in muts if m.where in a.only.split(",")]
+    if a.index:
+        want = {int(i) for i in a.index.split(",")}
+        muts = [m for m in muts if m.index in want]
+    worker = Worker(a.timeout)
     killed, survivors = 0, []
     t0 = time.perf_counter()
-    ok, why = run_tests(tree, ["tests/kernels", "-k", "lazy"], {}, a.timeout * 4)
+    ok, why = worker.run(-1, [], ["lazy", "compile"])
     if not ok:
         raise RuntimeError(f"the kernel tests fail on the unmutated tree: {why}")
-    for m in muts:
-        (tree / OPS).write_text(m.source)
-        env = {"KILN_TEST_KERNEL_CASES": ",".join(cases_for(m))}
-        ok, why = run_tests(tree, ["tests/kernels", "-k", "lazy"], env, a.timeout)
-        if ok:  # survived lazy: try both modes and the codegen tests
-            ok, why = run_tests(tree, ["tests/kernels", "tests/codegen"], {}, a.timeout * 4)
+    for k, m in enumerate(muts):
+        ok, why = worker.run(m.index, cases_for(m), ["lazy"])
+        if ok:  # survived its cases in lazy mode: every case, both modes
+            ok, why = worker.run(m.index, [], ["lazy", "compile"])
+        if ok and a.confirm:  # still alive: the real pytest in a scratch copy, more CI tests
+            ok, why = confirm(m, a.timeout * 4)
         verdict = "SURVIVED" if ok else "killed by " + why
         print(f"[{m.index}] line {m.line} {m.where}: {m.after}: {verdict}", flush=True)
         if ok:
             survivors.append(m)
         else:
             killed += 1
-    (tree / OPS).write_text((ROOT / OPS).read_text())
-    shutil.rmtree(tree, ignore_errors=True)
+        if (k + 1) % 50 == 0:  # no state left behind by earlier mutants: the tree still passes
+            ok, why = worker.run(-1, [], ["lazy", "compile"])
+            if not ok:
+                raise RuntimeError(f"sanity run failed after mutant {m.index}: {why}")
+    worker.close()
     n = len(muts)
+    sel = f" --every {a.every}" if a.every > 1 else ""
+    sel += f" --only {a.only}" if a.only else ""
     lines = [
         f"## Formula tables ({OPS})",
         "",
-        f"`python bench/mutation.py formulas --every {a.every}`: {n} mutants, {killed} killed, "
+        f"`python bench/mutation.py formulas{sel}`: {n} mutants, {killed} killed, "
         f"{len(survivors)} survived: score {100 * killed / max(n, 1):.1f}% "
         f"({time.perf_counter() - t0:.0f} s).",
         "",
@@ -210,6 +275,17 @@ def cmd_formulas(a: argparse.Namespace) -> list[str]:
             f"| {m.index} | {m.line} | {m.where} | `{m.after}` | `{m.before}` |" for m in survivors
         ]
     return lines
+
+
+def confirm(m: Mutant, timeout: int) -> tuple[bool, str]:
+    """A survivor of the worker, run by pytest over tests/kernels and tests/codegen (both modes)
+    in a scratch copy of the tree holding the mutated ops.py."""
+    tree = _scratch()
+    try:
+        (tree / OPS).write_text(m.source)
+        return run_tests(tree, ["tests/kernels", "tests/codegen"], {}, timeout)
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
 
 
 PLANTED = {
@@ -254,6 +330,42 @@ pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-x"]
 """
 
 
+# Only in the scratch copy of a passes run: mutmut forks each mutant's test process from one that
+# has already run the whole suite (its statistics run), so the compiled graphs and Dynamo frames
+# it holds would be served to the mutant without the passes running at all.
+PASSES_CONFTEST = """
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_state():
+    from kiln.runtime.compiler import clear_memory_cache
+
+    clear_memory_cache()
+    torch._dynamo.reset()
+    yield
+"""
+
+_GENERATE = """
+import os
+from pathlib import Path
+from mutmut.__main__ import (copy_also_copy_files, copy_src_dir, create_mutants,
+    set_mutant_under_test, setup_source_paths, store_lines_covered_by_tests)
+set_mutant_under_test("mutant_generation")
+os.makedirs("mutants", exist_ok=True)
+copy_src_dir(); copy_also_copy_files(); setup_source_paths(); store_lines_covered_by_tests()
+create_mutants(2)
+"""
+
+
+def _mutant_names(tree: Path) -> list[str]:
+    names = []
+    for meta in sorted((tree / "mutants").rglob("*.py.meta")):
+        names += list(json.loads(meta.read_text())["exit_code_by_key"])
+    return sorted(names)
+
+
 def cmd_passes(a: argparse.Namespace) -> list[str]:
     """mutmut over kiln/passes with tests/passes, in a scratch copy whose pyproject.toml names
     those files (the repository's own [tool.mutmut] section is the cluster's)."""
@@ -264,23 +376,41 @@ def cmd_passes(a: argparse.Namespace) -> list[str]:
     py = re.sub(r"\[tool\.mutmut\][^\[]*", "", py)
     py += "\n" + PASSES_MUTMUT.format(files=", ".join(f'"{f}"' for f in files))
     (tree / "pyproject.toml").write_text(py)
-    env = dict(os.environ, KILN_CACHE_DIR=tempfile.mkdtemp(prefix="kiln_mut_cache_"))
-    p = subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=tree, env=env, text=True)
+    (tree / "tests" / "passes" / "conftest.py").write_text(PASSES_CONFTEST)
+    # No persistent graph cache: mutmut keeps every mutant in one trampolined source file, so the
+    # cache key (which hashes the passes' source) is the same for all of them, and a graph
+    # optimized under one mutant (or none) would be served to the next without the passes running.
+    env = dict(
+        os.environ, KILN_CACHE_DIR=tempfile.mkdtemp(prefix="kiln_mut_cache_"), KILN_DISK_CACHE="0"
+    )
+    names: list[str] = []
+    if a.every > 1:  # a deterministic sample: every Nth mutant name, sorted
+        subprocess.run([sys.executable, "-c", _GENERATE], cwd=tree, env=env, check=True)
+        names = _mutant_names(tree)[:: a.every]
+        print(f"sample: {len(names)} mutants", flush=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "mutmut", "run", *names], cwd=tree, env=env, text=True
+    )
     r = subprocess.run(
         [sys.executable, "-m", "mutmut", "results", "--all", "true"],
         cwd=tree, capture_output=True, text=True, env=env,
     )  # fmt: skip
     status = re.findall(r"^\s*(\S+): (\w[\w ]*)$", r.stdout, re.M)
+    if names:
+        want = set(names)
+        status = [(m, s) for m, s in status if m in want]
     counts: dict[str, int] = {}
     for _, s in status:
         counts[s] = counts.get(s, 0) + 1
     n = sum(counts.values())
     killed = counts.get("killed", 0) + counts.get("timeout", 0)
+    sel = f" --every {a.every}" if a.every > 1 else ""
     lines = [
         "## kiln/passes (mutmut)",
         "",
-        f"`python bench/mutation.py passes` (exit {p.returncode}): {n} mutants, {counts}; "
-        f"score {100 * killed / max(n, 1):.1f}% ({time.perf_counter() - t0:.0f} s).",
+        f"`python bench/mutation.py passes{sel}` (exit {p.returncode}): {n} mutants, {counts}; "
+        f"score {100 * killed / max(n, 1):.1f}% ({time.perf_counter() - t0:.0f} s); "
+        f"scratch tree {tree} (`python -m mutmut show NAME` there).",
         "",
     ]
     lines += [f"- `{m}`: {s}" for m, s in status if s not in ("killed", "timeout")]
@@ -293,6 +423,12 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=1, help="run every Nth formula mutant")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per test run")
     ap.add_argument("--report", default="", help="write the report (Markdown) here")
+    ap.add_argument("--only", default="", help="formulas: only mutants of these (comma-separated)")
+    ap.add_argument("--index", default="", help="formulas: only these mutant numbers")
+    ap.add_argument(
+        "--no-confirm", dest="confirm", action="store_false",
+        help="formulas: skip rerunning survivors by pytest over tests/kernels and tests/codegen",
+    )  # fmt: skip
     a = ap.parse_args()
     if a.what == "list":
         for m in formula_mutants():

@@ -1,0 +1,84 @@
+"""Formula paths the batched kernel cases (test_formulas.py) cannot reach, each found by a
+surviving mutant of ``python bench/mutation.py formulas`` (docs/mutation.md):
+
+- ``simplify`` rewrites ``pow(x, 2)`` to ``x * x`` and ``pow(x, 1)`` to ``x`` before code
+  generation, so the formula's own cases for those exponents run only with simplify switched off
+  (``KILN_DISABLE_PASSES=simplify``);
+- ``aten.square`` decomposes to ``pow`` and ``silu_backward`` to sigmoid arithmetic before Kiln
+  sees them, so the ``square.default`` and ``silu_backward.default`` formulas (and PRELUDE's
+  ``kiln_silu_bwd``) run only for a graph that holds the op (built here by hand);
+- lerp switches formula at ``|weight| == 0.5`` exactly, as ATen does; at the overflow edge the
+  two forms give opposite infinities.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kiln
+from kiln.codegen.cpp import build
+from kiln.config import config
+from kiln.ir.graph import GraphBuilder, Node, TensorType
+from kiln.ir.node import In
+from kiln.passes.fuse import fuse
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _cases import grid, values
+
+
+def _lazy(fn, *xs: torch.Tensor) -> torch.Tensor:
+    """``fn`` on the kiln device; the result, and that a generated kernel (no ATen) computed it."""
+    kiln.metrics.reset()
+    out = fn(*(x.to(kiln.device()) for x in xs))
+    kiln.mark_step()
+    counters = kiln.metrics.counters()
+    assert counters.get("fused_kernels", 0) >= 1, counters
+    assert not counters["fallbacks"], counters["fallbacks"]
+    return out.cpu()
+
+
+@pytest.fixture
+def simplify_off():
+    before = config.disable_passes
+    config.update(disable_passes="simplify")
+    try:
+        yield
+    finally:
+        config.update(disable_passes=before)
+
+
+@pytest.mark.parametrize("e", [2, 1])
+def test_pow_special_exponent_without_simplify(e, simplify_off):
+    x = values(64)
+    got = _lazy(lambda t: torch.ops.aten.pow.Tensor_Scalar(t, e), x)
+    torch.testing.assert_close(got, torch.ops.aten.pow.Tensor_Scalar(x, e), equal_nan=True)
+
+
+HAND_BUILT = {
+    "square.default": (lambda: (values(64),), torch.square),
+    "silu_backward.default": (grid, torch.ops.aten.silu_backward.default),
+}
+
+
+@pytest.mark.parametrize("op", sorted(HAND_BUILT))
+def test_formula_on_a_hand_built_graph(op):
+    inputs, ref = HAND_BUILT[op]
+    xs = inputs()
+    b = GraphBuilder()
+    ins = [b.input(TensorType(tuple(x.shape), x.dtype)) for x in xs]
+    args = tuple(In(k) for k in range(len(ins)))
+    out = TensorType(tuple(xs[0].shape), xs[0].dtype)
+    node = b.add(Node(op, tuple(ins), args, (), (out,)))
+    run, info = build(fuse(b.build([node])))
+    assert [k["members"] for k in info["kernels"]] == [[node]], info  # the formula, not ATen
+    torch.testing.assert_close(run(list(xs))[0], ref(*xs), equal_nan=True)
+
+
+def test_lerp_at_weight_one_half():
+    x, e = grid()
+    got = _lazy(lambda a, b: torch.ops.aten.lerp.Scalar(a, b, 0.5), x, e)
+    torch.testing.assert_close(got, torch.lerp(x, e, 0.5), equal_nan=True)
