@@ -52,6 +52,10 @@ except importlib.metadata.PackageNotFoundError:  # run from a source tree that i
     _KILN_VERSION = "source"
 
 
+def kiln_version() -> str:
+    return _KILN_VERSION
+
+
 def cache_key(graph_hash: str, backend: str, options: str = "") -> str:
     """Key of a compiled graph: its structural hash, Kiln's and torch's versions, the compiler's
     code, the backend and the options that change what the pipeline produces."""

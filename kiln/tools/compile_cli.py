@@ -4,7 +4,8 @@
     kiln explain --steps 2 --source -- python train.py
 
 ``precompile`` fills the persistent compile cache (``KILN_CACHE_DIR``) so that a later run, or
-every rank of a distributed job, starts with zero compiles.  ``explain`` prints, for every graph
+every rank of a distributed job, starts with zero compiles (compile mode: with AOTAutograd's
+entries too, so that only Dynamo traces again).  ``explain`` prints, for every graph
 the script compiled, the passes it went through, what was fused into which kernel (optionally with
 the generated C++), and every op that fell back to eager ATen with the reason.
 """
@@ -35,11 +36,16 @@ def precompile(steps: int, cmd: tuple[str, ...]) -> None:
     from kiln.config import config
 
     graphs = Path(config.cache_dir) / "graphs"
+    # compile mode: AOTAutograd's entries (Dynamo graph -> Kiln graphs), kiln.frontends.compile
+    aot = Path(config.cache_dir) / "torch" / "aotautograd"
     before = len(list(graphs.glob("*.kgc"))) if graphs.exists() else 0
+    aot_before = len(list(aot.glob("*/*"))) if aot.exists() else 0
     rc = _run(cmd, {"KILN_MAX_STEPS": str(steps)})
     after = len(list(graphs.glob("*.kgc"))) if graphs.exists() else 0
+    aot_after = len(list(aot.glob("*/*"))) if aot.exists() else 0
     click.echo(
-        f"kiln precompile: {after - before} new graphs in {graphs} ({after} in all); exit {rc}"
+        f"kiln precompile: {after - before} new graphs in {graphs} ({after} in all), "
+        f"{aot_after - aot_before} new AOTAutograd entries ({aot_after} in all); exit {rc}"
     )
     sys.exit(rc)
 

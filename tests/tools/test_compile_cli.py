@@ -71,3 +71,46 @@ def test_precompile_without_a_command_says_how_to_give_one():
     out = _kiln("precompile", env=dict(os.environ))
     assert out.returncode == 2
     assert "give the command to run after --, e.g. -- python train.py" in out.stderr
+
+
+COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import json, torch, kiln
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+    @kiln.compile
+    def step(x):
+        loss = m(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x = torch.randn(4, 8)
+    for _ in range(4):
+        step(x)
+    print(json.dumps({"graphs_compiled": kiln.metrics.get("graphs_compiled"),
+                      "aot_hits": counters["aot_autograd"]["autograd_cache_hit"]}))
+    """
+)
+
+
+def test_precompile_fills_the_compile_mode_cache(tmp_path):
+    """Compile mode: after ``kiln precompile`` a new process runs neither AOTAutograd's tracing
+    nor Kiln's passes (AOTAutograd's entries and Kiln's graphs are in KILN_CACHE_DIR)."""
+    script = tmp_path / "train.py"
+    script.write_text(COMPILE_SCRIPT)
+    env = {**os.environ, "KILN_CACHE_DIR": str(tmp_path / "cache")}
+    pre = _kiln("precompile", "--steps", "2", "--", sys.executable, str(script), env=env)
+    assert pre.returncode == 0, pre.stderr
+    assert "new AOTAutograd entries" in pre.stdout and "(0 in all)" not in pre.stdout
+    run = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr
+    counts = json.loads(run.stdout.strip().splitlines()[-1])
+    assert counts["graphs_compiled"] == 0
+    assert counts["aot_hits"] >= 2

@@ -1,0 +1,228 @@
+"""What Kiln's compile backend hands AOTAutograd: an ``OutputCode`` that PyTorch's AOTAutograd
+cache can store and load, so that a new process skips AOTAutograd and Kiln's passes.
+
+AOTAutograd caches a compiled graph when the compiler is a ``SerializableAOTDispatchCompiler``
+returning an ``OutputCode`` and the cache is *bundled* (the ``OutputCode`` is pickled into the
+entry instead of being looked up in Inductor's FX graph cache).  A :class:`KilnOutputCode` keeps
+the Kiln graph that lowering produced (before optimization) and the output spec; loaded from the
+cache, it compiles that graph through :func:`kiln.runtime.compiler.compile_graph`, whose own key
+(graph hash, Kiln code, backend, passes) finds the optimized graph and the built kernels on disk.
+
+The AOTAutograd key covers the Dynamo graph, the inputs' metadata, torch's version and configs;
+:func:`cache_key_tag` adds Kiln's version and the source of the compiler and of this frontend
+(lowering and decompositions change the graph an entry holds).  An entry whose payload does not
+match its SHA-256 is reported with a warning and compiled again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import pickle
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._functorch._aot_autograd.autograd_cache import (
+    AOTAutogradCache,
+    BypassAOTAutogradCache,
+    FXGraphCacheMiss,
+)
+from torch._inductor.codecache import sha256_hash
+from torch._inductor.output_code import OutputCode
+
+from kiln import metrics
+from kiln.config import config
+from kiln.ir.graph import Graph
+from kiln.runtime import steps
+from kiln.runtime.cache import code_fingerprint, kiln_version
+from kiln.runtime.compiler import Executable, compile_graph
+from kiln.runtime.steps import Recompiles, Signature
+
+OutSpec = list[tuple[str, Any]]
+
+
+@functools.lru_cache(maxsize=1)
+def cache_key_tag() -> str:
+    """Kiln's part of the AOTAutograd cache key: its version, the compiler's code and this
+    frontend's code (fx -> Kiln lowering, decompositions, this file)."""
+    h = hashlib.sha256(f"{kiln_version()}|{code_fingerprint()}".encode())
+    for f in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return "kiln-" + h.hexdigest()[:16]
+
+
+# Dynamo keeps ``with torch.autocast(...)`` (enabled or not) as calls to these two functions in
+# the graph, their arguments graph constants (part of the key).  AOTAutograd's cache refuses
+# functions it does not know; these two only switch autocast state.
+_AUTOCAST_FNS = {
+    f"torch.amp.autocast_mode.{n}": torch.__version__ for n in ("_enter_autocast", "_exit_autocast")
+}
+
+
+@contextlib.contextmanager
+def aot_cache_settings() -> Iterator[None]:
+    """For the duration of one Kiln backend call: AOTAutograd's cache on (bundled entries, Kiln's
+    tag in the key, ``config.disk_cache`` decides), under ``<config.cache_dir>/torch``, the backward
+    compiled with the forward (one entry holds both).  Inductor and other backends are untouched."""
+    tag = cache_key_tag()
+    user_tag = torch.compiler.config.cache_key_tag
+    old_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    # AOTAutograd finds its folder through this variable at each lookup and save
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(config.cache_dir).resolve() / "torch")
+    try:
+        with (
+            torch._functorch.config.patch(
+                enable_autograd_cache=config.disk_cache,
+                bundled_autograd_cache=True,
+                force_non_lazy_backward_lowering=True,
+            ),
+            torch.compiler.config.patch(cache_key_tag=f"{user_tag}|{tag}" if user_tag else tag),
+            torch._inductor.config.patch(
+                unsafe_marked_cacheable_functions={
+                    **torch._inductor.config.unsafe_marked_cacheable_functions,
+                    **_AUTOCAST_FNS,
+                }
+            ),
+        ):
+            yield
+    finally:
+        if old_dir is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old_dir
+
+
+_recompiles = Recompiles()
+
+
+def signature(example_inputs: Sequence[Any]) -> Signature:
+    """A compiled graph's input signature (symbolic sizes as text, so that it pickles)."""
+    return Signature(
+        tuple(
+            (tuple(d if isinstance(d, int) else str(d) for d in x.shape), x.dtype)
+            if isinstance(x, torch.Tensor)
+            else type(x).__name__
+            for x in example_inputs
+        )
+    )
+
+
+def note_graph(site: str, sig: Signature) -> None:
+    """A graph was compiled or loaded at ``site``: a changed signature there is a recompile."""
+    _recompiles.seen(site, sig)
+
+
+def make_runner(exe: Executable, out_spec: OutSpec) -> Callable[[list], list]:
+    """The boxed function AOTAutograd calls: step accounting, the graph, outputs in AOT order."""
+    kinds = [k for k, _ in out_spec]
+    idx = [v for _, v in out_spec]
+    runs: list = []  # identifies this graph's runs to kiln.runtime.steps
+
+    def run(args: list) -> list:
+        steps.graph_run(runs)  # step boundaries and KILN_MAX_STEPS (kiln.runtime.steps)
+        t0 = time.perf_counter()
+        outs = exe(args)
+        args.clear()
+        metrics.executed(time.perf_counter() - t0)
+        return [outs[v] if k == "out" else v for k, v in zip(kinds, idx)]
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    run.kiln_executable = exe  # type: ignore[attr-defined]
+    return run
+
+
+class KilnOutputCode(OutputCode):
+    """A compiled graph for AOTAutograd: Kiln's executable, or (``fallback``) the ATen graph when
+    Kiln could not take it; only the former is cached."""
+
+    def __init__(
+        self,
+        graph: Graph | None,
+        out_spec: OutSpec,
+        run: Callable[[list], list],
+        site: str = "",
+        sig: Signature | None = None,
+        fallback_reason: str = "",
+    ) -> None:
+        super().__init__()
+        self._boxed_call = True
+        self._run: Callable[[list], list] | None = run
+        self._fallback_reason = fallback_reason
+        self._payload = b""
+        self._digest = ""
+        if graph is not None:
+            self._payload = pickle.dumps(
+                (graph, out_spec, site, sig), protocol=pickle.HIGHEST_PROTOCOL
+            )
+            self._digest = hashlib.sha256(self._payload).hexdigest()
+
+    @classmethod
+    def fallback(cls, run: Callable[[list], list], reason: str) -> KilnOutputCode:
+        """The ATen graph, run as it is (Kiln could not take it): never cached."""
+        return cls(None, [], run, fallback_reason=reason)
+
+    def __call__(self, inputs: Sequence[Any]) -> Any:
+        assert self._run is not None, "KilnOutputCode called before post_compile"
+        return self._run(inputs)  # type: ignore[arg-type]
+
+    def prepare_for_serialization(self) -> None:
+        if not self._payload:
+            raise BypassAOTAutogradCache(f"Kiln ran this graph as ATen ({self._fallback_reason})")
+        self._run = None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_run"] = None
+        return state
+
+    def post_compile(
+        self, example_inputs: Sequence[Any], constants: Any, graph_kwargs: Any
+    ) -> None:
+        """Loaded from the cache: check the payload, then build (Kiln's caches: no passes, no g++)."""
+        if self._run is not None:
+            return
+        if hashlib.sha256(self._payload).hexdigest() != self._digest:
+            dropped = _drop_corrupt_entries()
+            warnings.warn(
+                "Kiln: corrupt entry in the compile cache (AOTAutograd's) (payload checksum mismatch); "
+                f"removed {len(dropped)} damaged file(s) {dropped}, compiling this graph again"
+            )
+            metrics.incr("aot_cache_corrupt")
+            # a miss, not a bypass: AOTAutograd compiles and saves a fresh entry
+            raise FXGraphCacheMiss("corrupt Kiln payload")
+        graph, out_spec, site, sig = pickle.loads(self._payload)
+        if site and sig is not None:
+            note_graph(site, sig)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            exe = compile_graph(graph)
+        metrics.incr("aot_cache_hits")
+        self._run = make_runner(exe, out_spec)
+
+    def set_triton_bundle(self, triton_bundle: Any) -> None:
+        pass
+
+
+def _drop_corrupt_entries() -> list[str]:
+    """Remove AOTAutograd cache files whose content no longer hashes to their name (AOTAutograd
+    names each entry file by the SHA-256 of its content)."""
+    root = Path(AOTAutogradCache._get_tmp_dir())
+    dropped = []
+    for f in root.glob("*/*"):
+        if f.name.startswith(".") or not f.is_file():
+            continue
+        try:
+            if sha256_hash(f.read_bytes()) != f.name:
+                f.unlink()
+                dropped.append(str(f))
+        except FileNotFoundError:  # removed by another process meanwhile
+            continue
+    return dropped
