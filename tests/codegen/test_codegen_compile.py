@@ -1,4 +1,5 @@
-"""Forward and backward through ``torch.compile(backend="kiln")`` with generated kernels."""
+"""Forward and backward through ``torch.compile(backend="kiln")`` on the configured backend
+(``KILN_BACKEND``; generated kernels with the default, cpp)."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from kiln.ir.graph import GraphBuilder, In, Node
 from kiln.passes.fuse import fuse
 from kiln.passes.memory_plan import memory_plan
 from kiln.codegen.interpreter import Interpreter
+from kiln.config import config
 
 
 def _update_graph(read_old_later: bool = False):
@@ -98,8 +99,10 @@ def test_compiled_adamw_updates_parameters_in_place_and_matches_eager():
         ptrs = now
     for a, b in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(a, b)
-    # step 1 creates the state (its own graph); later steps update everything in place
-    assert kiln.metrics.get("input_update_copies") == copies
+    # step 1 creates the state (its own graph); later steps update everything in place (the C++
+    # backend's memory plan lets kernels write into the inputs; other backends copy into them)
+    if config.backend == "cpp":
+        assert kiln.metrics.get("input_update_copies") == copies
     # ... in Kiln-compiled graphs, not in ATen graphs handed back to eager
     after = kiln.metrics.counters()["fallbacks"]
     assert not [k for k in after if k.startswith("graph:") and after[k] != fallbacks.get(k)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kiln_codegen_testlib import poison_outputs
+from kiln_codegen_testlib import cpp_only, poison_outputs
 
 import kiln  # noqa: F401 - registers the backend
 
@@ -36,7 +36,10 @@ CASES = {
         lambda x, b: F.layer_norm(x, (8,), torch.full((8,), 0.5), b),
         [_t(6, 8), _t(8)],
     ),
-    "ln_2d_shape": (lambda x, w, b: F.layer_norm(x, (3, 4), w, b), [_t(5, 3, 4), _t(3, 4), _t(3, 4)]),
+    "ln_2d_shape": (
+        lambda x, w, b: F.layer_norm(x, (3, 4), w, b),
+        [_t(5, 3, 4), _t(3, 4), _t(3, 4)],
+    ),
     "ln_1d_input": (lambda x, w, b: F.layer_norm(x, (7,), w, b), [_t(7), _t(7), _t(7)]),
     "ln_transposed": (lambda x, w, b: F.layer_norm(x.t(), (6,), w, b), [_t(6, 9), _t(6), _t(6)]),
     "ln_one_column": (lambda x, w, b: F.layer_norm(x, (1,), w, b), [_t(4, 1), _t(1), _t(1)]),
@@ -104,6 +107,7 @@ def test_kept_whole_op_matches_eager(name, monkeypatch):
             )
 
 
+@cpp_only
 def test_kernel_refusal_is_a_counted_fallback():
     """A layer norm outside the kernel's contract (2-d normalized shape) runs through ATen and
     is counted with its reason, not silently."""
