@@ -22,6 +22,7 @@ from kiln.ir.graph import Graph
 from kiln.passes.pipeline import run_pipeline
 from kiln.runtime import explain
 from kiln.runtime.cache import DiskCache, MemoryCache, cache_key
+from kiln.runtime.collectives import check_waits
 from kiln.codegen import get_backend
 
 _memory = MemoryCache()
@@ -59,6 +60,7 @@ def compile_graph(g: Graph) -> Executable:
     if exe is not None:
         metrics.incr("cache_hits_memory")
         return exe
+    check_waits(g)  # before anything runs: a collective used before its wait_tensor
     with metrics.span(f"kiln::compile {g.hash[:12]}"):
         exe = _compile(g, key)
     _memory.put(key, exe)

@@ -36,6 +36,21 @@ aten = torch.ops.aten
 DEVICE = torch.device("kiln", 0)
 _CPU = torch.device("cpu")
 _DECOMPS = core_aten_decompositions()
+_OWN_DECOMPS: dict[Any, Any] = {}  # Kiln's, looked up first (torch's table is not a plain dict)
+
+
+def _wait_at_once(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor.default(x)
+
+
+if torch.distributed.is_available():
+    # Functional collectives (funcol.all_reduce, ...) wrap their result in an AsyncCollectiveTensor
+    # that waits when first used (``_wrap_tensor_autograd``); while tracing they wait at once
+    # instead.  A lazy step is a trace: record the wait (the wrapper, replayed, would hand the
+    # graph's next kernel a tensor without storage).
+    import torch.distributed._functional_collectives  # noqa: F401 - defines the wrapper op
+
+    _OWN_DECOMPS[torch.ops._c10d_functional._wrap_tensor_autograd.default] = _wait_at_once
 
 # Ops whose float arguments describe the op itself (not a value that changes per step): kept in
 # the graph so passes can see them (pow(x, 2.0) -> x*x).
@@ -332,7 +347,8 @@ class _Facts:
         )
         self.mutated = _mutated_args(func)
         self.functional = _functional(func) if self.mutated else None
-        self.decomp = _DECOMPS.get(func) if self.name not in OPS else None
+        own = _OWN_DECOMPS.get(func)
+        self.decomp = own or (_DECOMPS.get(func) if self.name not in OPS else None)
 
 
 _FACTS: dict[Any, _Facts] = {}
