@@ -8,7 +8,9 @@ surviving mutant of ``python bench/mutation.py formulas`` (docs/mutation.md):
   sees them, so the ``square.default`` and ``silu_backward.default`` formulas (and PRELUDE's
   ``kiln_silu_bwd``) run only for a graph that holds the op (built here by hand);
 - lerp switches formula at ``|weight| == 0.5`` exactly, as ATen does; at the overflow edge the
-  two forms give opposite infinities.
+  two forms give opposite infinities;
+- exp's tiny results near its flush-to-zero edge (x = -87) are below the batched cases' absolute
+  tolerance, so they are compared in relative terms.
 """
 
 from __future__ import annotations
@@ -82,3 +84,11 @@ def test_lerp_at_weight_one_half():
     x, e = grid()
     got = _lazy(lambda a, b: torch.ops.aten.lerp.Scalar(a, b, 0.5), x, e)
     torch.testing.assert_close(got, torch.lerp(x, e, 0.5), equal_nan=True)
+
+
+def test_exp_at_its_flush_to_zero_edge():
+    """Kiln's exp returns 0 below x = -87 (results under FLT_MIN); from -87 up it must match ATen
+    in relative terms: the comparison's absolute tolerance (1e-5) would hide any tiny result."""
+    x = torch.tensor([-87.0, -86.999, -86.5, -86.0, -80.0, -60.0])
+    got = _lazy(torch.exp, x)
+    torch.testing.assert_close(got, torch.exp(x), rtol=1e-6, atol=0.0)
