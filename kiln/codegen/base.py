@@ -1,7 +1,8 @@
 """The backend interface and registry.
 
-A backend says which passes it adds after the graph-optimization pipeline (its fusion and
-memory-planning policy), and how it turns an optimized graph into something that runs.  Backends
+A backend says which nodes it claims (generates code for), which passes it adds after the
+graph-optimization pipeline (its fusion and memory-planning policy, given its claims), and how it
+turns an optimized graph into something that runs.  Backends
 register themselves by name; ``config.backend`` (``KILN_BACKEND``) picks one, and the compile path
 asks the registry, never a backend by name::
 
@@ -16,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from kiln.config import Config, ConfigError
 from kiln.ir.graph import Graph
+from kiln.passes.fuse import Claims
 
 Pass = Callable[[Graph], Graph]
 Run = Callable[[Sequence[Any]], list[Any]]
@@ -28,6 +30,9 @@ class Backend:
     build: Callable[[Graph], tuple[Run, dict]]
     # (name, pass) steps this backend adds after the generic pipeline (fusion, memory planning)
     passes: Callable[[], list[tuple[str, Pass]]] = field(default=lambda: [])
+    # the nodes it generates code for (element types, and a predicate per call): the fusion pass
+    # it adds groups only these; None: it claims none (runs every node by its op record)
+    claims: Claims | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}

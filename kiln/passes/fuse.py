@@ -1,8 +1,8 @@
 """Fusion: group pointwise nodes (and last-dim / leading-dim reductions) into ``fused`` nodes.
 
 Needs: a typed graph in topological order, and the :class:`Claims` of the backend that will run
-the result (which element types and which pointwise calls it generates code for; the C++ backend's
-are published when it registers, :mod:`kiln.codegen.cpp`).  Guarantees: every node the backend
+the result (which element types and which pointwise calls it generates code for: the backend's
+``claims``, which it passes when it adds this pass, :mod:`kiln.codegen.cpp`).  Guarantees: every node the backend
 claims that shares its iteration shape with a neighbour is
 folded into one ``fused`` node; the graph computes the same values; nodes the fuser does not
 understand are left exactly as they were.  A fused node's kwargs carry a hashable description of
@@ -46,23 +46,6 @@ class Claims:
 
     dtypes: Collection[torch.dtype]  # element types its kernels handle
     call: Callable[[str, tuple, dict], bool]  # (op, args, kwargs): may this call be fused?
-
-
-_default: list[Claims] = []
-
-
-def set_default_claims(claims: Claims) -> None:
-    """The claims :func:`fuse` uses when none are passed (set by the default backend)."""
-    _default[:] = [claims]
-
-
-def default_claims() -> Claims:
-    if not _default:
-        raise RuntimeError(
-            "fuse() needs a backend's Claims: pass claims=..., or import kiln.codegen.cpp, "
-            "which publishes the C++ backend's"
-        )
-    return _default[0]
 
 
 MAX_GROUP = 256  # members per kernel: keeps generated functions small enough to compile fast
@@ -177,10 +160,9 @@ class _Group:
     deps: set = field(default_factory=set)
 
 
-def fuse(g: Graph, claims: Claims | None = None) -> Graph:
+def fuse(g: Graph, claims: Claims) -> Graph:
     """Group fusible nodes into ``fused`` nodes (see the module docstring); ``claims``: what the
-    backend generates (default: the default backend's, see :func:`set_default_claims`)."""
-    claims = claims if claims is not None else default_claims()
+    backend that runs the result generates code for (its ``Backend.claims``)."""
     groups: list[_Group] = []
     group_of: dict[int, int] = {}
     deps: list[frozenset[int]] = []

@@ -11,7 +11,7 @@ import torch
 from kiln.codegen.cpp import build
 from kiln.config import config
 from kiln.ir.graph import Graph, GraphBuilder, Node, TensorType
-from kiln.passes.fuse import fuse
+from kiln.codegen.cpp import fuse_claimed as fuse  # the C++ backend's fusion (its claims)
 from kiln.codegen.interpreter import Interpreter
 
 F32 = torch.float32

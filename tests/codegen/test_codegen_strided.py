@@ -7,7 +7,7 @@ import torch
 from kiln_codegen_testlib import op, run_both, t
 
 from kiln.ir.graph import GraphBuilder, In
-from kiln.passes.fuse import fuse
+from kiln.codegen.cpp import fuse_claimed as fuse  # the C++ backend's fusion (its claims)
 
 
 def _attention_like():

@@ -13,7 +13,7 @@ from optim_cases import OPTIMIZERS, mse_step
 import kiln
 from kiln.codegen.cpp import build
 from kiln.ir.graph import GraphBuilder, In, Node
-from kiln.passes.fuse import fuse
+from kiln.codegen.cpp import fuse_claimed as fuse  # the C++ backend's fusion (its claims)
 from kiln.passes.memory_plan import memory_plan
 from kiln.codegen.interpreter import Interpreter
 from kiln.config import config

@@ -8,7 +8,7 @@ import torch
 
 from kiln.ir import GraphBuilder, In, Node, TensorType
 from kiln.ir.kernel import FusedKernel, InPlace, LoopKind, OutKind, Val
-from kiln.passes.fuse import fuse
+from kiln.codegen.cpp import fuse_claimed as fuse  # the C++ backend's fusion (its claims)
 from kiln.passes.memory_plan import memory_plan
 
 F = TensorType((8, 16), torch.float32)

@@ -26,7 +26,7 @@ from kiln.codegen.cpp import build
 from kiln.config import config
 from kiln.ir.graph import GraphBuilder, Node, TensorType
 from kiln.ir.node import In
-from kiln.passes.fuse import fuse
+from kiln.codegen.cpp import fuse_claimed as fuse  # the C++ backend's fusion (its claims)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _cases import grid, values

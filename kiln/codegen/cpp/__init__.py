@@ -27,14 +27,13 @@ from kiln.codegen.cpp.ops import CTYPE, PRELUDE, supported
 from kiln.codegen.cpp.softmax_backward import emit_softmax_backward, softmax_backward_ok
 from kiln.config import config
 from kiln.ir.graph import Graph
-from kiln.passes.fuse import Claims, fuse, set_default_claims
+from kiln.passes.fuse import Claims, fuse
 from kiln.passes.memory_plan import memory_plan
 from kiln.precision import cpp as lowp
 from kiln.precision.aten_sr import sr_call, sr_wanted
 
 # What this backend generates code for: element types with a C type, and calls with a formula.
 CLAIMS = Claims(CTYPE, supported)
-set_default_claims(CLAIMS)
 
 # ATen ops taken as they stand (no fusion pass): op -> (accepts(node, input types), emitter)
 _DIRECT = {
@@ -135,12 +134,17 @@ def _memory_plan(g: Graph):
                 yield i, p
 
 
+def fuse_claimed(g: Graph) -> Graph:
+    """This backend's fusion pass: pointwise chains and reductions it claims -> kernels."""
+    return fuse(g, CLAIMS)
+
+
 def _passes() -> list[tuple[str, Pass]]:
     """This backend's policy after the generic pipeline: fuse what it claims, then plan buffers."""
     return [
-        ("fuse", lambda g: fuse(g, CLAIMS)),  # pointwise chains and reductions -> kernels
+        ("fuse", fuse_claimed),
         ("memory_plan", memory_plan),  # fused outputs reuse dead buffers
     ]
 
 
-register_backend(Backend("cpp", build, _passes))
+register_backend(Backend("cpp", build, _passes, CLAIMS))
