@@ -10,7 +10,8 @@ surviving mutant of ``python bench/mutation.py formulas`` (docs/mutation.md):
 - lerp switches formula at ``|weight| == 0.5`` exactly, as ATen does; at the overflow edge the
   two forms give opposite infinities;
 - exp's tiny results near its flush-to-zero edge (x = -87) are below the batched cases' absolute
-  tolerance, so they are compared in relative terms.
+  tolerance, so they are compared in relative terms; its overflow edge is probed between the
+  clamp (89) and twice it, which the batched values (100, 1e20) skip.
 """
 
 from __future__ import annotations
@@ -92,3 +93,15 @@ def test_exp_at_its_flush_to_zero_edge():
     x = torch.tensor([-87.0, -86.999, -86.5, -86.0, -80.0, -60.0])
     got = _lazy(torch.exp, x)
     torch.testing.assert_close(got, torch.exp(x), rtol=1e-6, atol=0.0)
+    # below the edge: flushed towards zero, never above the true value (not exp(-87) = 1.6e-38)
+    below = torch.tensor([-87.5, -88.8, -100.0, -150.0])
+    got = _lazy(torch.exp, below)
+    assert (got <= torch.exp(below)).all(), (got, torch.exp(below))
+
+
+def test_exp_overflow_between_the_clamp_and_the_exponent_limit():
+    """Kiln's exp clamps x to 89 before building 2**n from exponent bits; inputs past the float
+    range but below 2 * 89 (where an unclamped n would overflow the exponent field) give inf."""
+    x = torch.tensor([88.7, 89.0, 100.0, 150.0, 176.0, 177.9, 178.0])
+    got = _lazy(torch.exp, x)
+    torch.testing.assert_close(got, torch.exp(x), rtol=1.3e-6, atol=1e-5)
