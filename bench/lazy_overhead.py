@@ -25,10 +25,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch
+import torch  # noqa: E402
 
-import kiln
-from kiln import metrics
+import kiln  # noqa: E402
+from kiln import metrics  # noqa: E402
 
 
 def chain(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -45,26 +45,29 @@ def chain(x: torch.Tensor, n: int) -> torch.Tensor:
     return x
 
 
-def record_cost(n: int, reps: int) -> tuple[float, float]:
-    """(kiln recording us/op, eager CPU us/op), medians."""
+def record_cost(n: int, reps: int) -> dict[str, float]:
+    """Medians, us/op: kiln recording and eager CPU, by wall clock and by this thread's CPU time
+    (less sensitive to other processes on a shared machine)."""
     dev = kiln.device()
     base = torch.randn(64)
-    lazy_t, eager_t = [], []
+    out: dict[str, list[float]] = {"lazy": [], "eager": [], "lazy_cpu": [], "eager_cpu": []}
     for r in range(reps + 1):
         x = base.to(dev)
         kiln.mark_step()
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         y = chain(x, n)
-        t1 = time.perf_counter()
+        c1, t1 = time.thread_time(), time.perf_counter()
         kiln.mark_step()
         del y
-        t2 = time.perf_counter()
+        c2, t2 = time.thread_time(), time.perf_counter()
         chain(base, n)
-        t3 = time.perf_counter()
+        c3, t3 = time.thread_time(), time.perf_counter()
         if r:
-            lazy_t.append((t1 - t0) / n * 1e6)
-            eager_t.append((t3 - t2) / n * 1e6)
-    return statistics.median(lazy_t), statistics.median(eager_t)
+            out["lazy"].append((t1 - t0) / n * 1e6)
+            out["eager"].append((t3 - t2) / n * 1e6)
+            out["lazy_cpu"].append((c1 - c0) / n * 1e6)
+            out["eager_cpu"].append((c3 - c2) / n * 1e6)
+    return {k: statistics.median(v) for k, v in out.items()}
 
 
 def mark_step_cost(n: int, reps: int) -> tuple[float, float, float]:
@@ -97,8 +100,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    lazy_us, eager_us = record_cost(a.ops, a.reps)
-    print(f"recording: {lazy_us:.2f} us/op on kiln (eager CPU runs the op in {eager_us:.2f} us)")
+    rc = record_cost(a.ops, a.reps)
+    print(
+        f"recording: {rc['lazy']:.2f} us/op on kiln "
+        f"(eager CPU runs the op in {rc['eager']:.2f} us); "
+        f"thread CPU time: {rc['lazy_cpu']:.2f} vs {rc['eager_cpu']:.2f} us/op"
+    )
     step_ms, exec_ms, rec_ms = mark_step_cost(a.graph_ops, a.reps)
     print(
         f"mark_step, steady {a.graph_ops}-op graph: {step_ms:.3f} ms "

@@ -25,12 +25,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 from kiln import metrics
 from kiln.config import config
 from kiln.frontends.lazy import device_module as _devmod
-from kiln.frontends.lazy.memory import track, update_peak
+from kiln.frontends.lazy import recipes
 from kiln.frontends.lazy import trace as T
+from kiln.frontends.lazy.foreach import record_split, split_of
+from kiln.frontends.lazy.memory import track, update_peak
 from kiln.frontends.lazy.shapes import _map, infer_typed
 from kiln.frontends.lazy.views import Link, inverse, split_links
 from kiln.ir.ops import OPS, Category, functional_variant
-from kiln.lowering.aten import Ref, lower_call
+from kiln.lowering.aten import Ref, lower_call, op_name
 
 aten = torch.ops.aten
 DEVICE = torch.device("kiln", 0)
@@ -93,6 +95,7 @@ class LazyTensor(torch.Tensor):
     _st: T.Storage
     _chain: tuple[Link, ...]
     _meta: torch.Tensor
+    _g: recipes.Geo | None  # interned geometry of _meta, set on first use (recipes.signature)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -110,6 +113,7 @@ class LazyTensor(torch.Tensor):
         r._st = st
         r._chain = chain
         r._meta = meta
+        r._g = None
         return r
 
     # Libraries that serialize state dicts (safetensors, transformers' save_pretrained) find
@@ -336,9 +340,22 @@ def _arg_sig(func: Any) -> list[tuple[str, str]]:
 class _Facts:
     """What ``_dispatch`` needs to know about one ATen overload, worked out once."""
 
-    __slots__ = ("name", "composite", "view", "inplace_view", "mutated", "functional", "decomp")
+    __slots__ = (
+        "func",
+        "name",
+        "composite",
+        "view",
+        "inplace_view",
+        "mutated",
+        "functional",
+        "decomp",
+        "lift",
+        "plain",
+        "split",
+    )
 
     def __init__(self, func: Any) -> None:
+        self.func = func
         self.name = func._schema.name.split("::")[1]
         self.composite = self.name not in OPS and _is_composite_implicit(func)
         self.view = func.is_view
@@ -349,15 +366,42 @@ class _Facts:
         self.functional = _functional(func) if self.mutated else None
         own = _OWN_DECOMPS.get(func)
         self.decomp = own or (_DECOMPS.get(func) if self.name not in OPS else None)
+        self.lift = self.name not in _STRUCTURAL_FLOATS  # Python floats become scalar inputs
+        # a functional foreach op recorded as per-tensor ops (see foreach.py)
+        self.split = split_of(func) if not self.mutated else None
+        # recorded as one node by _record, with no special case before it: may use a recipe
+        self.plain = not (
+            self.composite
+            or self.view
+            or self.inplace_view
+            or self.mutated
+            or self.decomp is not None
+            or func in _BIT_VIEWS
+            or func in _SPECIAL
+            or self.split is not None
+        )
 
 
-_FACTS: dict[Any, _Facts] = {}
+_FACTS: dict[int, _Facts] = {}
+
+
+def _facts(func: Any) -> _Facts:
+    # keyed by id: an OpOverload hashes in Python; overloads live as long as the process
+    f = _FACTS.get(id(func))
+    if f is None or f.func is not func:
+        f = _FACTS[id(func)] = _Facts(func)
+    return f
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
-    f = _FACTS.get(func)
-    if f is None:
-        f = _FACTS[func] = _Facts(func)
+    f = _facts(func)
+    if f.plain:  # fast path: a recipe for this call signature (see recipes.py)
+        leaves: list = []
+        key = recipes.signature(f, args, kwargs, f.lift, leaves)
+        if key is not None:
+            r = recipes.lookup(key)
+            if r is not None:
+                return _replay(r, leaves)
     name = f.name
     if (
         func is aten._to_copy.default
@@ -407,6 +451,8 @@ _BIT_VIEWS = {
     aten._conj.default: aten.conj_physical.default,
     aten._neg_view.default: aten.neg.default,
 }
+# handled before _record by _dispatch
+_SPECIAL = {aten._to_copy.default, aten.copy_.default, aten.copy.default}
 
 
 def _is_composite_implicit(func: Any) -> bool:
@@ -482,7 +528,7 @@ def _inplace_view(func: Any, args: tuple, kwargs: dict) -> Any:
         return _eager(func, args, kwargs, f"op:{func._schema.name.split('::')[1]}")
     x = args[0]
     v = _view(fn, args, kwargs)
-    x._chain, x._meta = v._chain, v._meta
+    x._chain, x._meta, x._g = v._chain, v._meta, None
     with torch.utils._mode_utils.no_dispatch():  # the wrapper's own sizes and strides
         func(*args, **kwargs)
     return x
@@ -510,8 +556,61 @@ def _inplace(func: Any, fn: Any, args: tuple, kwargs: dict, mutated: list[int]) 
     return args[0] if func._schema.returns and len(targets) == 1 else None
 
 
+def _replay(r: recipes.Recipe, leaves: list) -> Any:
+    """Record one call from its recipe: its inputs are the current values of ``leaves``."""
+    tr = T.current()
+    gen = tr.gen
+    ins = []
+    for a in leaves:
+        if type(a) is float:
+            ins.append(tr.scalar(a))
+            continue
+        st = a._st
+        if not a._chain and st.gen == gen and st.node is not None:
+            ins.append(st.node)
+        else:
+            ins.append(read(a))
+    inputs = tuple(ins)
+    if r.fallback is not None:
+        metrics.fallback(r.fallback)
+    nid = tr.add_call((r.token, inputs), r.op, inputs, r.args, r.kwargs, r.types)
+    if r.single:
+        return _pending(r.meta, r.geo, nid)
+    return tuple(_pending(m, g, tr.getitem(nid, k)) for k, (m, g) in enumerate(r.outs))
+
+
+def _pending(meta: torch.Tensor, geo: recipes.Geo, node: int) -> LazyTensor:
+    st = T.Storage(meta)
+    T.current().set_pending(st, node)
+    r = torch.Tensor._make_wrapper_subclass(
+        LazyTensor,
+        geo.shape,
+        strides=geo.stride,
+        storage_offset=geo.offset,
+        dtype=geo.dtype,
+        device=DEVICE,
+        requires_grad=False,
+    )
+    r._st = st
+    r._chain = ()
+    r._meta = meta
+    r._g = geo
+    return r
+
+
 def _record(func: Any, args: tuple, kwargs: dict) -> Any:
     tr = T.current()
+    f = _facts(func)
+    if f.split is not None:
+        outs = record_split(f.split, args, kwargs, _dispatch)
+        if outs is not None:
+            return outs
+    leaves: list = []
+    key = recipes.signature(f, args, kwargs, f.lift, leaves)
+    if key is not None:
+        r = recipes.lookup(key)
+        if r is not None:
+            return _replay(r, leaves)
     try:
         out_meta, out_types = infer_typed(func, args, kwargs, _to_meta)
     except Exception:  # noqa: BLE001 - data-dependent shape or no meta kernel: run it for real
@@ -527,7 +626,7 @@ def _record(func: Any, args: tuple, kwargs: dict) -> Any:
         ):
             return out_meta
         return _eager(func, args, kwargs, f"op:{func._schema.name.split('::')[1]}")
-    lift = func._schema.name.split("::")[1] not in _STRUCTURAL_FLOATS
+    lift = f.lift
 
     def ref_of(a: Any) -> Ref | None:
         if isinstance(a, LazyTensor):
@@ -548,13 +647,16 @@ def _record(func: Any, args: tuple, kwargs: dict) -> Any:
                 return replayed
         tr.seed()
     nid = tr.add(node)
+    if key is not None and not random:
+        fallback = None if op_name(func)[1] else func._schema.name.split("::")[-1]
+        recipes.remember(key, node, fallback, out_meta, len(leaves))
     if isinstance(out_meta, torch.Tensor):
         out: Any = _new_pending(out_meta, nid)
     else:
         outs = []
         for k, m in enumerate(out_meta):
             if isinstance(m, torch.Tensor):
-                outs.append(_new_pending(m, tr.b.getitem(nid, k)))
+                outs.append(_new_pending(m, tr.getitem(nid, k)))
             else:
                 outs.append(m)
         out = type(out_meta)(outs) if isinstance(out_meta, tuple) else outs
@@ -678,3 +780,6 @@ def factory(func: Any, *args: Any, **kwargs: Any) -> Any:
         if config.eager:
             T.sync("eager")
         return out
+
+
+recipes.lazy_type = LazyTensor

@@ -9,8 +9,8 @@ loop compiles nothing after its first step), run, and every live storage gets it
 
 from __future__ import annotations
 
-import hashlib
 import gc
+import hashlib
 import threading
 import time
 import weakref
@@ -27,13 +27,12 @@ from kiln.ir.graph import (
     Node,
     TensorType,
     canonical_text,
-    tensor_digest,
 )
+from kiln.ir.ops import fresh_buffer
+from kiln.ir.semantics import types_of
 from kiln.runtime.compiler import compile_graph
 from kiln.runtime.steps import Recompiles, Signature, call_site, python_frames, step_end
 from kiln.runtime.writebacks import Update, add_writebacks
-from kiln.ir.ops import fresh_buffer
-from kiln.ir.semantics import types_of
 
 
 class Storage:
@@ -55,7 +54,8 @@ class Trace:
         self.gen = gen
         self.b = GraphBuilder()
         self.values: list[Any] = []  # concrete value of each graph input, by input index
-        self.pending: weakref.WeakSet[Storage] = weakref.WeakSet()
+        # storages given a pending value in this trace (weak: a dead one needs no output)
+        self.pending: list[weakref.ref[Storage]] = []
         self.seed_node: int | None = None
         self.scalar_nodes: dict[tuple, int] = {}
         self.t0 = time.perf_counter()
@@ -63,9 +63,40 @@ class Trace:
         # ``replay`` is where ``torch.kiln.set_rng_state`` rewound the RNG to (see rng_mark).
         self.randoms: list[tuple[Node, tuple[int, ...], Any]] = []
         self.replay: int | None = None
+        # One key per node, equal for equal nodes: (recipe token, inputs) for a node recorded
+        # from a recipe, ("input"/"scalar"/"getitem", ...) for those made here, else the node
+        # itself (compared field by field).  ``expect`` is the graph this trace recorded last
+        # time it followed the same graph (see _Entry): while every key matches its sequence, the
+        # trace is that graph again and is recognised at the cut without hashing it.
+        self.keys: list[Any] = []
+        self.expect: _Entry | None = None
+
+    def _noted(self, i: int, key: Any) -> int:
+        self.keys.append(key)
+        e = self.expect
+        if e is not None and (i >= len(e.keys) or e.keys[i] != key):
+            self.expect = None
+        return i
 
     def add(self, node: Node) -> int:
-        return self.b.add(node)
+        return self._noted(self.b.add(node), node)
+
+    def add_call(
+        self, key: tuple, op: str, inputs: tuple, args: tuple, kw: tuple, types: tuple
+    ) -> int:
+        """Add the node ``Node(op, inputs, args, kw, types)``, known by ``key`` (its recipe's
+        token and its inputs); on a repeated step, the same node object as last time."""
+        nodes = self.b.nodes
+        i = len(nodes)
+        e = self.expect
+        if e is not None and i < len(e.keys) and e.keys[i] == key:
+            nodes.append(e.nodes[i])  # equal key: equal node (inputs exist: they matched too)
+            self.keys.append(key)
+            return i
+        return self._noted(self.b.add(Node(op, inputs, args, kw, types)), key)
+
+    def getitem(self, src: int, index: int) -> int:
+        return self._noted(self.b.getitem(src, index), ("getitem", src, index))
 
     def import_storage(self, st: Storage) -> int:
         """The node holding ``st``'s value in this trace (an input node on first use)."""
@@ -73,7 +104,8 @@ class Trace:
             return st.node
         if st.data is None:
             raise RuntimeError("Kiln internal error: lazy storage with neither data nor node")
-        st.node = self.b.input(TensorType(tuple(st.data.shape), st.data.dtype))
+        data = st.data
+        st.node = self._input(("input", len(self.values), tuple(data.shape), data.dtype))
         st.gen = self.gen
         st.pending = False
         st.imported = (self.gen, st.node)
@@ -83,27 +115,44 @@ class Trace:
     def import_tensor(self, t: torch.Tensor) -> int:
         """A CPU tensor used by the step (copied in: later changes to it are not seen)."""
         i = self.b.input(TensorType(tuple(t.shape), t.dtype))
+        self._noted(i, self.b.nodes[i])
         self.values.append(t.detach().clone())
         return i
 
     def scalar(self, value: float | int | bool) -> int:
-        py = type(value).__name__
-        i = self.b.scalar(py)
+        i = self._input(("scalar", len(self.values), type(value).__name__))
         self.values.append(value)
         return i
+
+    def _input(self, key: tuple) -> int:
+        """An input or scalar node, ``key`` = (kind, input index, shape, dtype) or (kind, input
+        index, Python type): on a repeated step, the same node object as last time."""
+        i = len(self.b.nodes)
+        e = self.expect
+        if e is not None and i < len(e.keys) and e.keys[i] == key:
+            node = e.nodes[i]
+        elif key[0] == "input":
+            node = Node("input", kwargs=(("index", key[1]),), types=(TensorType(key[2], key[3]),))
+        else:
+            node = Node(
+                "scalar", kwargs=(("index", key[1]),), types=(TensorType((), None, key[2]),)
+            )
+        return self._noted(self.b.add(node), key)
 
     def seed(self) -> int:
         """The graph input that seeds every random op of this step (drawn at the cut)."""
         if self.seed_node is None:
             self.seed_node = self.b.scalar("int", role="seed")
+            self._noted(self.seed_node, self.b.nodes[self.seed_node])
             self.values.append(None)  # filled at the cut
         return self.seed_node
 
     def set_pending(self, st: Storage, node: int) -> None:
+        if st.gen != self.gen or not st.pending:  # else listed already
+            self.pending.append(weakref.ref(st))
         st.node = node
         st.gen = self.gen
         st.pending = True
-        self.pending.add(st)
 
 
 _lock = threading.RLock()
@@ -135,33 +184,59 @@ def rng_rewind(state: torch.Tensor) -> None:
             _trace.replay = None
 
 
-def _prune(tr: Trace, outs: list[int]) -> tuple[Graph, list[Any]]:
+class _Entry:
+    """A pruned graph, cached by the raw trace it came from (``keys``: ``Trace.keys``)."""
+
+    __slots__ = ("graph", "picks", "keys", "nodes", "outs", "next")
+
+    def __init__(self, graph: Graph, picks: list[int], tr: Trace, outs: tuple) -> None:
+        self.graph = graph
+        self.picks = picks  # graph input k is the trace's value picks[k]
+        self.keys = tr.keys
+        self.nodes = tr.b.nodes
+        self.outs = outs
+        self.next: _Entry | None = None  # the graph of the trace that followed this one last time
+
+
+def _prune(tr: Trace, outs: list[int]) -> tuple[_Entry, list[Any]]:
     """The part of the trace that the outputs need, renumbered, with its input values.
 
     A steady loop records the same trace every step, so the pruned graph is cached by the raw
-    trace's fingerprint: from the second step on, only the input values are picked out.
+    trace's keys: from the second step on, only the input values are picked out.  A trace that
+    matched, node by node, the one recorded after the previous graph last time (``Trace.expect``)
+    is that graph without a lookup.
     """
-    consts = tuple(tensor_digest(c) for c in tr.b.constants)
-    key: Any = (tuple(tr.b.nodes), tuple(outs), consts)
-    try:
-        hit = _pruned.get(key)  # nodes are frozen dataclasses: hashed and compared field by field
-    except TypeError:  # an unhashable attribute somewhere: fingerprint the text instead
-        h = hashlib.sha256()
-        for n in tr.b.nodes:
-            h.update(canonical_text(n).encode())
-        h.update(repr((outs, consts)).encode())
-        key = h.hexdigest()
-        hit = _pruned.get(key)
-    if hit is None:
-        hit = _prune_uncached(tr, outs)
-        if len(_pruned) >= 256:
-            _pruned.pop(next(iter(_pruned)))
-        _pruned[key] = hit
-    g, picks = hit
-    return g, [tr.values[k] for k in picks]
+    for i in range(len(tr.keys), len(tr.b.nodes)):  # nodes added straight to the builder
+        tr._noted(i, tr.b.nodes[i])  # (writebacks): keyed by themselves
+    if tr.b.constants:  # (the lazy device records none today) not keyed: prune every time
+        g, picks = _prune_uncached(tr, outs)
+        return _Entry(g, picks, tr, tuple(outs)), [tr.values[k] for k in picks]
+    out_key = tuple(outs)
+    e = tr.expect
+    n = len(tr.b.nodes)
+    if e is None or len(e.keys) != n or len(tr.keys) != n or e.outs != out_key:
+        key: Any = (tuple(tr.keys), out_key)
+        try:
+            e = _pruned.get(key)
+        except TypeError:  # an unhashable attribute somewhere: fingerprint the text instead
+            h = hashlib.sha256()
+            for node in tr.b.nodes:
+                h.update(canonical_text(node).encode())
+            h.update(repr(out_key).encode())
+            key = h.hexdigest()
+            e = _pruned.get(key)
+        if e is None:
+            g, picks = _prune_uncached(tr, outs)
+            e = _Entry(g, picks, tr, out_key)
+            if len(_pruned) >= 256:
+                _pruned.pop(next(iter(_pruned)))
+            _pruned[key] = e
+    values = tr.values
+    return e, [values[k] for k in e.picks]
 
 
-_pruned: dict[Any, tuple[Graph, list[int]]] = {}
+_pruned: dict[Any, _Entry] = {}
+_last_entry: _Entry | None = None
 
 
 def _prune_uncached(tr: Trace, outs: list[int]) -> tuple[Graph, list[int]]:
@@ -252,7 +327,13 @@ def sync(reason: str | None = None) -> None:
     metrics.close_span("record")  # profiler ranges: kiln::record, kiln::mark_step / kiln::sync
     with _lock, metrics.span("kiln::mark_step" if reason is None else f"kiln::sync {reason}"):
         tr = _trace
-        live = [st for st in list(tr.pending) if st.gen == tr.gen and st.pending]
+        live = []
+        listed: set[int] = set()
+        for ref in tr.pending:
+            st = ref()
+            if st is not None and st.gen == tr.gen and st.pending and id(st) not in listed:
+                listed.add(id(st))
+                live.append(st)
         _trace = Trace(tr.gen + 1)
         if reason is None:
             metrics.incr("mark_steps")
@@ -262,7 +343,13 @@ def sync(reason: str | None = None) -> None:
             metrics.forced_sync(reason)
         live.sort(key=lambda s: s.node)
         outs = _outputs(tr, live)
-        g, values = _prune(tr, outs)
+        entry, values = _prune(tr, outs)
+        g = entry.graph
+        global _last_entry
+        if _last_entry is not None:
+            _last_entry.next = entry
+        _last_entry = entry
+        _trace.expect = entry.next
         metrics.traced(time.perf_counter() - tr.t0)
         if tr.seed_node is not None:
             seed_idx = next((n.kwarg("index") for n in g.nodes if n.kwarg("role") == "seed"), None)

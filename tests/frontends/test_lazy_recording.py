@@ -1,0 +1,113 @@
+"""The lazy device's fast recording path (recipes by call signature) and the recognition of a
+repeated step (Trace.expect): same graphs and values as the general path and as eager."""
+
+import copy
+
+import pytest
+import torch
+from optim_cases import mse_step
+
+import kiln
+from kiln import metrics
+from kiln.frontends.lazy import recipes
+from kiln.frontends.lazy import trace as T
+
+dev = kiln.device()
+
+
+def _step(x: torch.Tensor, w: torch.Tensor, lr: float) -> torch.Tensor:
+    h = torch.relu(x @ w + 0.5) * lr
+    m, i = h.max(dim=1)  # a tuple-output op
+    return (h - m[:, None]).exp().sum() + i.sum()
+
+
+def test_replayed_steps_match_eager_and_are_recognised_without_pruning(monkeypatch):
+    x, w = torch.randn(8, 16), torch.randn(16, 4)
+    lx, lw = x.to(dev), w.to(dev)
+    kiln.mark_step()
+    pruned = []
+    real = T._prune_uncached
+    monkeypatch.setattr(T, "_prune_uncached", lambda tr, outs: pruned.append(1) or real(tr, outs))
+    got = []
+    for k in range(4):  # a new lr every step: a lifted scalar, not a new graph or recipe
+        out = _step(lx, lw, 0.1 * (k + 1))
+        kiln.mark_step()
+        got.append(out.cpu())
+        torch.testing.assert_close(got[-1], _step(x, w, 0.1 * (k + 1)))
+    # the step pruned once; from the third on it matched the previous graph node by node
+    assert len(pruned) <= 2
+    assert T.current().expect is not None
+
+
+def test_signatures_tell_int_bool_and_float_arguments_apart():
+    xi = torch.arange(6).reshape(2, 3)
+    li = xi.to(dev)
+    # pow keeps its exponent (not lifted): 2 and 2.0 give different dtypes
+    for e in (2, 2.0, 3, True):
+        got = torch.pow(li, e).cpu()
+        want = torch.pow(xi, e)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want)
+    # sum over a dim given as int, list and tuple, keepdim as bool
+    for dim, keep in ((1, True), ([1], False), ((0, 1), True), (0, False)):
+        torch.testing.assert_close(li.sum(dim, keep).cpu(), xi.sum(dim, keep))
+
+
+def test_a_recipe_is_keyed_on_geometry_not_values():
+    a, b = torch.randn(3, 4), torch.randn(4, 3).t()  # same shape, other strides
+    la, lb = a.to(dev), b.to(dev)
+    for x, lx in ((a, la), (b, lb), (a, la)):
+        torch.testing.assert_close((lx * 2.5 + 1).cpu(), x * 2.5 + 1)
+        assert (lx * 2.5 + 1).stride() == (x * 2.5 + 1).stride()
+    leaves: list = []
+    key = recipes.signature(object(), (la, 2.5), {}, True, leaves)
+    assert key is not None and leaves == [la, 2.5]
+    assert recipes.signature(object(), (la, torch.ones(2)), {}, True, []) is None
+
+
+_DEFAULT_OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", list(_DEFAULT_OPTIMIZERS))
+def test_foreach_optimizer_updates_are_fused_and_in_place(name):
+    """Default (foreach) optimizers: parameters and optimizer state keep their buffers across
+    steps, the update is generated kernels (no _foreach_* op reaches ATen), values as in eager."""
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    lazy = copy.deepcopy(model).to(dev)
+    make = _DEFAULT_OPTIMIZERS[name]
+    opt, lazy_opt = make(model.parameters()), make(lazy.parameters())
+    eager, lazy_step = mse_step(model, opt), mse_step(lazy, lazy_opt)
+
+    def buffers() -> list[int]:
+        ts = list(lazy.parameters())
+        for st in lazy_opt.state.values():
+            ts += [v for v in st.values() if isinstance(v, torch.Tensor) and v.device == dev]
+        return [t._st.data.data_ptr() for t in ts]
+
+    before = dict(metrics.counters()["fallbacks"])
+    ptrs = None
+    for _ in range(4):
+        x, y = torch.randn(5, 6), torch.randn(5, 3)
+        eager(x, y)
+        lazy_step(x.to(dev), y.to(dev))
+        kiln.mark_step()
+        now = buffers()
+        if ptrs is not None:
+            assert now == ptrs
+        ptrs = now
+    assert len(ptrs) > len(list(lazy.parameters()))  # the optimizer state is checked too
+    after = metrics.counters()["fallbacks"]
+    assert not [op for op in after if op.startswith("_foreach") and after[op] != before.get(op)]
+    for a, b in zip(model.parameters(), lazy.parameters()):
+        torch.testing.assert_close(b.cpu(), a.detach())
+    for sa, sb in zip(opt.state.values(), lazy_opt.state.values()):
+        for k in sa:
+            if isinstance(sa[k], torch.Tensor):
+                torch.testing.assert_close(sb[k].cpu(), sa[k])
