@@ -323,7 +323,7 @@ def sync(reason: str | None = None) -> None:
 
     ``reason`` None means an explicit ``mark_step``; anything else is counted as a forced sync.
     """
-    global _trace
+    global _trace, _last_entry
     metrics.close_span("record")  # profiler ranges: kiln::record, kiln::mark_step / kiln::sync
     with _lock, metrics.span("kiln::mark_step" if reason is None else f"kiln::sync {reason}"):
         tr = _trace
@@ -345,7 +345,6 @@ def sync(reason: str | None = None) -> None:
         outs = _outputs(tr, live)
         entry, values = _prune(tr, outs)
         g = entry.graph
-        global _last_entry
         if _last_entry is not None:
             _last_entry.next = entry
         _last_entry = entry
