@@ -102,13 +102,14 @@ class Recipe:
 
 
 _tokens = itertools.count()
-_recipes: dict[tuple, Recipe] = {}
+_recipes: dict[tuple, Any] = {}  # Recipe or ViewRecipe
 lazy_type: type = type(None)  # set by kiln.frontends.lazy.tensor to LazyTensor
 
 
 def clear() -> None:
     _recipes.clear()
     _geos.clear()
+    _links.clear()
 
 
 def signature(op: Any, args: tuple, kwargs: dict, lift: bool, leaves: list) -> tuple | None:
@@ -161,7 +162,7 @@ def _part(a: Any, lift: bool, parts: list, leaves: list) -> bool:
     return True
 
 
-def lookup(key: tuple) -> Recipe | None:
+def lookup(key: tuple) -> Any:
     return _recipes.get(key)
 
 
@@ -179,3 +180,53 @@ def remember(key: tuple, node: Node, fallback: str | None, out_meta: Any, n_leav
     if len(_recipes) >= _MAX:
         clear()
     _recipes[key] = Recipe(node, fallback, outs, out_meta)
+
+
+class Link:
+    """One interned link of a view chain (``(op, args after self, kwargs)``, as ``views.Link``)
+    made by a view recipe, with how to record it: the node template of the view applied to the
+    geometry it was made on, and its output meta."""
+
+    __slots__ = ("args", "fallback", "kwargs", "link", "meta", "op", "token", "types")
+
+    def __init__(self, link: tuple, meta: torch.Tensor, node: Node, fallback: str | None) -> None:
+        self.link = link
+        self.meta = meta
+        self.op = node.op
+        self.args = node.args
+        self.kwargs = node.kwargs
+        self.types = node.types
+        self.fallback = fallback
+        self.token = next(_tokens)
+
+
+class ViewRecipe:
+    """A view call: per output, its meta, geometry and interned chain link."""
+
+    __slots__ = ("outs", "single")
+
+    def __init__(self, outs: list[tuple[torch.Tensor, Geo, tuple]], single: bool) -> None:
+        self.outs = outs
+        self.single = single
+
+
+_links: dict[int, Link] = {}  # by id of the link tuple (kept alive by the entry itself)
+
+
+def link_info(link: tuple) -> Link | None:
+    return _links.get(id(link))
+
+
+def remember_view(
+    key: tuple, outs: list[tuple[torch.Tensor, tuple, Node, str | None]], single: bool
+) -> ViewRecipe:
+    """Keep a view call's recipe: ``outs`` holds, per output, its meta, its chain link, the link's
+    node (input ``In(0)`` = the viewed value) and the op counted as a fallback, if any."""
+    if len(_recipes) >= _MAX:
+        clear()
+    items = []
+    for meta, link, node, fallback in outs:
+        _links[id(link)] = Link(link, meta, node, fallback)
+        items.append((meta, geo_of(meta), link))
+    r = _recipes[key] = ViewRecipe(items, single)  # type: ignore[assignment]
+    return r

@@ -31,8 +31,9 @@ from kiln.frontends.lazy.foreach import record_split, split_of
 from kiln.frontends.lazy.memory import track, update_peak
 from kiln.frontends.lazy.shapes import _map, infer_typed
 from kiln.frontends.lazy.views import Link, inverse, split_links
+from kiln.ir.graph import Node
 from kiln.ir.ops import OPS, Category, functional_variant
-from kiln.lowering.aten import Ref, lower_call, op_name
+from kiln.lowering.aten import Ref, lower_call, op_name, template
 
 aten = torch.ops.aten
 DEVICE = torch.device("kiln", 0)
@@ -205,9 +206,20 @@ def read(x: LazyTensor) -> int:
     """Node id of ``x``'s current value in the trace (replaying its view chain)."""
     tr = T.current()
     node = tr.import_storage(x._st)
+    chain = x._chain
+    if not chain:
+        return node
     meta = x._st.meta
-    last = len(x._chain) - 1
-    for k, (func, args, kw) in enumerate(x._chain):
+    last = len(chain) - 1
+    for k, link in enumerate(chain):
+        li = recipes.link_info(link)
+        if li is not None:  # made by a view recipe: its node template is known
+            if li.fallback is not None:
+                metrics.fallback(li.fallback)
+            node = tr.add_call((li.token, (node,)), li.op, (node,), li.args, li.kwargs, li.types)
+            meta = li.meta
+            continue
+        func, args, kw = link
         # the chain's last link yields x itself: its meta is known, no need to re-run the view
         out_meta = x._meta if k == last else func(meta, *args, **dict(kw))
         n = lower_call(func, (Ref(node), *args), dict(kw), _ref_only, T.out_types(out_meta))
@@ -226,8 +238,13 @@ def _write(x: LazyTensor, value_node: int) -> None:
     chain = x._chain
     # metas along the chain: metas[k] is the value that link k is applied to
     metas = [x._st.meta]
-    for func, args, kw in chain:
-        metas.append(func(metas[-1], *args, **dict(kw)))
+    for link in chain:
+        li = recipes.link_info(link)
+        if li is not None:
+            metas.append(li.meta)
+        else:
+            func, args, kw = link
+            metas.append(func(metas[-1], *args, **dict(kw)))
     new = value_node
     for k in range(len(chain) - 1, -1, -1):
         parent = LazyTensor(metas[k], x._st, chain[:k])
@@ -432,6 +449,15 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         # an unresolved conjugate in the meta only; compute the value instead (a copy, not a view)
         return _dispatch(_BIT_VIEWS[func], args, kwargs)
     if f.view:
+        if func is not aten.as_strided.default:  # (as_strided checks its storage's size)
+            leaves = []
+            key = recipes.signature(f, args, kwargs, False, leaves)
+            if key is not None and len(leaves) == 1 and leaves[0] is args[0]:
+                r = recipes.lookup(key) or _remember_view(func, args, kwargs, key)
+                x = args[0]
+                if r.single:
+                    return _view_of(x, *r.outs[0])
+                return [_view_of(x, m, g, ln) for m, g, ln in r.outs]
         return _view(func, args, kwargs)
     if f.inplace_view:
         return _inplace_view(func, args, kwargs)
@@ -488,6 +514,38 @@ def _view(func: Any, args: tuple, kwargs: dict) -> Any:
         return [LazyTensor(m, x._st, x._chain + (ln,)) for m, ln in zip(out_meta, links)]
     link = (func, tuple(args[1:]), tuple(kwargs.items()))
     return LazyTensor(out_meta, x._st, x._chain + (link,))
+
+
+def _remember_view(func: Any, args: tuple, kwargs: dict, key: tuple) -> recipes.ViewRecipe:
+    outs = _view(func, args, kwargs)
+    single = isinstance(outs, LazyTensor)
+    items = []
+    for v in [outs] if single else outs:
+        link = v._chain[-1]
+        lfunc, largs, lkw = link
+        targs, tkwargs, inputs = template((Ref(0), *largs), dict(lkw), _ref_only)
+        op, real = op_name(lfunc)
+        node = Node(op, inputs, targs, tkwargs, T.out_types(v._meta))
+        fallback = None if real else lfunc._schema.name.split("::")[-1]
+        items.append((v._meta, link, node, fallback))
+    return recipes.remember_view(key, items, single)
+
+
+def _view_of(x: LazyTensor, meta: torch.Tensor, geo: recipes.Geo, link: tuple) -> LazyTensor:
+    r = torch.Tensor._make_wrapper_subclass(
+        LazyTensor,
+        geo.shape,
+        strides=geo.stride,
+        storage_offset=geo.offset,
+        dtype=geo.dtype,
+        device=DEVICE,
+        requires_grad=False,
+    )
+    r._st = x._st
+    r._chain = x._chain + (link,)
+    r._meta = meta
+    r._g = geo
+    return r
 
 
 def _check_in_storage(view: torch.Tensor, base: torch.Tensor) -> None:
