@@ -70,26 +70,30 @@ def record_cost(n: int, reps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def mark_step_cost(n: int, reps: int) -> tuple[float, float, float]:
-    """(mark_step ms, of which kernel execution ms, recording ms) on a steady ``n``-op graph."""
+def mark_step_cost(n: int, reps: int) -> dict[str, float]:
+    """Medians on a steady ``n``-op graph, ms: mark_step (wall and thread CPU time), the kernel
+    execution inside it (kiln.metrics), and recording the graph."""
     dev = kiln.device()
     x = torch.randn(64).to(dev)
     kiln.mark_step()
-    step_t, exec_t, rec_t = [], [], []
+    out: dict[str, list[float]] = {"step": [], "step_cpu": [], "exec": [], "record": []}
     for r in range(reps + 1):
         t0 = time.perf_counter()
         y = chain(x, n)
         t1 = time.perf_counter()
         e0 = metrics.snapshot().get("execute_s", 0.0)
+        c1 = time.thread_time()
         kiln.mark_step()
+        c2 = time.thread_time()
         t2 = time.perf_counter()
         e1 = metrics.snapshot().get("execute_s", 0.0)
         del y
         if r:
-            step_t.append((t2 - t1) * 1e3)
-            exec_t.append((e1 - e0) * 1e3)
-            rec_t.append((t1 - t0) * 1e3)
-    return statistics.median(step_t), statistics.median(exec_t), statistics.median(rec_t)
+            out["step"].append((t2 - t1) * 1e3)
+            out["step_cpu"].append((c2 - c1) * 1e3)
+            out["exec"].append((e1 - e0) * 1e3)
+            out["record"].append((t1 - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in out.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,11 +110,11 @@ def main(argv: list[str] | None = None) -> None:
         f"(eager CPU runs the op in {rc['eager']:.2f} us); "
         f"thread CPU time: {rc['lazy_cpu']:.2f} vs {rc['eager_cpu']:.2f} us/op"
     )
-    step_ms, exec_ms, rec_ms = mark_step_cost(a.graph_ops, a.reps)
+    ms = mark_step_cost(a.graph_ops, a.reps)
     print(
-        f"mark_step, steady {a.graph_ops}-op graph: {step_ms:.3f} ms "
-        f"(kernels {exec_ms:.3f} ms, overhead {step_ms - exec_ms:.3f} ms); "
-        f"recording it took {rec_ms:.1f} ms"
+        f"mark_step, steady {a.graph_ops}-op graph: {ms['step']:.3f} ms "
+        f"(kernels {ms['exec']:.3f} ms, overhead {ms['step'] - ms['exec']:.3f} ms; "
+        f"thread CPU time {ms['step_cpu']:.3f} ms); recording it took {ms['record']:.1f} ms"
     )
     c = metrics.counters()
     print(

@@ -111,3 +111,16 @@ def test_foreach_optimizer_updates_are_fused_and_in_place(name):
         for k in sa:
             if isinstance(sa[k], torch.Tensor):
                 torch.testing.assert_close(sb[k].cpu(), sa[k])
+
+
+def test_a_new_default_dtype_is_not_served_a_cached_dtype():
+    old = torch.get_default_dtype()
+    try:
+        for dt in (torch.float32, torch.float64, torch.float32):
+            torch.set_default_dtype(dt)
+            assert torch.zeros(3, device=dev).dtype == dt
+            assert torch.full((2,), 1.5, device=dev).cpu().dtype == dt
+            half = torch.arange(3, device=dev) * 0.5  # int tensor * float: the default dtype
+            torch.testing.assert_close(half.cpu(), torch.arange(3) * 0.5)
+    finally:
+        torch.set_default_dtype(old)

@@ -7,16 +7,18 @@ step, so all of that is worked out once per *call signature* and kept as a :clas
 node's op, argument template and output types, the output metas, and which arguments become node
 inputs.  Replaying a recipe costs a signature, a dictionary lookup and the new node.
 
-The signature of a call is the op and its arguments with every lazy tensor replaced by its
-geometry (an interned :class:`Geo`: shape, strides, offset, dtype) and every lifted Python float
-by a marker (its value is a graph input, not part of the graph).  Ints, bools, strings, None,
-dtypes, devices and (nested) lists of these are part of it as they are.  A call with anything else
-(a CPU tensor, a generator, a symbolic size) has no signature and takes the general path, as do
-random ops, views, in-place ops and ops with a decomposition (``tensor._dispatch`` decides).
+The signature of a call is the op, the default dtype and the arguments, every lazy tensor
+replaced by its geometry (an interned :class:`Geo`: shape, strides, offset, dtype) and every
+lifted Python float by a marker (its value is a graph input, not part of the graph).  Ints,
+bools, strings, None, dtypes, devices and (nested) lists of these are part of it as they are.  A
+call with anything else (a CPU tensor, a generator, a symbolic size) has no signature and takes
+the general path, as do random ops, in-place ops and ops with a decomposition (``tensor._dispatch``
+decides).  View ops have :class:`ViewRecipe`\ s: the output meta and an interned chain
+:class:`Link` whose node template ``tensor.read`` replays.
 
 Each recipe also has a token (an int, never reused): the trace keys the nodes it records by
-``(token, inputs)``, so a steady step's graph is recognised by comparing small tuples instead of
-hashing every node (see ``trace.Trace.key``).
+``(token, inputs)``, so a repeated step is recognised by comparing small tuples instead of
+hashing every node (``trace.Trace.keys``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _OPEN = object()  # a list or tuple starts / ends
 _CLOSE = object()
 _KWARGS = object()  # keyword arguments follow
 _HASHABLE_ATOMS = (torch.dtype, torch.device, torch.memory_format, torch.layout)
+_default_dtype = torch.get_default_dtype
 
 _MAX = 65536  # recipes and geometries kept; when full, both start over (new identities)
 
@@ -117,9 +120,19 @@ def signature(op: Any, args: tuple, kwargs: dict, lift: bool, leaves: list) -> t
     when it has none; appends to ``leaves`` the arguments that
     become node inputs (lazy tensors and lifted floats), in the order the node template takes
     them (depth first, positional then keyword)."""
-    parts: list = [op]
-    for a in args:
-        if not _part(a, lift, parts, leaves):
+    # the default dtype decides the dtype of factories and of int tensors with float scalars
+    parts: list = [op, _default_dtype()]
+    for a in args:  # the common arguments inline, the rest in _part
+        t = type(a)
+        if t is lazy_type:
+            g = a._g
+            if g is None:
+                g = a._g = geo_of(a._meta)
+            parts.append(g)
+            leaves.append(a)
+        elif t is int:
+            parts.append(a)
+        elif not _part(a, lift, parts, leaves):
             return None
     if kwargs:
         parts.append(_KWARGS)

@@ -71,7 +71,12 @@ def infer_typed(func: Any, args: tuple, kwargs: dict, to_meta: Any) -> tuple[Any
     what the meta kernel raised."""
     ht = _has_tensor(args, kwargs)
     try:
-        key = (func, _sig(args, ht), _sig(tuple(sorted(kwargs.items())), ht))
+        key = (
+            func,
+            torch.get_default_dtype(),  # the dtype of factories, of int tensor * float, ...
+            _sig(args, ht),
+            _sig(tuple(sorted(kwargs.items())), ht),
+        )
         hash(key)
     except TypeError:  # an unhashable argument (a Generator, ...): no caching
         key = None

@@ -416,7 +416,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         leaves: list = []
         key = recipes.signature(f, args, kwargs, f.lift, leaves)
         if key is not None:
-            r = recipes.lookup(key)
+            r = recipes._recipes.get(key)
             if r is not None:
                 return _replay(r, leaves)
     name = f.name
@@ -633,13 +633,13 @@ def _replay(r: recipes.Recipe, leaves: list) -> Any:
         metrics.fallback(r.fallback)
     nid = tr.add_call((r.token, inputs), r.op, inputs, r.args, r.kwargs, r.types)
     if r.single:
-        return _pending(r.meta, r.geo, nid)
-    return tuple(_pending(m, g, tr.getitem(nid, k)) for k, (m, g) in enumerate(r.outs))
+        return _pending(tr, r.meta, r.geo, nid)
+    return tuple(_pending(tr, m, g, tr.getitem(nid, k)) for k, (m, g) in enumerate(r.outs))
 
 
-def _pending(meta: torch.Tensor, geo: recipes.Geo, node: int) -> LazyTensor:
+def _pending(tr: T.Trace, meta: torch.Tensor, geo: recipes.Geo, node: int) -> LazyTensor:
     st = T.Storage(meta)
-    T.current().set_pending(st, node)
+    tr.set_pending(st, node)
     r = torch.Tensor._make_wrapper_subclass(
         LazyTensor,
         geo.shape,
