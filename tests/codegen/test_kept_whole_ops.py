@@ -1,7 +1,7 @@
 """Every op the compile backend keeps whole, over its argument variants, against eager.
 
 Kept whole (``_KEEP`` in kiln/frontends/compile/backend.py): layer norm backward, (log_)softmax
-backward and GELU backward (Kiln kernels or one fused formula), embedding backward and SDPA (ATen
+backward, GELU and tanh backward, addcmul and lerp (Kiln kernels or one fused formula), embedding backward and SDPA (ATen
 kernels; SDPA's variants are in test_compile_attention.py).  A kept-whole backward consumes what
 the forward saved, so each case checks forward values and all gradients with a random cotangent,
 with kernel outputs poisoned (NaN) so that an unwritten element cannot pass.
@@ -57,6 +57,14 @@ CASES = {
     "gelu": (lambda x: F.gelu(x), [_t(4, 33) * 4]),
     "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), [_t(4, 33) * 4]),
     "gelu_large": (lambda x: F.gelu(x * 30.0), [_t(64)]),
+    # one fused multiply-add in ATen: tanh backward, addcmul (value, broadcast), lerp (scalar and
+    # tensor weights on both sides of 0.5)
+    "tanh": (lambda x: torch.tanh(x), [_t(5, 7) * 3]),
+    "addcmul": (lambda x, a, b: torch.addcmul(x, a, b, value=-0.3), [_t(4, 6), _t(4, 6), _t(6)]),
+    "addcmul_plain": (lambda x, a, b: torch.addcmul(x, a, b), [_t(3, 5), _t(1, 5), _t(3, 1)]),
+    "lerp_scalar_lo": (lambda x, e: torch.lerp(x, e, 0.3), [_t(4, 6), _t(4, 6)]),
+    "lerp_scalar_hi": (lambda x, e: torch.lerp(x, e, 0.8), [_t(4, 6), _t(6)]),
+    "lerp_tensor": (lambda x, e, w: torch.lerp(x, e, w), [_t(4, 6), _t(4, 6), _t(4, 6) * 0.8]),
     # embedding backward: repeated indices, padding_idx, scale_grad_by_freq
     "embedding": (
         lambda w: F.embedding(torch.tensor([[1, 3, 3], [0, 3, 9]]), w),

@@ -38,15 +38,9 @@ if os.environ.get("KILN_TEST_KERNEL_CASES"):
 GRAD = [c.name for c in ALL.values() if c.grad_inputs is not None]
 
 # Known wrong results, each a strict xfail with what was measured (a compiler fix removes it).
-_FMA = (
-    "ATen's CPU kernel computes this with a fused multiply-add; Kiln's generated code, built with "
-    "-ffp-contract=off since b684e24, rounds the product first: at overflow edges they differ "
-)
-XFAIL = {
-    "tanh_backward": _FMA + "(max abs diff 2.5e30, 8 of 1089 elements, huge gradients)",
-    "addcmul": _FMA + "(NaN vs inf, 8 of 1089 elements)",
-    "lerp_tensor": _FMA + "(inf vs finite, 11 of 1089 elements)",
-}
+# (addcmul, lerp and tanh_backward were here until their formulas fused the multiply-add as
+# ATen's CPU kernels do.)
+XFAIL: dict[str, str] = {}
 
 
 GRAD_XFAIL = {

@@ -8,7 +8,8 @@ Forward, per row: mean and variance in double (two passes over the row, like a s
 outputs ``(out, mean, rstd)`` with ATen's shapes (``mean``/``rstd`` keep the normalized dim as 1).
 
 Backward (all three outputs requested), per row with ``xhat = (x - mean) * rstd`` and
-``g = dy * w``::
+``g = dy * w``, in double, ``mean`` recomputed from the row in double when the saved (float) one
+is its rounding::
 
     dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
     dw = sum over rows of dy * xhat          db = sum over rows of dy
@@ -208,23 +209,34 @@ def _backward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
         "    const float* dyr = dy + r * L;",
         "    const float* xr = x + r * L;",
         "    float* dxr = out0 + r * L;",
+        "    double sx = 0.0;",
+        f"    #pragma omp simd reduction(+:sx) {SAFELEN}",
+        "    for (int64_t j = 0; j < L; ++j) sx += (double)xr[j];",
+        "    const double md = sx / (double)L;",
+        "    // the saved mean is this row's mean rounded to float (by Kiln's forward or ATen's):",
+        "    // center on the exact mean instead, so that xhat sums to zero as it should (a rounded",
+        "    // mean tilts every gradient of a near-constant row); a mean that is not this row's",
+        "    // (further than 4 ulp) is used as given",
+        "    const double c = __builtin_fabs(md - (double)mu) <= 4.8e-7 * __builtin_fabs(md)",
+        "        ? md : (double)mu;",
+        "    const double rsd = (double)rs;",
         "    double sg = 0.0, sgx = 0.0;",
         f"    #pragma omp simd reduction(+:sg, sgx) {SAFELEN}",
         "    for (int64_t j = 0; j < L; ++j) {",
-        "      const float xh = (xr[j] - mu) * rs;",
+        "      const double xh = ((double)xr[j] - c) * rsd;",
         "      const double g = (double)dyr[j] * (double)w[j];",
-        "      sg += g; sgx += g * (double)xh;",
-        "      pw[j] += (double)dyr[j] * (double)xh;",
+        "      sg += g; sgx += g * xh;",
+        "      pw[j] += (double)dyr[j] * xh;",
         "      pb[j] += (double)dyr[j];",
         "    }",
         "    const double mg = sg / (double)L, mgx = sgx / (double)L;",
         "    #pragma omp simd",
         "    for (int64_t j = 0; j < L; ++j) {",
-        "      const float xh = (xr[j] - mu) * rs;",
+        "      const double xh = ((double)xr[j] - c) * rsd;",
         "      // in double: dy * w is exact there, so g - mean(g) cancels exactly where it",
         "      // should (rows of equal values, one-element rows), before rstd amplifies it",
         "      const double g = (double)dyr[j] * (double)w[j];",
-        "      dxr[j] = (float)((double)rs * (g - mg - (double)xh * mgx));",
+        "      dxr[j] = (float)(rsd * (g - mg - xh * mgx));",
         "    }",
         "  }",
         "  #pragma omp critical",

@@ -145,7 +145,7 @@ def _gelu(a: list[Operand], kw: dict, out: str) -> str:
     if kw.get("approximate", "none") == "tanh":
         return (
             f"(0.5f * {x} * (1.0f + km::tanh(0.7978845608028654f * "
-            f"({x} + 0.044715f * {x} * {x} * {x}))))"
+            f"km::fma(0.044715f, {x} * {x} * {x}, {x}))))"
         )
     return f"({x} * 0.5f * (1.0f + km::erf({x} * 0.7071067811865476f)))"
 
@@ -181,24 +181,30 @@ def _fma(a: list[Operand], kw: dict, out: str) -> str:
 
 
 def _addc(sym: str) -> Formula:
-    """addcmul / addcdiv: ``self + value * (t1 sym t2)``, as ATen's CPU kernel computes it."""
+    """addcmul / addcdiv: ``self + value * t1 sym t2``, as ATen's CPU kernel computes it.  ATen's
+    addcmul is built with FMA contraction: ``fma(value * t1, t2, self)`` (one rounding for the
+    final multiply and add: where the product overflows, eager gives inf, not NaN); addcdiv
+    divides, so nothing fuses there."""
 
     def f(a: list[Operand], kw: dict, out: str) -> str:
         x, t1, t2 = (_cast(o, out) for o in a[:3])
         value = kw.get("value", 1)
         v = f"(({out}){literal(value)})" if not isinstance(value, Operand) else _cast(value, out)
+        if sym == "*" and out in ("float", "double"):
+            return f"km::fma({v} * {t1}, {t2}, {x})"
         return f"({x} + {v} * {t1} {sym} {t2})"
 
     return f
 
 
 def _lerp(a: list[Operand], kw: dict, out: str) -> str:
-    """ATen's lerp: ``w < 0.5 ? self + w * (end - self) : end - (end - self) * (1 - w)``."""
+    """ATen's lerp (``LerpKernel.cpp``'s ``lerp_vec``): ``w < 0.5 ? self + w * (end - self) :
+    end + (w - 1) * (end - self)``, each as one fused multiply-add."""
     x, e, w = _cast(a[0], out), _cast(a[1], out), _cast(a[2], out)
-    return (
-        f"((kiln_abs({w}) < ({out})0.5) ? ({x} + {w} * ({e} - {x})) : "
-        f"({e} - ({e} - {x}) * ((({out})1) - {w})))"
-    )
+    small = f"(kiln_abs({w}) < ({out})0.5)"
+    if out in ("float", "double"):
+        return f"km::fma({small} ? {w} : ({w} - (({out})1)), ({e} - {x}), {small} ? {x} : {e})"
+    return f"({small} ? ({x} + {w} * ({e} - {x})) : ({e} - ({e} - {x}) * ((({out})1) - {w})))"
 
 
 def _copy(a: list[Operand], kw: dict, out: str) -> str:
@@ -271,8 +277,9 @@ FORMULAS: dict[str, Formula] = {
     "sigmoid_backward.default": lambda a, kw, o: (
         f"({_cast(a[0], o)} * ((({o})1) - {_cast(a[1], o)}) * {_cast(a[1], o)})"
     ),
+    # ATen: grad * (1 - y * y), the inner part contracted to one fused multiply-add
     "tanh_backward.default": lambda a, kw, o: (
-        f"({_cast(a[0], o)} * ((({o})1) - {_cast(a[1], o)} * {_cast(a[1], o)}))"
+        f"({_cast(a[0], o)} * km::fma(-{_cast(a[1], o)}, {_cast(a[1], o)}, (({o})1)))"
     ),
     "threshold_backward.default": lambda a, kw, o: (
         f"(({_cast(a[1], 'float')} <= {_cast(a[2], 'float')}) ? ({o})0 : {_cast(a[0], o)})"
@@ -352,14 +359,28 @@ static inline float exp(float x) {
   return x < -87.0f ? 0.0f : y * lo.f * hi.f;
 }
 static inline double exp(double x) { return __builtin_exp(x); }
-// erf(float): Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7), the form ATen's vectorized CPU
-// kernels use; built on exp, so it vectorizes ~1.4x faster than libmvec's erff.
+// erf(float): for |x| < 1 its Taylor series (11 terms: truncation < 2e-9, so relative error
+// ~1 ulp, tiny x included); beyond, Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7, ~2 ulp there).
+// Built on exp, so it vectorizes ~1.4x faster than libmvec's erff.
 static inline float erf(float x) {
   const float a0 = __builtin_fabsf(x), ax = a0 > 10.0f ? 10.0f : a0;  // erf(10) == 1; NaN stays
   const float t = 1.0f / (1.0f + 0.3275911f * ax);
   const float r = ((((1.061405429f * t - 1.453152027f) * t + 1.421413741f) * t
                     - 0.284496736f) * t + 0.254829592f) * t;
-  return __builtin_copysignf(1.0f - r * exp(-ax * ax), x);
+  const float big = __builtin_copysignf(1.0f - r * exp(-ax * ax), x);
+  const float x2 = x * x;
+  float p = 1.4807192815879218e-08f;
+  p = __builtin_fmaf(p, x2, -1.6365844691234924e-07f);
+  p = __builtin_fmaf(p, x2, 1.6462114365889246e-06f);
+  p = __builtin_fmaf(p, x2, -1.492565035840625e-05f);
+  p = __builtin_fmaf(p, x2, 0.00012055332981789664f);
+  p = __builtin_fmaf(p, x2, -0.0008548327023450852f);
+  p = __builtin_fmaf(p, x2, 0.005223977625442188f);
+  p = __builtin_fmaf(p, x2, -0.026866170645131252f);
+  p = __builtin_fmaf(p, x2, 0.11283791670955126f);
+  p = __builtin_fmaf(p, x2, -0.37612638903183754f);
+  p = __builtin_fmaf(p, x2, 1.1283791670955126f);
+  return a0 < 1.0f ? x * p : big;
 }
 static inline double erf(double x) { return __builtin_erf(x); }
 static inline float abs(float x) { return __builtin_fabsf(x); }
@@ -374,22 +395,24 @@ static inline double fma(double a, double b, double c) { return __builtin_fma(a,
 template <typename T> static inline T kiln_abs(T a) { return a < 0 ? -a : a; }
 template <typename T> static inline T kiln_max(T a, T b) { return (a != a) ? a : (a > b ? a : b); }
 template <typename T> static inline T kiln_min(T a, T b) { return (a != a) ? a : (a < b ? a : b); }
+// The backward formulas below group and fuse (km::fma) as ATen's vectorized CPU kernels do
+// (ATen's are built with multiply-add contraction).
 static inline float kiln_gelu_bwd(float g, float x) {
   const float cdf = 0.5f * (1.0f + km::erf(x * 0.7071067811865476f));
-  const float pdf = km::exp(-0.5f * x * x) * 0.3989422804014327f;
-  return g * (cdf + x * pdf);
+  const float pdf = 0.3989422804014327f * km::exp(x * x * -0.5f);
+  return g * km::fma(x, pdf, cdf);
 }
 static inline float kiln_gelu_tanh_bwd(float g, float x) {
   const float k = 0.7978845608028654f, c = 0.044715f;
-  const float x2 = x * x, inner = k * (x + c * x2 * x);
+  const float x2 = x * x, inner = k * km::fma(c, x * x * x, x);
   const float t = km::tanh(inner);
   const float left = 0.5f * x, right = 1.0f + t;
-  const float dinner = k * (1.0f + 3.0f * c * x2);
-  return g * (0.5f * right + left * (1.0f - t * t) * dinner);
+  const float dinner = k * km::fma(3.0f * c, x2, 1.0f);
+  return g * km::fma(left * km::fma(-t, t, 1.0f), dinner, 0.5f * right);
 }
 static inline float kiln_silu_bwd(float g, float x) {
   const float s = 1.0f / (1.0f + km::exp(-x));
-  return g * s * (1.0f + x * (1.0f - s));
+  return g * s * km::fma(x, 1.0f - s, 1.0f);
 }
 """
 

@@ -64,7 +64,11 @@ def _kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> KilnOutput
 
 
 # Ops kept whole (their records say ``keep_whole``, kiln/ir/ops.py says why): not decomposed.
-_KEEP = tuple(getattr(torch.ops.aten, n).default for n in keep_whole_ops())
+_KEEP = tuple(
+    getattr(pkt, o)
+    for pkt in (getattr(torch.ops.aten, n) for n in keep_whole_ops())
+    for o in pkt.overloads()
+)
 _DECOMPS = {k: v for k, v in core_aten_decompositions().items() if k not in _KEEP}
 
 _compiler = SerializableAOTDispatchCompiler(KilnOutputCode, _kiln_compiler)
