@@ -187,7 +187,17 @@ def rng_rewind(state: torch.Tensor) -> None:
 class _Entry:
     """A pruned graph, cached by the raw trace it came from (``keys``: ``Trace.keys``)."""
 
-    __slots__ = ("graph", "picks", "keys", "nodes", "outs", "next")
+    __slots__ = (
+        "graph",
+        "input_types",
+        "keys",
+        "next",
+        "nodes",
+        "outs",
+        "picks",
+        "seed_index",
+        "tensor_inputs",
+    )
 
     def __init__(self, graph: Graph, picks: list[int], tr: Trace, outs: tuple) -> None:
         self.graph = graph
@@ -196,6 +206,11 @@ class _Entry:
         self.nodes = tr.b.nodes
         self.outs = outs
         self.next: _Entry | None = None  # the graph of the trace that followed this one last time
+        # worked out once, used at every cut of this graph
+        ins = [graph.nodes[i] for i in graph.inputs]
+        self.input_types = tuple(n.types[0] for n in ins)
+        self.tensor_inputs = [k for k, n in enumerate(ins) if n.op == "input"]
+        self.seed_index = next((n.kwarg("index") for n in ins if n.kwarg("role") == "seed"), None)
 
 
 def _prune(tr: Trace, outs: list[int]) -> tuple[_Entry, list[Any]]:
@@ -350,21 +365,19 @@ def sync(reason: str | None = None) -> None:
         _last_entry = entry
         _trace.expect = entry.next
         metrics.traced(time.perf_counter() - tr.t0)
-        if tr.seed_node is not None:
-            seed_idx = next((n.kwarg("index") for n in g.nodes if n.kwarg("role") == "seed"), None)
-            if seed_idx is not None:
-                values[seed_idx] = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        if tr.seed_node is not None and entry.seed_index is not None:
+            values[entry.seed_index] = int(torch.randint(0, 2**62, (), dtype=torch.int64))
         site = call_site("lazy", python_frames()) or "lazy:<unknown>"
         before = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
         exe = compile_graph(g)
         after = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
-        inputs = tuple(g.nodes[i].types[0] for i in g.inputs)
-        _recompiles.seen(site, Signature(inputs, g.hash, len(g)), compiled=after > before)
+        sig = Signature(entry.input_types, g.hash, len(g))
+        _recompiles.seen(site, sig, compiled=after > before)
         t0 = time.perf_counter()
         results = exe(values)
         metrics.executed(time.perf_counter() - t0)
         settle = after > before
-        seen: set[int] = {id(v) for v in values if isinstance(v, torch.Tensor)}
+        seen: set[int] = {id(values[k]) for k in entry.tensor_inputs}
         for st, val in zip(live, results):
             if val is not st.data and id(val) in seen:  # never let two storages share a buffer
                 val = val.clone()
