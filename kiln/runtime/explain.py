@@ -14,6 +14,7 @@ from pathlib import Path
 from kiln.ir.graph import Graph
 from kiln.ir.ops import Category, opaque_target
 from kiln.lowering.fallback import reason
+from kiln.runtime.gemm_epilogues import gemm_epilogues
 
 
 def fallbacks(g: Graph) -> list[dict[str, str]]:
@@ -45,6 +46,7 @@ def report(source: Graph, optimized: Graph, passes: list, info: dict, cached: bo
             for k in kernels
         ],
         "fallbacks": fallbacks(optimized),
+        "gemms": gemm_epilogues(optimized),
         "graph_text": str(optimized),
     }
 
@@ -79,6 +81,9 @@ def format_report(rep: dict, source: bool = False) -> str:
         lines.append(f"    {', '.join(k['fused'][:16])}{' ...' if len(k['fused']) > 16 else ''}")
         if source:
             lines.extend("      " + ln for ln in k["source"].splitlines())
+    for m in rep.get("gemms", []):
+        lines.append(f"  gemm %{m['node']} {m['op']}: fused {m['fused']}; after: {m['after']}")
+        lines.append(f"    operands: {'; '.join(m['operands'])}")
     if rep["fallbacks"]:
         lines.append("  fell back to eager ATen:")
         for fb in rep["fallbacks"]:

@@ -65,6 +65,9 @@ def test_explain_lists_passes_and_kernels_with_source(tmp_path):
     assert "kernel kiln_" in text and "fuses" in text
     assert 'extern "C" void kiln_' in text  # --source prints the generated C++
     assert "pass fuse" in text
+    # every GEMM's epilogue choice: the Linear's bias inside addmm, its weight read by stride
+    assert "gemm %" in text and "fused bias (ATen addmm/baddbmm)" in text
+    assert "read by stride" in text
 
 
 def test_precompile_without_a_command_says_how_to_give_one():

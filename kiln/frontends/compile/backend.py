@@ -24,6 +24,7 @@ from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompil
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from kiln import metrics
+from kiln.config import config
 from kiln.frontends.compile.aot_cache import (
     KilnOutputCode,
     aot_cache_settings,
@@ -31,6 +32,7 @@ from kiln.frontends.compile.aot_cache import (
     note_graph,
     signature,
 )
+from kiln.frontends.compile.attention import attention_to_sdpa
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.ir.ops import keep_whole_ops
 from kiln.runtime.compiler import compile_graph
@@ -84,8 +86,12 @@ _aot_backend = aot_autograd(
 
 
 def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
-    """Dynamo's graph through AOTAutograd, with AOTAutograd's cache on for Kiln (see
-    :mod:`kiln.frontends.compile.aot_cache`): a new process skips AOTAutograd and Kiln's passes."""
+    """Dynamo's graph -> graph-level rewrites (hand-written attention -> SDPA, see
+    :mod:`kiln.frontends.compile.attention`) -> AOTAutograd, with AOTAutograd's cache on for Kiln
+    (see :mod:`kiln.frontends.compile.aot_cache`): a new process skips AOTAutograd and Kiln's
+    passes.  The rewrite runs first, so the cache key is that of the rewritten graph."""
+    if "attention" not in config.disabled_passes:
+        attention_to_sdpa(gm)
     with aot_cache_settings():
         return _aot_backend(gm, example_inputs, **kwargs)
 

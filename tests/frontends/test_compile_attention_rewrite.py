@@ -1,0 +1,159 @@
+"""Hand-written attention -> SDPA (kiln/frontends/compile/attention.py): which chains are
+rewritten (golden graphs) and that forward and gradients through ``backend="kiln"`` equal eager,
+including eager's NaN for a row whose scores are all masked."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kiln
+from kiln.frontends.compile.attention import attention_to_sdpa
+
+
+def attn(q, k, v, mask=None, bias=None, scale=0.25, div=None, p=0.0, to=False):
+    a = torch.matmul(q, k.transpose(-2, -1))
+    a = a / div if div is not None else a * scale
+    if mask is not None:
+        a = a.masked_fill(mask, float("-inf"))
+    if bias is not None:
+        a = a + bias
+    w = F.softmax(a, dim=-1)
+    if to:
+        w = w.to(torch.float32)
+    w = F.dropout(w, p, True)
+    return torch.matmul(w, v)
+
+
+def _rewritten(fn, *args):
+    """(number of chains rewritten, rewritten graph's ops) for ``fn`` captured by Dynamo."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["n"] = attention_to_sdpa(gm)
+        seen["ops"] = [
+            getattr(n.target, "__name__", str(n.target))
+            for n in gm.graph.nodes
+            if n.op in ("call_function", "call_method")
+        ]
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend)(*args)
+    return seen["n"], seen["ops"]
+
+
+def _qkv(b=2, h=3, l=7, s=5, e=4, ev=6, heads_last=True):
+    def t(n, d):
+        # laid out (B, N, H, D) and transposed, as models produce them: not contiguous
+        x = torch.randn(b, n, h, d) if heads_last else torch.randn(b, h, n, d)
+        return x.transpose(1, 2) if heads_last else x
+
+    return t(l, e), t(s, e), t(s, ev)
+
+
+def test_golden_masked_chain_becomes_one_sdpa_call():
+    q, k, v = _qkv()
+    mask = torch.zeros(7, 5, dtype=torch.bool)
+    n, ops = _rewritten(lambda q, k, v: attn(q, k, v, mask=mask, to=True), q, k, v)
+    assert n == 1
+    assert "scaled_dot_product_attention" in ops
+    assert not {"softmax", "matmul", "masked_fill", "dropout"} & set(ops), ops
+
+
+def _returns_probabilities(q, k, v):
+    w = F.softmax(q @ k.transpose(-2, -1), dim=-1)
+    return w @ v, w
+
+
+@pytest.mark.parametrize(
+    ("why", "fn"),
+    [
+        ("dropout p > 0", lambda q, k, v: attn(q, k, v, p=0.1)),
+        ("probabilities also returned", _returns_probabilities),
+        ("float64", lambda q, k, v: attn(q.double(), k.double(), v.double())),
+        ("finite masked_fill", lambda q, k, v: (q @ k.mT).masked_fill(q[..., :1] > 0, -1e9)),
+    ],
+)
+def test_not_rewritten(why, fn):
+    n, ops = _rewritten(fn, *_qkv(l=5))
+    assert n == 0, why
+    assert "scaled_dot_product_attention" not in ops
+
+
+def test_not_rewritten_under_autocast_or_with_a_learned_bias():
+    q, k, v = _qkv()
+
+    def amp(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return attn(q, k, v)
+
+    assert _rewritten(amp, q, k, v)[0] == 0
+    bias = torch.randn(7, 5, requires_grad=True)
+    assert _rewritten(lambda q, k, v: attn(q, k, v, bias=bias), q, k, v)[0] == 0
+
+
+def _grads(fn, xs, cot):
+    xs = [x.detach().clone().requires_grad_(True) for x in xs]
+    out = fn(*xs)
+    return out.detach(), torch.autograd.grad(out, xs, cot)
+
+
+def _mask_with_dead_row(l, s):
+    m = torch.rand(l, s) > 0.6
+    m[2, :] = True  # every key masked for query 2: eager gives NaN there
+    return m
+
+
+CASES = {
+    # name: (kwargs builder, q/k/v builder, rows of NaN expected)
+    "bool_mask_dead_row": (lambda: {"mask": _mask_with_dead_row(7, 5)}, _qkv, True),
+    "bool_mask_broadcast_batch": (
+        lambda: {"mask": torch.rand(2, 1, 1, 5) > 0.7},
+        lambda: _qkv(heads_last=False),
+        False,
+    ),
+    "additive_bias": (lambda: {"bias": torch.randn(2, 1, 7, 5)}, _qkv, False),
+    "additive_bias_minus_inf_row": (
+        lambda: {"bias": torch.where(_mask_with_dead_row(7, 5), -math.inf, 0.0)},
+        _qkv,
+        True,
+    ),
+    "divided_no_mask_odd_sizes": (
+        lambda: {"div": math.sqrt(3.0)},
+        lambda: _qkv(b=1, h=1, l=1, s=9, e=3, ev=1),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_eager_forward_and_gradients(name):
+    torch.manual_seed(0)
+    make_kw, make_qkv, nan_rows = CASES[name]
+    kw = make_kw()
+    xs = list(make_qkv())
+
+    def fn(q, k, v):
+        return attn(q, k, v, **kw)
+
+    torch._dynamo.reset()
+    before = kiln.metrics.get("attention_to_sdpa")
+    cot = torch.randn(fn(*xs).shape)
+    eo, eg = _grads(fn, xs, cot)
+    ko, kg = _grads(torch.compile(fn, backend="kiln"), xs, cot)
+    assert kiln.metrics.get("attention_to_sdpa") == before + 1
+    assert bool(eo.isnan().any()) == nan_rows
+    torch.testing.assert_close(ko, eo, rtol=1e-5, atol=1e-6, equal_nan=True)
+    for a, b in zip(kg, eg):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_zero_size_batch_is_left_to_eager_ops():
+    q, k, v = _qkv(b=0)
+    torch._dynamo.reset()
+    out = torch.compile(lambda q, k, v: attn(q, k, v), backend="kiln")(q, k, v)
+    assert out.shape == (0, 3, 7, 6)
