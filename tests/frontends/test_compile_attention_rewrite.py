@@ -33,7 +33,10 @@ def _rewritten(fn, *args):
     seen = {}
 
     def backend(gm, example_inputs):
+        before = set(gm.graph.nodes)
         seen["n"] = attention_to_sdpa(gm)
+        # AOTAutograd's cache bypasses graphs whose tensors lack Dynamo's metadata
+        seen["meta"] = all("example_value" in n.meta for n in gm.graph.nodes if n not in before)
         seen["ops"] = [
             getattr(n.target, "__name__", str(n.target))
             for n in gm.graph.nodes
@@ -43,6 +46,7 @@ def _rewritten(fn, *args):
 
     torch._dynamo.reset()
     torch.compile(fn, backend=backend)(*args)
+    assert seen["meta"]
     return seen["n"], seen["ops"]
 
 

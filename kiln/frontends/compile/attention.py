@@ -42,6 +42,7 @@ switched off with ``KILN_DISABLE_PASSES=attention``; each rewrite counted in
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from typing import Any
@@ -214,13 +215,21 @@ def _match(mm: torch.fx.Node) -> _Match | None:
     return m
 
 
-def _rewrite(g: torch.fx.Graph, m: _Match) -> None:
+def _rewrite(g: torch.fx.Graph, m: _Match, new: list[torch.fx.Node]) -> None:
+    """Insert the SDPA call (and NaN fix-up) before the chain's last matmul, collecting the new
+    nodes in ``new``, then replace and erase the chain (nothing is erased before that point)."""
     last = m.chain[-1]
-    new: list[torch.fx.Node] = []
+
+    fake_mode = getattr(_val(m.q), "fake_mode", None)
 
     def call(fn: Any, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
-        n = g.call_function(fn, args, kwargs or {})
+        kwargs = kwargs or {}
+        n = g.call_function(fn, args, kwargs)
         n.meta["stack_trace"] = last.meta.get("stack_trace")
+        # Dynamo's metadata: AOTAutograd's cache needs it on every tensor a method is called on
+        ex_args, ex_kwargs = torch.fx.node.map_arg((args, kwargs), _val)
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            n.meta["example_value"] = fn(*ex_args, **ex_kwargs)
         new.append(n)
         return n
 
@@ -268,8 +277,16 @@ def attention_to_sdpa(gm: torch.fx.GraphModule) -> int:
             m = None  # an argument of an unexpected kind: not this pattern
         if m is None:
             continue
+        new: list[torch.fx.Node] = []
+        try:
+            _rewrite(g, m, new)
+        except Exception as e:  # noqa: BLE001 - e.g. the fake-tensor metadata could not be made
+            for x in reversed(new):  # only added so far: remove them, keep the chain as written
+                if not x.users:
+                    g.erase_node(x)
+            metrics.fallback(f"attention_to_sdpa ({type(e).__name__}: {e})")
+            continue
         erased.update(m.chain)
-        _rewrite(g, m)
         found += 1
     if found:
         g.lint()
