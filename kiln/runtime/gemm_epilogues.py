@@ -8,7 +8,7 @@ separate pass with the reason.  The reasons are the measured decisions of this c
 * bias: AOTAutograd's ``linear`` decomposition already gives ``addmm(bias, x, w.t())``: ATen adds
   the bias inside the GEMM (oneDNN/BLAS beta=1), and reads ``w.t()`` by stride, no copy.
 * activation after a GEMM (GELU, ...): oneDNN's post-op (``torch.ops.mkldnn._linear_pointwise``,
-  "gelu") measured 1.1-1.6x faster than ``addmm`` + GELU for the forward alone (1 thread,
+  "gelu") measured 1.1-1.6x faster than ``addmm`` + GELU for the forward alone (1 thread, wall,
   512x128x512 .. 128x512x1024), but in training the GEMM's output (the activation's input) is
   saved for the backward, so the fused call would still have to write it: kept as addmm + one
   pointwise kernel.
