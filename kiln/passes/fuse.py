@@ -143,7 +143,10 @@ def _col_reduction(g: Graph, n: Node) -> tuple | None:
     if src is None or t is None or src.dtype != torch.float32 or len(src.shape) < 2:
         return None
     rank = len(src.shape)
-    dims = sorted(d % rank for d in n.args[1])
+    dim = n.args[1] if len(n.args) > 1 else None
+    if dim is None:  # sum over every dim (nansum's decomposition writes dim=None)
+        return None
+    dims = sorted(d % rank for d in dim)
     if dims != list(range(rank - 1)):
         return None
     return src.shape

@@ -72,3 +72,19 @@ def test_lone_clone_is_left_to_aten():
           return (%2)
         }""",
     )
+
+
+def test_sum_over_every_dim_is_not_a_column_reduction():
+    # nansum's decomposition sums with dim=None (every dim): neither a row nor a column kernel
+    b = GraphBuilder()
+    x = b.input(f32(3, 5))
+    s = call(b, "sum.dim_IntList", [V(x), None], f32())
+    check_codegen_pass(
+        fuse,
+        b.build([s]),
+        """
+        graph(%0: f32[3,5]) {
+          %1 = sum.dim_IntList(%0, None) : f32[]
+          return (%1)
+        }""",
+    )
