@@ -51,6 +51,10 @@ class Config:
     cache_dir: str = field(default_factory=_default_cache_dir)  # persistent compile cache
     disk_cache: bool = True  # use the persistent cache at all
     backend: str = "cpp"  # a registered backend (kiln.codegen): "cpp" (C++ kernels), "interpreter"
+    launcher: bool = True  # cpp backend: run each graph as one native C++ call (0: Python)
+    # where the native launcher is built, once per machine (not per cache_dir: a fresh compile
+    # cache does not rebuild it)
+    launcher_dir: str = field(default_factory=lambda: str(Path(_default_cache_dir()) / "launcher"))
     disable_passes: str = ""  # comma-separated pass names to switch off
     log: str = ""  # comma-separated: "graphs", "passes", "kernels", "recompiles", "fallbacks"
     recompile_warn: int = 4  # warn when one call site compiles more graphs than this

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from kiln import metrics
 from kiln.codegen.base import Backend, Pass, register_backend
+from kiln.codegen.cpp.aten_call import prepare_aten_call
 from kiln.codegen.cpp.build import build_many
 from kiln.codegen.cpp.emit import KernelSpec, emit_kernel
-from kiln.codegen.cpp.executor import Executor, make_fused_call, prepare_aten_call
+from kiln.codegen.cpp.executor import Executor, make_fused_call
 from kiln.codegen.cpp.layer_norm import emit_layer_norm, layer_norm_ok
 from kiln.codegen.cpp.ops import CTYPE, PRELUDE, supported
 from kiln.codegen.cpp.softmax_backward import emit_softmax_backward, softmax_backward_ok

@@ -5,6 +5,11 @@ in closures) and run many times.  Values are dropped right after their last use.
 carries a memory plan (``kiln.passes.memory_plan``), fused outputs are written into slot buffers
 kept for the life of the executable (reused between dead values, and in place over a dying input)
 instead of fresh ones.
+
+By default the graph runs as one native call (:mod:`kiln.codegen.cpp.launcher`, a program built
+by :mod:`kiln.codegen.cpp.program`): no Python per node.  The straight-line Python function below
+is the fallback (``KILN_LAUNCHER=0``, or no working C++ compiler) and what runs while a profiler
+records (kernels and fallbacks as named ranges, :mod:`kiln.observe.ranges`).
 """
 
 from __future__ import annotations
@@ -17,10 +22,14 @@ import torch
 import torch.autograd.profiler as _profiler
 
 from kiln import metrics
+from kiln.codegen.cpp import launcher
+from kiln.codegen.cpp.aten_call import inline_call, prepared
 from kiln.codegen.cpp.emit import KernelSpec
-from kiln.ir.graph import Graph, In, Node
+from kiln.codegen.cpp.program import build_program
+from kiln.config import config
+from kiln.ir.graph import Graph
 from kiln.ir.kernel import OutKind
-from kiln.ir.semantics import call_node, last_uses, resolve, writeback
+from kiln.ir.semantics import last_uses, writeback
 from kiln.precision.rounding import key_halves, next_key
 
 _P = ctypes.c_void_p
@@ -32,6 +41,9 @@ def new_output(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """A kernel's output buffer: uninitialized, every element is the kernel's to write (the
     tests replace this with a NaN-filled allocation to catch a kernel that skips elements)."""
     return torch.empty(shape, dtype=dtype)
+
+
+_NEW_OUTPUT = new_output
 
 
 def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) -> Callable:
@@ -114,109 +126,8 @@ def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) 
         return results
 
     call.kiln_kernel = spec.name  # type: ignore[attr-defined]  # profiler range name
+    call.kiln_native = (spec, fn, plan)  # type: ignore[attr-defined]  # for the native launcher
     return call
-
-
-def _has_in(v: Any) -> bool:
-    if isinstance(v, In):
-        return True
-    if isinstance(v, (tuple, list)):
-        return any(_has_in(x) for x in v)
-    return False
-
-
-def _filler(v: Any) -> Callable[[Sequence[Any]], Any]:
-    """A function ``ins -> v with every In(k) replaced by ins[k]`` (for nested templates)."""
-    if isinstance(v, In):
-        k = v.k
-        return lambda ins: ins[k]
-    subs = [(_filler(x) if _has_in(x) else None, x) for x in v]
-    seq = type(v)
-    return lambda ins: seq(x if f is None else f(ins) for f, x in subs)
-
-
-def _view(x: torch.Tensor, shape: Any) -> torch.Tensor:
-    """``x.view(shape)``; where a Kiln kernel gave ``x`` other strides than the traced graph
-    assumed (its outputs are contiguous, eager keeps an input's permuted layout), the view can be
-    impossible: the graph is functional, so a reshape (a copy) gives the same values."""
-    try:
-        return x.view(shape)
-    except RuntimeError:
-        if x.is_contiguous():
-            raise  # not a layout difference: a real error of the graph
-        return x.reshape(shape)
-
-
-# View ops called as Tensor methods: same ATen kernels, without the OpOverload Python dispatch
-# (~5 us -> ~2 us a call; a transformer step runs a few hundred of them).
-_METHODS: dict[str, Callable] = {
-    "view.default": _view,
-    "reshape.default": torch.Tensor.reshape,
-    "permute.default": torch.Tensor.permute,
-    "expand.default": torch.Tensor.expand,
-    "unsqueeze.default": torch.Tensor.unsqueeze,
-    "squeeze.dim": torch.Tensor.squeeze,
-    "t.default": torch.Tensor.t,
-    "transpose.int": torch.Tensor.transpose,
-    "select.int": torch.Tensor.select,
-}
-
-
-def prepare_aten_call(n: Node) -> Callable[[Sequence[Any]], Any]:
-    """``ins -> result`` for a node whose arguments nest graph values (lists of tensors), which
-    :func:`_inline_call` cannot spell out: the op and the fill plan are worked out once."""
-    fn = _METHODS.get(n.op) or resolve(n.op)
-    template = list(n.args)
-    direct = [(p, v.k) for p, v in enumerate(template) if isinstance(v, In)]
-    nested = [
-        (p, _filler(v)) for p, v in enumerate(template) if not isinstance(v, In) and _has_in(v)
-    ]
-    kw_const = {k: v for k, v in n.kwargs if not _has_in(v)}
-    kw_fill = [(k, _filler(v)) for k, v in n.kwargs if _has_in(v)]
-
-    def call(ins: Sequence[Any]) -> Any:
-        a = template.copy()
-        for p, k in direct:
-            a[p] = ins[k]
-        for p, f in nested:
-            a[p] = f(ins)
-        kw = kw_const.copy() if kw_const else {}
-        for k, f in kw_fill:
-            kw[k] = f(ins)
-        return fn(*a, **kw)
-
-    return call
-
-
-def _inline_call(n: Node, i: int, inp: Sequence[int], ns: dict) -> str | None:
-    """``OP(v3, A7_1, ...)``: node ``i``'s ATen call as Python source, its op and constant
-    arguments bound in ``ns``; None when an argument nests graph values (lists of tensors)."""
-    if any(not isinstance(v, In) and _has_in(v) for v in n.args) or any(
-        _has_in(v) for _, v in n.kwargs
-    ):
-        return None
-    try:
-        ns[f"OP{i}"] = _METHODS.get(n.op) or resolve(n.op)
-    except (AttributeError, KeyError):
-        return None
-    parts = []
-    for p, v in enumerate(n.args):
-        if isinstance(v, In):
-            parts.append(f"v{inp[v.k]}")
-        else:
-            ns[f"A{i}_{p}"] = v
-            parts.append(f"A{i}_{p}")
-    if n.kwargs:
-        ns[f"KW{i}"] = dict(n.kwargs)
-        parts.append(f"**KW{i}")
-    return f"OP{i}({', '.join(parts)})"
-
-
-def _prepared(n: Node) -> Callable[[Sequence[Any]], Any]:
-    try:
-        return prepare_aten_call(n)
-    except (AttributeError, KeyError):  # unresolvable here: call_node reports it when run
-        return lambda ins: call_node(n, ins)
 
 
 class Executor:
@@ -239,13 +150,52 @@ class Executor:
         # (kind, callable or value, input ids, ids freed after this step)
         self.steps = [(k, x, n.inputs, tuple(self.free[i])) for i, (k, x, n) in enumerate(steps)]
 
-        self._fast = self._generate()
+        self.native = self._native()
+        # the graph as Python source: the fallback, and what profiled runs execute (with ranges);
+        # generated on first use where the native launcher runs the graph
+        self._fast: Callable[[Sequence[Any]], list[Any]] | None = None
+        if self.native is None:
+            self._generate()
+
+    @property
+    def source(self) -> str:
+        if self._fast is None:
+            self._generate()
+        return self._source
+
+    @property
+    def namespace(self) -> dict[str, Any]:
+        if self._fast is None:
+            self._generate()
+        return self._namespace
+
+    def _native(self) -> Any:
+        """The graph as one native launcher program (None: the Python function runs it)."""
+        if not config.launcher:
+            return None
+        try:
+            mod = launcher.load()
+        except launcher.LauncherUnavailable:
+            metrics.incr("launcher_fallback_graphs")
+            return None
+        prog, n_slots = build_program(self.graph, self.steps)
+        native = mod.Launcher(len(self.graph.nodes), prog, list(self.graph.outputs), n_slots)
+        metrics.incr("launcher_graphs")
+        metrics.incr("launcher_python_nodes", native.python_nodes())
+        return native
 
     def __call__(self, inputs: Sequence[Any]) -> list[Any]:
         with self._lock:  # slot buffers are shared between runs of this executable
             if _profiler._is_profiler_enabled and metrics.profiled_runner is not None:
                 return metrics.profiled_runner(self)(inputs)  # kernels as named ranges
-            return self._fast(inputs)
+            if self.native is None or not config.launcher:  # switched off after the build
+                return (self._fast or self._generate())(inputs)
+            # the tests' NaN-filling output allocator, where installed, allocates natively too
+            alloc = None if new_output is _NEW_OUTPUT else new_output
+            outs, copies = self.native.run(inputs, alloc)
+            if copies:
+                metrics.incr("input_update_copies", copies)
+            return outs
 
     def _generate(self) -> Callable[[Sequence[Any]], list[Any]]:
         """The graph as one straight-line Python function (locals instead of a value list, ATen
@@ -265,15 +215,16 @@ class Executor:
                 lines.append(f"    v{i} = v{inp[0]}[{int(n.args[1])}]")
             elif n.op == "writeback":
                 lines.append(f"    v{i} = writeback(v{inp[0]}, v{inp[1]})")
-            elif kind == 4 and (call := _inline_call(n, i, inp, ns)) is not None:
+            elif kind == 4 and (call := inline_call(n, i, inp, ns)) is not None:
                 lines.append(f"    v{i} = {call}")
             else:
-                ns[f"F{i}"] = x if kind != 4 else _prepared(n)
+                ns[f"F{i}"] = x if kind != 4 else prepared(n)
                 lines.append(f"    v{i} = F{i}([{args}])" + ("[0]" if kind == 2 else ""))
             if free:
                 lines.append(f"    del {', '.join(f'v{j}' for j in sorted(set(free)))}")
         lines.append(f"    return [{', '.join(f'v{o}' for o in self.graph.outputs)}]")
-        self.source = "\n".join(lines) + "\n"
-        exec(compile(self.source, f"<kiln graph {self.graph.hash}>", "exec"), ns)
-        self.namespace = ns
+        self._source = "\n".join(lines) + "\n"
+        exec(compile(self._source, f"<kiln graph {self.graph.hash}>", "exec"), ns)
+        self._namespace = ns
+        self._fast = ns["run"]
         return ns["run"]

@@ -1,0 +1,119 @@
+"""ATen calls of the C++ backend's executors, prepared once per graph node.
+
+The Python executor (:mod:`kiln.codegen.cpp.executor`) spells a node's call out as source
+(:func:`inline_call`) or binds it in a closure (:func:`prepared`); the native launcher
+(:mod:`kiln.codegen.cpp.program`) calls the same ops through the c10 dispatcher and uses
+:func:`prepared` only for nodes it has no native form for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kiln.ir.graph import In, Node
+from kiln.ir.semantics import call_node, resolve
+
+
+def has_in(v: Any) -> bool:
+    if isinstance(v, In):
+        return True
+    if isinstance(v, (tuple, list)):
+        return any(has_in(x) for x in v)
+    return False
+
+
+def _filler(v: Any) -> Callable[[Sequence[Any]], Any]:
+    """A function ``ins -> v with every In(k) replaced by ins[k]`` (for nested templates)."""
+    if isinstance(v, In):
+        k = v.k
+        return lambda ins: ins[k]
+    subs = [(_filler(x) if has_in(x) else None, x) for x in v]
+    seq = type(v)
+    return lambda ins: seq(x if f is None else f(ins) for f, x in subs)
+
+
+def _view(x: torch.Tensor, shape: Any) -> torch.Tensor:
+    """``x.view(shape)``; where a Kiln kernel gave ``x`` other strides than the traced graph
+    assumed (its outputs are contiguous, eager keeps an input's permuted layout), the view can be
+    impossible: the graph is functional, so a reshape (a copy) gives the same values."""
+    try:
+        return x.view(shape)
+    except RuntimeError:
+        if x.is_contiguous():
+            raise  # not a layout difference: a real error of the graph
+        return x.reshape(shape)
+
+
+# View ops called as Tensor methods: same ATen kernels, without the OpOverload Python dispatch
+# (~5 us -> ~2 us a call; a transformer step runs a few hundred of them).
+_METHODS: dict[str, Callable] = {
+    "view.default": _view,
+    "reshape.default": torch.Tensor.reshape,
+    "permute.default": torch.Tensor.permute,
+    "expand.default": torch.Tensor.expand,
+    "unsqueeze.default": torch.Tensor.unsqueeze,
+    "squeeze.dim": torch.Tensor.squeeze,
+    "t.default": torch.Tensor.t,
+    "transpose.int": torch.Tensor.transpose,
+    "select.int": torch.Tensor.select,
+}
+
+
+def prepare_aten_call(n: Node) -> Callable[[Sequence[Any]], Any]:
+    """``ins -> result`` for a node whose arguments nest graph values (lists of tensors), which
+    :func:`inline_call` cannot spell out: the op and the fill plan are worked out once."""
+    fn = _METHODS.get(n.op) or resolve(n.op)
+    template = list(n.args)
+    direct = [(p, v.k) for p, v in enumerate(template) if isinstance(v, In)]
+    nested = [
+        (p, _filler(v)) for p, v in enumerate(template) if not isinstance(v, In) and has_in(v)
+    ]
+    kw_const = {k: v for k, v in n.kwargs if not has_in(v)}
+    kw_fill = [(k, _filler(v)) for k, v in n.kwargs if has_in(v)]
+
+    def call(ins: Sequence[Any]) -> Any:
+        a = template.copy()
+        for p, k in direct:
+            a[p] = ins[k]
+        for p, f in nested:
+            a[p] = f(ins)
+        kw = kw_const.copy() if kw_const else {}
+        for k, f in kw_fill:
+            kw[k] = f(ins)
+        return fn(*a, **kw)
+
+    return call
+
+
+def inline_call(n: Node, i: int, inp: Sequence[int], ns: dict) -> str | None:
+    """``OP(v3, A7_1, ...)``: node ``i``'s ATen call as Python source, its op and constant
+    arguments bound in ``ns``; None when an argument nests graph values (lists of tensors)."""
+    if any(not isinstance(v, In) and has_in(v) for v in n.args) or any(
+        has_in(v) for _, v in n.kwargs
+    ):
+        return None
+    try:
+        ns[f"OP{i}"] = _METHODS.get(n.op) or resolve(n.op)
+    except (AttributeError, KeyError):
+        return None
+    parts = []
+    for p, v in enumerate(n.args):
+        if isinstance(v, In):
+            parts.append(f"v{inp[v.k]}")
+        else:
+            ns[f"A{i}_{p}"] = v
+            parts.append(f"A{i}_{p}")
+    if n.kwargs:
+        ns[f"KW{i}"] = dict(n.kwargs)
+        parts.append(f"**KW{i}")
+    return f"OP{i}({', '.join(parts)})"
+
+
+def prepared(n: Node) -> Callable[[Sequence[Any]], Any]:
+    try:
+        return prepare_aten_call(n)
+    except (AttributeError, KeyError):  # unresolvable here: call_node reports it when run
+        return lambda ins: call_node(n, ins)
