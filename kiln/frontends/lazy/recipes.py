@@ -13,7 +13,7 @@ lifted Python float by a marker (its value is a graph input, not part of the gra
 bools, strings, None, dtypes, devices and (nested) lists of these are part of it as they are.  A
 call with anything else (a CPU tensor, a generator, a symbolic size) has no signature and takes
 the general path, as do random ops, in-place ops and ops with a decomposition (``tensor._dispatch``
-decides).  View ops have :class:`ViewRecipe`\ s: the output meta and an interned chain
+decides).  View ops have view recipes (:class:`ViewRecipe`): the output meta and an interned chain
 :class:`Link` whose node template ``tensor.read`` replays.
 
 Each recipe also has a token (an int, never reused): the trace keys the nodes it records by
