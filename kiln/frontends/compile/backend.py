@@ -73,16 +73,21 @@ _KEEP = tuple(
 )
 _DECOMPS = {k: v for k, v in core_aten_decompositions().items() if k not in _KEEP}
 
-_compiler = SerializableAOTDispatchCompiler(KilnOutputCode, _kiln_compiler)
-_aot_backend = aot_autograd(
-    fw_compiler=_compiler,
-    bw_compiler=_compiler,
-    inference_compiler=_compiler,
-    decompositions=_DECOMPS,
-    # in-place updates of inputs (the optimizer's parameters and state) stay in the graph as
-    # copy_ nodes -> Kiln ``writeback`` nodes, so kernels can write the new values in place
-    keep_inference_input_mutations=True,
-)
+
+def _aot_backend() -> Callable:
+    """AOTAutograd around Kiln's compiler, made afresh for each Dynamo graph: AOTAutograd wraps
+    the backward compiler of a SerializableAOTDispatchCompiler in place on every call, so one
+    shared instance would nest a wrapper per compiled graph (RecursionError after a few hundred)."""
+    compiler = SerializableAOTDispatchCompiler(KilnOutputCode, _kiln_compiler)
+    return aot_autograd(
+        fw_compiler=compiler,
+        bw_compiler=compiler,
+        inference_compiler=compiler,
+        decompositions=_DECOMPS,
+        # in-place updates of inputs (the optimizer's parameters and state) stay in the graph as
+        # copy_ nodes -> Kiln ``writeback`` nodes, so kernels can write the new values in place
+        keep_inference_input_mutations=True,
+    )
 
 
 def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
@@ -93,7 +98,7 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
     if "attention" not in config.disabled_passes:
         attention_to_sdpa(gm)
     with aot_cache_settings():
-        return _aot_backend(gm, example_inputs, **kwargs)
+        return _aot_backend()(gm, example_inputs, **kwargs)
 
 
 def _register() -> None:
