@@ -531,8 +531,10 @@ def _remember_view(func: Any, args: tuple, kwargs: dict, key: tuple) -> recipes.
     return recipes.remember_view(key, items, single)
 
 
-def _view_of(x: LazyTensor, meta: torch.Tensor, geo: recipes.Geo, link: tuple) -> LazyTensor:
-    r = torch.Tensor._make_wrapper_subclass(
+def _wrapper(geo: recipes.Geo) -> LazyTensor:
+    """An empty lazy tensor with the geometry ``geo`` (its storage, chain and meta set by the
+    caller)."""
+    return torch.Tensor._make_wrapper_subclass(
         LazyTensor,
         geo.shape,
         strides=geo.stride,
@@ -541,6 +543,10 @@ def _view_of(x: LazyTensor, meta: torch.Tensor, geo: recipes.Geo, link: tuple) -
         device=DEVICE,
         requires_grad=False,
     )
+
+
+def _view_of(x: LazyTensor, meta: torch.Tensor, geo: recipes.Geo, link: tuple) -> LazyTensor:
+    r = _wrapper(geo)
     r._st = x._st
     r._chain = x._chain + (link,)
     r._meta = meta
@@ -640,15 +646,7 @@ def _replay(r: recipes.Recipe, leaves: list) -> Any:
 def _pending(tr: T.Trace, meta: torch.Tensor, geo: recipes.Geo, node: int) -> LazyTensor:
     st = T.Storage(meta)
     tr.set_pending(st, node)
-    r = torch.Tensor._make_wrapper_subclass(
-        LazyTensor,
-        geo.shape,
-        strides=geo.stride,
-        storage_offset=geo.offset,
-        dtype=geo.dtype,
-        device=DEVICE,
-        requires_grad=False,
-    )
+    r = _wrapper(geo)
     r._st = st
     r._chain = ()
     r._meta = meta
