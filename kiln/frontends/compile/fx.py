@@ -19,8 +19,8 @@ import torch
 import torch.fx
 
 from kiln.ir.graph import Graph, GraphBuilder, In, Node
-from kiln.lowering.aten import Ref, lower_call
 from kiln.ir.semantics import PYOPS, types_of, value_type
+from kiln.lowering.aten import Ref, lower_call
 from kiln.runtime.writebacks import Update, add_writebacks
 
 _PYOP_NAMES = {v: k for k, v in PYOPS.items()}
@@ -29,6 +29,17 @@ _PYOP_NAMES.update({operator.mul: "mul", operator.add: "add", operator.sub: "sub
 
 class UnsupportedGraph(Exception):
     pass
+
+
+def _check_on_cpu(node: torch.fx.Node, val: Any) -> None:
+    """Kiln generates CPU code: a graph holding a tensor on another device (cuda, meta, the kiln
+    device itself) is not Kiln's to compile, and its kernels would read device memory as host memory.
+    It runs as captured (ATen), counted as a fallback with this reason."""
+    for v in torch.utils._pytree.tree_leaves(val):
+        if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+            raise UnsupportedGraph(
+                f"{node.name} is a tensor on {v.device}: Kiln compiles CPU tensors only"
+            )
 
 
 def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
@@ -46,6 +57,7 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
     updated: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
         val = node.meta.get("val")
+        _check_on_cpu(node, val)
         if node.op == "placeholder":
             t = value_type(val)
             if t is None:
@@ -91,6 +103,7 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
             value = getattr(gm, node.target)
             if not isinstance(value, torch.Tensor):
                 raise UnsupportedGraph(f"get_attr {node.target} is not a tensor ({type(value)})")
+            _check_on_cpu(node, value)
             env[node] = b.constant(value)
         elif node.op == "output":
             _writebacks(b, env, pending, gm)
