@@ -3,8 +3,8 @@
     python cuda_programs.py [--kiln | --kiln-late]
 
 Prints one JSON line per program with a digest of its results.  ``--kiln`` imports kiln first;
-``--kiln-late`` trains on CUDA first, then imports kiln, trains on the kiln device (backward
-included) and then on CUDA again.
+``--kiln-late`` trains on CUDA first, then imports kiln, trains on CUDA again, then asks for the
+kiln device (a warning: PyTorch then treats it as the process's accelerator) and trains on it.
 """
 
 from __future__ import annotations
@@ -70,16 +70,34 @@ def main() -> None:
     for name, run in PROGRAMS.items():
         print(json.dumps({"program": name, "digest": run()}), flush=True)
     if "--kiln-late" in sys.argv:
+        import warnings
+
         import kiln
 
+        for name, run in PROGRAMS.items():
+            print(json.dumps({"program": name + "_after_import", "digest": run()}), flush=True)
+        # the kiln device, asked for in a process that trains on cuda: registered now, with a warning
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dev = kiln.device()
+        warned = any(issubclass(w.category, kiln.AcceleratorConflictWarning) for w in caught)
         _, on_cpu = train("cpu")
-        _, on_kiln = train(str(kiln.device()))
+        _, on_kiln = train(str(dev))
         worst = max(float((a - b).abs().max()) for a, b in zip(on_kiln, on_cpu))
         close = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(on_kiln, on_cpu))
-        record = {"program": "kiln_after_cuda", "max_abs_diff": worst, "close": close}
+        try:
+            train("cuda", steps=1)
+            cuda_after = "ok"
+        except RuntimeError as e:
+            cuda_after = str(e).splitlines()[0][:200]
+        record = {
+            "program": "kiln_device",
+            "warned": warned,
+            "max_abs_diff": worst,
+            "close": close,
+            "cuda_backward_after": cuda_after,
+        }
         print(json.dumps(record), flush=True)
-        for name, run in PROGRAMS.items():
-            print(json.dumps({"program": name + "_after_kiln", "digest": run()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """On a machine with CUDA: importing kiln leaves eager CUDA training bit-identical (plain,
 activation checkpointing, bf16 autocast with checkpointing), whether kiln is imported first or
-after CUDA training has run, and the kiln device then trains in the same process (backward
-included: the autograd engine already holds CUDA's device threads).  Skipped without CUDA."""
+after CUDA training has run; asking for the kiln device afterwards warns (PyTorch then treats it
+as the process's accelerator, which breaks CUDA backward passes, pytorch/pytorch#161129) and the
+kiln device trains.  Skipped without CUDA; test_other_accelerator.py checks the same logic on any
+machine by making PyTorch report an accelerator."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def test_cuda_training_is_bit_identical_with_and_without_import_kiln():
     names = ("cuda_plain", "cuda_checkpoint", "cuda_autocast_checkpoint")
     for name in names:
         assert plain[name]["digest"] == first[name]["digest"] == late[name]["digest"], name
-        assert late[name + "_after_kiln"]["digest"] == plain[name]["digest"], name
-    # the kiln device trained after CUDA had run backward passes (losses and parameters vs eager CPU)
-    assert late["kiln_after_cuda"]["close"], late["kiln_after_cuda"]
+        assert late[name + "_after_import"]["digest"] == plain[name]["digest"], name
+    # the kiln device, asked for after cuda backward passes ran: it warns, then trains like the CPU
+    kiln_run = late["kiln_device"]
+    assert kiln_run["warned"] and kiln_run["close"], kiln_run

@@ -11,6 +11,7 @@
 // buffers live as long as the launcher.  The GIL is released while the program runs and taken
 // back only for Python callbacks.
 
+#include <ATen/ExpandUtils.h>
 #include <ATen/ScalarOps.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>

@@ -13,6 +13,7 @@ other op reaches ``LazyTensor.__torch_dispatch__``.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -188,11 +189,49 @@ def _allow_foreach() -> None:
             lst.append(LazyTensor)
 
 
+def _other_accelerator() -> str | None:
+    """The accelerator PyTorch uses in this process (cuda, xpu, mps, ...) before Kiln takes the
+    PrivateUse1 slot, or None.  Asked only while the slot is unnamed: once it is named, PyTorch
+    reports PrivateUse1 as the accelerator whatever else the machine has."""
+    if torch._C._get_privateuse1_backend_name() != "privateuseone":
+        return None
+    acc = torch.accelerator.current_accelerator()
+    return None if acc is None else acc.type
+
+
+def register_at_import() -> None:
+    """``import kiln``: register the kiln device now, unless PyTorch has another accelerator here.
+
+    Naming the PrivateUse1 slot makes PyTorch treat it as the process's accelerator (it is asked
+    first, pytorch/pytorch#161129), and the autograd engine then finds no stream for cuda
+    tensors: every cuda backward pass fails with an internal assert.  So on a machine with a GPU,
+    ``import kiln`` leaves the slot alone (compile mode needs none of it) and :func:`device`
+    registers the kiln device when it is first asked for, with a warning.
+    """
+    if _other_accelerator() is None:
+        _register()
+
+
+class AcceleratorConflictWarning(RuntimeWarning):
+    pass
+
+
 def device(index: int = 0) -> torch.device:
     """The Kiln lazy device, as a ``torch.device`` to pass to ``.to()`` and factory functions."""
     if index != 0:
         raise ValueError(f"Kiln has one lazy device (index 0); got index {index}")
-    _register()
+    if not _registered:
+        other = _other_accelerator()
+        if other is not None:
+            warnings.warn(
+                f"the kiln device takes PyTorch's PrivateUse1 slot; with {other} present, PyTorch "
+                f"then treats the kiln device as this process's accelerator and backward passes on "
+                f"{other} tensors fail inside its autograd engine (pytorch/pytorch#161129). "
+                f"Train on {other} and on the kiln device in separate processes.",
+                AcceleratorConflictWarning,
+                stacklevel=2,
+            )
+        _register()
     device_module.check_usable()
     return torch.device("kiln", 0)
 
