@@ -342,6 +342,7 @@ source_paths = ["kiln/"]
 only_mutate = [{files}]
 pytest_add_cli_args_test_selection = ["tests/passes"]
 pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-x"]
+process_isolation = "forkserver"
 """
 
 
@@ -399,12 +400,19 @@ def cmd_passes(a: argparse.Namespace) -> list[str]:
         os.environ, KILN_CACHE_DIR=tempfile.mkdtemp(prefix="kiln_mut_cache_"), KILN_DISK_CACHE="0"
     )
     names: list[str] = []
-    if a.every > 1:  # a deterministic sample: every Nth mutant name, sorted
+    if a.every > 1 or a.names:  # a deterministic sample: every Nth mutant name, sorted
         subprocess.run([sys.executable, "-c", _GENERATE], cwd=tree, env=env, check=True)
         names = _mutant_names(tree)[:: a.every]
+        if a.names:  # chosen mutants (e.g. the survivors of an earlier run)
+            want = set(a.names.split(","))
+            missing = want - set(_mutant_names(tree))
+            if missing:
+                raise SystemExit(f"no such mutants: {sorted(missing)} (see `mutmut results`)")
+            names = [m for m in names if m in want]
         print(f"sample: {len(names)} mutants", flush=True)
+    jobs = ["--max-children", str(a.jobs)] if a.jobs else []
     p = subprocess.run(
-        [sys.executable, "-m", "mutmut", "run", *names], cwd=tree, env=env, text=True
+        [sys.executable, "-m", "mutmut", "run", *jobs, *names], cwd=tree, env=env, text=True
     )
     r = subprocess.run(
         [sys.executable, "-m", "mutmut", "results", "--all", "true"],
@@ -424,6 +432,7 @@ def cmd_passes(a: argparse.Namespace) -> list[str]:
     killed = counts.get("killed", 0)
     decided = killed + counts.get("survived", 0)
     sel = f" --every {a.every}" if a.every > 1 else ""
+    sel += f" --names {a.names}" if a.names else ""
     lines = [
         "## kiln/passes (mutmut)",
         "",
@@ -445,6 +454,8 @@ def main() -> None:
     ap.add_argument("--report", default="", help="write the report (Markdown) here")
     ap.add_argument("--only", default="", help="formulas: only mutants of these (comma-separated)")
     ap.add_argument("--index", default="", help="formulas: only these mutant numbers")
+    ap.add_argument("--names", default="", help="passes: only these mutmut names (comma-separated)")
+    ap.add_argument("--jobs", type=int, default=0, help="passes: mutmut's --max-children")
     ap.add_argument(
         "--no-confirm", dest="confirm", action="store_false",
         help="formulas: skip rerunning survivors by pytest over the other tests/kernels files",

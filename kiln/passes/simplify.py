@@ -21,6 +21,8 @@ Example::
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from kiln.ir.graph import Graph, In, Node
@@ -75,22 +77,25 @@ def value_at(n: Node, pos: int) -> int | None:
     return n.inputs[a.k] if isinstance(a, In) else None
 
 
-def drop_neutral(neutral: float, commutes: bool, alpha_scales_other: bool = False):
-    """``x op neutral -> x`` (and ``neutral op x -> x`` if the op commutes)."""
+def drop_neutral(
+    rw: Rewriter, n: Node, neutral: float, commutes: bool, alpha_scales_other: bool
+) -> int | None:
+    """``x op neutral -> x`` (and ``neutral op x -> x`` if the op commutes).
 
-    def fn(rw: Rewriter, n: Node) -> int | None:
-        if len(n.args) < 2:
-            return None
-        if n.kwarg("alpha", 1) != 1 and not alpha_scales_other:
-            return None
-        if number(rw, n, 1) == neutral and value_at(n, 0) is not None:
-            return value_at(n, 0)
-        alpha_ok = n.kwarg("alpha", 1) == 1
-        if commutes and alpha_ok and number(rw, n, 0) == neutral and value_at(n, 1) is not None:
-            return value_at(n, 1)
+    The table binds ``neutral``/``commutes``/``alpha_scales_other`` with ``functools.partial``
+    rather than a closure built at import, so the rule's code runs (and can be instrumented, e.g.
+    by a mutation tool) each time it is tried.
+    """
+    if len(n.args) < 2:
         return None
-
-    return fn
+    if n.kwarg("alpha", 1) != 1 and not alpha_scales_other:
+        return None
+    if number(rw, n, 1) == neutral and value_at(n, 0) is not None:
+        return value_at(n, 0)
+    alpha_ok = n.kwarg("alpha", 1) == 1
+    if commutes and alpha_ok and number(rw, n, 0) == neutral and value_at(n, 1) is not None:
+        return value_at(n, 1)
+    return None
 
 
 def square(rw: Rewriter, n: Node) -> Node | None:
@@ -190,23 +195,35 @@ def drop_clone(rw: Rewriter, n: Node) -> int | None:
 # --- the table: first matching rule wins ----------------------------------------------------
 RULES: tuple[Rule, ...] = (
     # x * 1 -> x,  1 * x -> x
-    Rule("mul_one", ("mul.Tensor", "mul.Scalar"), drop_neutral(1, commutes=True)),
+    Rule(
+        "mul_one",
+        ("mul.Tensor", "mul.Scalar"),
+        partial(drop_neutral, neutral=1, commutes=True, alpha_scales_other=False),
+    ),
     # x + 0 -> x,  0 + x -> x   (x + alpha*0 -> x for any alpha)
     Rule(
         "add_zero",
         ("add.Tensor", "add.Scalar"),
-        drop_neutral(0, commutes=True, alpha_scales_other=True),
+        partial(drop_neutral, neutral=0, commutes=True, alpha_scales_other=True),
     ),
     # x - 0 -> x   (x - alpha*0 -> x for any alpha)
     Rule(
         "sub_zero",
         ("sub.Tensor", "sub.Scalar"),
-        drop_neutral(0, commutes=False, alpha_scales_other=True),
+        partial(drop_neutral, neutral=0, commutes=False, alpha_scales_other=True),
     ),
     # x / 1 -> x   (true division only: div with a rounding mode is a different op)
-    Rule("div_one", ("div.Tensor", "div.Scalar"), drop_neutral(1, commutes=False)),
+    Rule(
+        "div_one",
+        ("div.Tensor", "div.Scalar"),
+        partial(drop_neutral, neutral=1, commutes=False, alpha_scales_other=False),
+    ),
     # x ** 1 -> x
-    Rule("pow_one", ("pow.Tensor_Scalar",), drop_neutral(1, commutes=False)),
+    Rule(
+        "pow_one",
+        ("pow.Tensor_Scalar",),
+        partial(drop_neutral, neutral=1, commutes=False, alpha_scales_other=False),
+    ),
     # x ** 2 -> x * x   (same dtype only: an int tensor ** 2.0 is a float)
     Rule("pow_two", ("pow.Tensor_Scalar",), square),
     # -(-x) -> x

@@ -1,0 +1,93 @@
+"""Golden tests for the conditions under which constant folding and simplification leave a node
+alone: random ops, results over the size limit, copies that change the memory format."""
+
+from __future__ import annotations
+
+import torch
+from _passes_testlib import V, call, check_pass, f32
+
+from kiln.ir import GraphBuilder, TensorType
+from kiln.passes._util import static_numel
+from kiln.passes.constant_fold import MAX_ELEMENTS, constant_fold
+from kiln.passes.simplify import simplify
+
+
+def test_static_numel():
+    assert static_numel(f32(3, 5, 7)) == 105
+    assert static_numel(f32(128, 64)) == 8192
+    assert static_numel(f32()) == 1
+    assert static_numel(f32(0, 5)) == 0
+    assert static_numel(TensorType(("s0", 4), torch.float32)) is None
+    assert static_numel(TensorType((), None, py="int")) is None
+    assert static_numel(None) is None
+
+
+def test_random_ops_of_constants_are_not_folded():
+    # not graph outputs (those never fold): only the random category keeps them
+    b = GraphBuilder()
+    x = b.input(f32(4))
+    c = b.constant(torch.arange(4.0))
+    r = call(b, "rand_like.default", [V(c)], f32(4))
+    k = call(b, "bernoulli.p", [V(c), 0.5], f32(4))
+    y = call(b, "add.Tensor", [V(x), V(r)], f32(4))
+    z = call(b, "mul.Tensor", [V(y), V(k)], f32(4))
+    g = b.build([z])
+    out = constant_fold(g)
+    assert str(out) == str(g)
+
+
+def test_a_result_over_the_size_limit_is_not_folded_even_from_small_constants():
+    # [128, 1] * [1, 64] -> 8192 elements (over the limit) from two small constants; the
+    # [32, 1] * [1, 64] product (2048) folds
+    assert MAX_ELEMENTS == 4096
+    b = GraphBuilder()
+    x = b.input(f32(128, 64))
+    col, row = b.constant(torch.linspace(-1, 1, 128).reshape(128, 1)), b.constant(torch.ones(1, 64))
+    big = call(b, "mul.Tensor", [V(col), V(row)], f32(128, 64))
+    y = call(b, "add.Tensor", [V(x), V(big)], f32(128, 64))
+    small_col = b.constant(torch.linspace(-1, 1, 32).reshape(32, 1))
+    small = call(b, "mul.Tensor", [V(small_col), V(row)], f32(32, 64))
+    z = b.input(f32(32, 64))
+    w = call(b, "add.Tensor", [V(z), V(small)], f32(32, 64))
+    out = check_pass(
+        constant_fold,
+        b.build([y, w]),
+        """
+        graph(%0: f32[128,64], %7: f32[32,64]) {
+          %1 = constant[0] : f32[128,1]
+          %2 = constant[1] : f32[1,64]
+          %3 = mul.Tensor(%1, %2) : f32[128,64]
+          %4 = add.Tensor(%0, %3) : f32[128,64]
+          %5 = constant[2] : f32[32,1]
+          %6 = constant[3] : f32[32,64]
+          %8 = add.Tensor(%7, %6) : f32[32,64]
+          return (%4, %8)
+        }""",
+    )
+    torch.testing.assert_close(
+        out.constants[3], torch.linspace(-1, 1, 32).reshape(32, 1) * torch.ones(1, 64)
+    )
+
+
+def test_copies_to_another_memory_format_stay():
+    # same dtype, no other change, not an output: only memory_format keeps these copies (the
+    # consumer may depend on the channels-last strides they produce)
+    b = GraphBuilder()
+    x = b.input(f32(2, 3, 4, 5))
+    cast = call(b, "_to_copy.default", [V(x)], f32(2, 3, 4, 5), memory_format=torch.channels_last)
+    clone = call(b, "clone.default", [V(x)], f32(2, 3, 4, 5), memory_format=torch.channels_last)
+    same = call(b, "clone.default", [V(x)], f32(2, 3, 4, 5), memory_format=torch.preserve_format)
+    s = call(b, "add.Tensor", [V(cast), V(clone)], f32(2, 3, 4, 5))
+    s = call(b, "add.Tensor", [V(s), V(same)], f32(2, 3, 4, 5))
+    check_pass(
+        simplify,
+        b.build([s]),
+        """
+        graph(%0: f32[2,3,4,5]) {
+          %1 = _to_copy.default(%0, memory_format=torch.channels_last) : f32[2,3,4,5]
+          %2 = clone.default(%0, memory_format=torch.channels_last) : f32[2,3,4,5]
+          %3 = add.Tensor(%1, %2) : f32[2,3,4,5]
+          %4 = add.Tensor(%3, %0) : f32[2,3,4,5]
+          return (%4)
+        }""",
+    )
