@@ -226,3 +226,67 @@ def test_a_node_beyond_the_horizontal_window_starts_its_own_group():
     kernels = _kernels(out)
     assert kernels[0] == ("pointwise", 1, a, a) and kernels[-1] == ("pointwise", 1, r, r)
     assert [k[1] for k in kernels[1:-1]] == [MAX_GROUP] * 6
+
+
+def test_reductions_that_are_neither_row_nor_column_kernels_stay():
+    # amax over every dim (no dim argument), a row sum with a dtype, mean / amax over the leading
+    # dim (only a sum is a column kernel); a mean over the last dim of a rank-3 tensor is a row one
+    b = GraphBuilder()
+    x, y = b.input(f32(8, 16)), b.input(f32(2, 4, 8))
+    a = call(b, "amax.default", [V(x)], f32())
+    sd = call(b, "sum.dim_IntList", [V(x), [-1], True], f32(8, 1), dtype=torch.float32)
+    mn = call(b, "mean.dim", [V(x), [0]], f32(16))
+    am = call(b, "amax.default", [V(x), [0]], f32(16))
+    m3 = call(b, "mean.dim", [V(y), [2]], f32(2, 4))
+    check_codegen_pass(
+        fuse,
+        b.build([a, sd, mn, am, m3]),
+        """
+        graph(%0: f32[8,16], %1: f32[2,4,8]) {
+          %2 = amax.default(%0) : f32[]
+          %3 = sum.dim_IntList(%0, [-1], True, dtype=torch.float32) : f32[8,1]
+          %4 = mean.dim(%0, [0]) : f32[16]
+          %5 = amax.default(%0, [0]) : f32[16]
+          %6 = fused(kind='rows', shape=[2, 4, 8], body=[['mean.dim', [%1, [2]], [], 'f32']], outputs=[0], members=[6]) : f32[2,4]
+          return (%2, %3, %4, %5, %6)
+        }""",  # noqa: E501
+    )
+
+
+def test_an_input_reached_through_views_of_a_transpose_is_strided():
+    b = GraphBuilder()
+    x, y = b.input(f32(1, 4, 8)), b.input(f32(8, 4))
+    t = call(b, "t.default", [V(y)], f32(4, 8))
+    u = call(b, "unsqueeze.default", [V(t), 0], f32(1, 4, 8))
+    z = call(b, "add.Tensor", [V(u), V(x)], f32(1, 4, 8))
+    z = call(b, "relu.default", [V(z)], f32(1, 4, 8))
+    check_codegen_pass(
+        fuse,
+        b.build([z]),
+        """
+        graph(%0: f32[1,4,8], %1: f32[8,4]) {
+          %2 = t.default(%1) : f32[4,8]
+          %3 = unsqueeze.default(%2, 0) : f32[1,4,8]
+          %4 = fused(kind='pointwise', shape=[1, 4, 8], body=[['add.Tensor', [%3, %0], [], 'f32'], ['relu.default', [Val(0)], [], 'f32']], outputs=[1], members=[4, 5], strided=[0]) : f32[1,4,8]
+          return (%4)
+        }""",  # noqa: E501
+    )
+
+
+def test_every_input_after_a_scalar_is_checked():
+    # pow(s, e): the scalar s is fine, the int32 exponent is not a type the backend claims
+    b = GraphBuilder()
+    s = b.scalar("float")
+    e32, e = b.input(TensorType((4, 8), torch.int32)), b.input(f32(4, 8))
+    p32 = call(b, "pow.Scalar", [V(s), V(e32)], f32(4, 8))
+    p = call(b, "pow.Scalar", [V(s), V(e)], f32(4, 8))
+    check_codegen_pass(
+        fuse,
+        b.build([p32, p]),
+        """
+        graph(%0: float, %1: i32[4,8], %2: f32[4,8]) {
+          %3 = pow.Scalar(%0, %1) : f32[4,8]
+          %4 = fused(kind='pointwise', shape=[4, 8], body=[['pow.Scalar', [%0, %2], [], 'f32']], outputs=[0], members=[4]) : f32[4,8]
+          return (%3, %4)
+        }""",  # noqa: E501
+    )

@@ -1,0 +1,105 @@
+"""Golden tests for rule cases the captured-model tests do not reach: simplify's transpose / t
+rules and neutral numbers on the left or held in a one-element constant, copies to a device,
+the layout pass on ``_to_copy``, and dce's treatment of unused scalar inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _passes_testlib import V, call, check_pass, f32
+
+from kiln.ir import GraphBuilder, Node
+from kiln.passes.dce import dce
+from kiln.passes.layout import layout
+from kiln.passes.simplify import simplify, src
+
+
+def _simplify_then_dce(g):
+    return dce(simplify(g))
+
+
+def test_transposes_cancel_and_neutral_numbers_on_either_side_disappear():
+    b = GraphBuilder()
+    x, v = b.input(f32(4, 3)), b.input(f32(5))
+    t1 = call(b, "transpose.int", [V(x), 0, 1], f32(3, 4))
+    t2 = call(b, "transpose.int", [V(t1), -1, 0], f32(4, 3))  # cancels t1
+    tt = call(b, "t.default", [V(call(b, "t.default", [V(t2)], f32(3, 4)))], f32(4, 3))
+    same = call(b, "transpose.int", [V(tt), 1, 1], f32(4, 3))  # the identity
+    p = call(b, "permute.default", [V(same), [1, 0]], f32(3, 4))
+    mixed = call(b, "t.default", [V(p)], f32(4, 3))  # t of a permute: cancels
+    e = call(b, "exp.default", [V(mixed)], f32(4, 3))
+    one, zero = b.constant(torch.ones(())), b.constant(torch.zeros(()))  # one element each
+    m = call(b, "mul.Tensor", [V(one), V(e)], f32(4, 3))  # 1 * e
+    a = call(b, "add.Tensor", [V(zero), V(m)], f32(4, 3))  # 0 + m
+    scaled = call(b, "add.Tensor", [V(zero), V(a)], f32(4, 3), alpha=2)  # 0 + 2a: stays
+    m1 = call(b, "mul.Tensor", [V(scaled), V(one)], f32(4, 3))  # * 1
+    dev = call(b, "_to_copy.default", [V(m1)], f32(4, 3), device=torch.device("cpu"))  # stays
+    n = call(b, "neg.default", [V(dev)], f32(4, 3))
+    tv = call(b, "t.default", [V(v)], f32(5))  # t of a vector: the vector
+    ev = call(b, "exp.default", [V(tv)], f32(5))
+    check_pass(
+        _simplify_then_dce,
+        b.build([n, ev]),
+        """
+        graph(%0: f32[4,3], %1: f32[5]) {
+          %2 = exp.default(%0) : f32[4,3]
+          %3 = constant[0] : f32[]
+          %4 = add.Tensor(%3, %2, alpha=2) : f32[4,3]
+          %5 = _to_copy.default(%4, device=device(type='cpu')) : f32[4,3]
+          %6 = neg.default(%5) : f32[4,3]
+          %7 = exp.default(%1) : f32[5]
+          return (%6, %7)
+        }""",
+    )
+
+
+def test_src_names_the_node_whose_first_argument_is_not_a_graph_value():
+    with pytest.raises(ValueError, match="neg.default: first argument is not a graph value"):
+        src(Node("neg.default", (), (1.0,), (), (f32(),)))
+
+
+def test_layout_bypasses_a_same_dtype_copy_feeding_a_matmul():
+    b = GraphBuilder()
+    x, w = b.input(f32(8, 4)), b.input(f32(8, 16))
+    t = call(b, "t.default", [V(x)], f32(4, 8))
+    c = call(b, "_to_copy.default", [V(t)], f32(4, 8), dtype=torch.float32, layout=torch.strided)
+    m = call(b, "mm.default", [V(c), V(w)], f32(4, 16))
+    check_pass(
+        layout,
+        b.build([m]),
+        """
+        graph(%0: f32[8,4], %1: f32[8,16]) {
+          %2 = t.default(%0) : f32[4,8]
+          %3 = _to_copy.default(%2, dtype=torch.float32, layout=torch.strided) : f32[4,8]
+          %4 = mm.default(%2, %1) : f32[4,16]
+          return (%4)
+        }""",
+    )
+
+
+def test_layout_keeps_a_copy_to_another_layout():
+    # the pass's decision only: ATen itself refuses this conversion, so the graph is not run
+    b = GraphBuilder()
+    x, w = b.input(f32(8, 4)), b.input(f32(8, 16))
+    t = call(b, "t.default", [V(x)], f32(4, 8))
+    c = call(b, "_to_copy.default", [V(t)], f32(4, 8), layout=torch.sparse_coo)
+    m = call(b, "mm.default", [V(c), V(w)], f32(4, 16))
+    g = b.build([m])
+    assert str(layout(g)) == str(g)
+
+
+def test_dce_keeps_unused_scalar_inputs():
+    # the caller passes every input: an unused scalar stays in the signature
+    b = GraphBuilder()
+    x = b.input(f32(4))
+    b.scalar("float")
+    y = call(b, "neg.default", [V(x)], f32(4))
+    check_pass(
+        dce,
+        b.build([y]),
+        """
+        graph(%0: f32[4], %1: float) {
+          %2 = neg.default(%0) : f32[4]
+          return (%2)
+        }""",
+    )
