@@ -43,10 +43,9 @@ GRAD = [c.name for c in ALL.values() if c.grad_inputs is not None]
 XFAIL: dict[str, str] = {}
 
 
-GRAD_XFAIL = {
-    "layer_norm_big_mean": "ATen runs native_layer_norm_backward for a layer norm without weight "
-    "and bias ('arguments outside the Kiln kernel's contract', a counted fallback since 8d7243c)",
-}
+# (layer_norm_big_mean was here while a layer norm without weight and bias ran its backward
+# through ATen, a counted fallback; the Kiln kernel takes it now.)
+GRAD_XFAIL: dict[str, str] = {}
 
 
 def _params(names: list[str], table: dict[str, str]) -> list:

@@ -1,15 +1,18 @@
 """Generated row kernels for ``native_layer_norm`` and ``native_layer_norm_backward``.
 
 Both ATen ops are taken as they stand in the graph (no fusion pass involved): a node normalizing
-the last dim of a float32 tensor, with weight and bias (or neither), becomes one kernel.
+the last dim of a float32 tensor (any rank, one-element rows included), with or without weight
+and bias, becomes one kernel.
 
 Forward, per row: mean and variance in double (two passes over the row, like a stable
-``var(unbiased=False)``), ``rstd = 1 / sqrt(var + eps)``, ``out = (x - mean) * rstd * w + b``;
-outputs ``(out, mean, rstd)`` with ATen's shapes (``mean``/``rstd`` keep the normalized dim as 1).
+``var(unbiased=False)``), ``rstd = 1 / sqrt(var + eps)``, ``out = (x - mean) * rstd * w + b``
+in double, rounded once; outputs ``(out, mean, rstd)`` with ATen's shapes (``mean``/``rstd`` keep
+the normalized dim as 1).  A row of equal values (one element, or a broadcast value) has an exact
+double mean, so its ``x - mean`` is exactly 0 and ``out`` is exactly ``b``.
 
-Backward (all three outputs requested), per row with ``xhat = (x - mean) * rstd`` and
-``g = dy * w``, in double, ``mean`` recomputed from the row in double when the saved (float) one
-is its rounding::
+Backward (any output mask: all three are computed, the unrequested ones are not read), per row
+with ``xhat = (x - mean) * rstd`` and ``g = dy * w`` (``dy`` without weight), in double, ``mean``
+recomputed from the row in double when the saved (float) one is its rounding::
 
     dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
     dw = sum over rows of dy * xhat          db = sum over rows of dy
@@ -38,19 +41,16 @@ def layer_norm_ok(n: Node, in_types: list) -> bool:
     """Whether ``n`` is a layer norm (forward or backward) these kernels compute."""
     if n.op == "native_layer_norm.default":
         x, ns, w, b = n.args[0], n.args[1], n.args[2], n.args[3]
-        affine = isinstance(w, In) and isinstance(b, In)
-        if not (affine or (w is None and b is None)):
+        if not all(a is None or isinstance(a, In) for a in (w, b)):
             return False
         if not isinstance(n.args[4], float) or not isinstance(x, In):
             return False
     elif n.op == "native_layer_norm_backward.default":
-        if len(n.args) < 8 or list(n.args[7]) != [True, True, True]:
+        if len(n.args) < 8 or len(n.args[7]) != 3:
             return False
-        if not all(
-            isinstance(a, In) for a in (n.args[0], n.args[1], n.args[3], n.args[4], n.args[5])
-        ):
+        if not all(isinstance(a, In) for a in (n.args[0], n.args[1], n.args[3], n.args[4])):
             return False
-        if any(t is None for t in n.types):
+        if not (n.args[5] is None or isinstance(n.args[5], In)):
             return False
         ns = n.args[2]
     else:
@@ -106,7 +106,7 @@ def _head(name: str, spec: KernelSpec, names: list[str], n_out: int) -> list[str
         L.append(f"  float* out{o} = (float*)P[{len(names) + o}];")
     for d in range(R):
         L.append(f"  const int64_t s{d} = I[{d}];")
-    L.append("  const int64_t L = s%d;" % (R - 1))
+    L.append(f"  const int64_t L = s{R - 1};")
     L.append("  const int64_t N = " + " * ".join(f"s{d}" for d in range(R)) + ";")
     if n_out == 3 and spec.out_kinds[1] is OutKind.COL:
         # backward over zero rows: the weight and bias gradients are sums over nothing
@@ -138,11 +138,21 @@ def _row_off(spec: KernelSpec, p: int) -> list[str]:
 
 
 def _forward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
-    affine = n.args[2] is not None
-    order = [n.args[0].k] + ([n.args[2].k, n.args[3].k] if affine else [])
+    x, w, b = n.args[0], n.args[2], n.args[3]
+    order = [x.k] + [a.k for a in (w, b) if a is not None]
+    names = ["x"] + [nm for nm, a in (("w", w), ("b", b)) if a is not None]
     spec = _spec(name, n, in_types, order, "layer_norm", [OutKind.FULL, OutKind.ROWK, OutKind.ROWK])
+    shape = spec.static_shape
+    for nm, a in (("weight", w), ("bias", b)):
+        if a is not None and tuple(in_types[a.k].shape) != tuple(shape[-1:]):
+            raise ValueError(f"layer norm: {nm} of shape {tuple(in_types[a.k].shape)}")
     eps = repr(float(n.args[4]))
-    L = _head(name, spec, ["x", "w", "b"][: len(order)], 3)
+    y = "((double)xr[j] - mean) * rs"
+    if w is not None:
+        y = f"{y} * (double)w[j]"
+    if b is not None:
+        y = f"{y} + (double)b[j]"
+    L = _head(name, spec, names, 3)
     L += [
         f"  #pragma omp parallel for if(N >= {PARALLEL_MIN})",
         "  for (int64_t r = 0; r < rows; ++r) {",
@@ -156,13 +166,12 @@ def _forward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
         f"    #pragma omp simd reduction(+:v) {SAFELEN}",
         "    for (int64_t j = 0; j < L; ++j) { const double d = (double)xr[j] - mean; v += d * d; }",
         f"    const float rstd = (float)(1.0 / __builtin_sqrt(v / (double)L + {eps}));",
-        "    const float m = (float)mean;",
+        "    // normalized in double from the double mean, rounded once (a float mean would tilt",
+        "    // every value of a near-constant row)",
+        "    const double rs = (double)rstd;",
         "    #pragma omp simd",
-        "    for (int64_t j = 0; j < L; ++j) "
-        + (
-            "yr[j] = (xr[j] - m) * rstd * w[j] + b[j];" if affine else "yr[j] = (xr[j] - m) * rstd;"
-        ),
-        "    out1[r] = m;",
+        f"    for (int64_t j = 0; j < L; ++j) yr[j] = (float)({y});",
+        "    out1[r] = (float)mean;",
         "    out2[r] = rstd;",
         "  }",
         "}",
@@ -173,24 +182,29 @@ def _forward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
 
 
 def _backward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
-    dy, x, mean, rstd, w = (n.args[i].k for i in (0, 1, 3, 4, 5))
-    order = [dy, x, mean, rstd, w]
+    affine = n.args[5] is not None
+    order = [n.args[i].k for i in ((0, 1, 3, 4, 5) if affine else (0, 1, 3, 4))]
     spec = _spec(
         name, n, in_types, order, "layer_norm_backward", [OutKind.FULL, OutKind.COL, OutKind.COL]
     )
-    one_col = spec.static_shape[-1] == 1  # (rows, 1): mean/rstd have x's shape, one per row
+    # dy and x: the iteration shape; mean and rstd: one value per row (ATen's stat shape);
+    # weight: one per column.  Each read as its mode says (a one-element row makes mean/rstd
+    # "full", a rank-1 x makes the weight "full" and mean/rstd "one")
+    shape = tuple(spec.static_shape)
+    shapes = [tuple(in_types[k].shape) for k in order]
     if (
-        spec.input_modes[:2] != ["full", "full"]
-        or spec.input_modes[4] not in ("bcast_inner", "one" if one_col else "bcast_inner")
-        or any(
-            m not in ("bcast", "one", "full" if one_col else "one") for m in spec.input_modes[2:4]
-        )
+        shapes[0] != shape
+        or shapes[1] != shape
+        or shapes[2] != shape[:-1] + (1,)
+        or shapes[3] != shape[:-1] + (1,)
+        or (affine and shapes[4] != shape[-1:])
     ):
-        raise ValueError("layer norm backward: unexpected input shapes")
-    L = _head(name, spec, ["dy", "x", "mean", "rstd", "w"], 3)
+        raise ValueError(f"layer norm backward: unexpected input shapes {shapes}")
+    L = _head(name, spec, ["dy", "x", "mean", "rstd", "w"][: len(order)], 3)
     idx = {"one": "[0]", "full": "[r]", "bcast": "[off{p}]"}
     mi = "mean" + idx[spec.input_modes[2]].format(p=2)
     ri = "rstd" + idx[spec.input_modes[3]].format(p=3)
+    g = "(double)dyr[j] * (double)w[j]" if affine else "(double)dyr[j]"
     L += [
         "  double* tw = new double[L]();",
         "  double* tb = new double[L]();",
@@ -224,7 +238,7 @@ def _backward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
         f"    #pragma omp simd reduction(+:sg, sgx) {SAFELEN}",
         "    for (int64_t j = 0; j < L; ++j) {",
         "      const double xh = ((double)xr[j] - c) * rsd;",
-        "      const double g = (double)dyr[j] * (double)w[j];",
+        f"      const double g = {g};",
         "      sg += g; sgx += g * xh;",
         "      pw[j] += (double)dyr[j] * xh;",
         "      pb[j] += (double)dyr[j];",
@@ -235,7 +249,7 @@ def _backward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
         "      const double xh = ((double)xr[j] - c) * rsd;",
         "      // in double: dy * w is exact there, so g - mean(g) cancels exactly where it",
         "      // should (rows of equal values, one-element rows), before rstd amplifies it",
-        "      const double g = (double)dyr[j] * (double)w[j];",
+        f"      const double g = {g};",
         "      dxr[j] = (float)(rsd * (g - mg - xh * mgx));",
         "    }",
         "  }",
