@@ -6,9 +6,9 @@ and bias, becomes one kernel.
 
 Forward, per row: mean and variance in double (two passes over the row, like a stable
 ``var(unbiased=False)``), ``rstd = 1 / sqrt(var + eps)``, ``out = (x - mean) * rstd * w + b``
-in double, rounded once; outputs ``(out, mean, rstd)`` with ATen's shapes (``mean``/``rstd`` keep
-the normalized dim as 1).  A row of equal values (one element, or a broadcast value) has an exact
-double mean, so its ``x - mean`` is exactly 0 and ``out`` is exactly ``b``.
+in float; outputs ``(out, mean, rstd)`` with ATen's shapes (``mean``/``rstd`` keep the
+normalized dim as 1).  A row of equal values (one element, or a broadcast value) has an exact
+double mean (so also as a float), its ``x - mean`` is exactly 0 and ``out`` exactly ``b``.
 
 Backward (any output mask: all three are computed, the unrequested ones are not read), per row
 with ``xhat = (x - mean) * rstd`` and ``g = dy * w`` (``dy`` without weight), in double, ``mean``
@@ -147,11 +147,11 @@ def _forward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
         if a is not None and tuple(in_types[a.k].shape) != tuple(shape[-1:]):
             raise ValueError(f"layer norm: {nm} of shape {tuple(in_types[a.k].shape)}")
     eps = repr(float(n.args[4]))
-    y = "((double)xr[j] - mean) * rs"
+    y = "(xr[j] - m) * rstd"
     if w is not None:
-        y = f"{y} * (double)w[j]"
+        y = f"{y} * w[j]"
     if b is not None:
-        y = f"{y} + (double)b[j]"
+        y = f"{y} + b[j]"
     L = _head(name, spec, names, 3)
     L += [
         f"  #pragma omp parallel for if(N >= {PARALLEL_MIN})",
@@ -166,12 +166,10 @@ def _forward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
         f"    #pragma omp simd reduction(+:v) {SAFELEN}",
         "    for (int64_t j = 0; j < L; ++j) { const double d = (double)xr[j] - mean; v += d * d; }",
         f"    const float rstd = (float)(1.0 / __builtin_sqrt(v / (double)L + {eps}));",
-        "    // normalized in double from the double mean, rounded once (a float mean would tilt",
-        "    // every value of a near-constant row)",
-        "    const double rs = (double)rstd;",
+        "    const float m = (float)mean;",
         "    #pragma omp simd",
-        f"    for (int64_t j = 0; j < L; ++j) yr[j] = (float)({y});",
-        "    out1[r] = (float)mean;",
+        f"    for (int64_t j = 0; j < L; ++j) yr[j] = {y};",
+        "    out1[r] = m;",
         "    out2[r] = rstd;",
         "  }",
         "}",
