@@ -3,6 +3,8 @@
     python bench/mutation.py formulas              # every mutant of the C++ formula tables
     python bench/mutation.py formulas --every 3    # a deterministic third of them (quicker)
     python bench/mutation.py passes                # mutmut over kiln/passes (tests/passes)
+    python bench/mutation.py passes --every 8 --offset 4 --jobs 2   # one eighth of those
+    python bench/mutation.py passes --names A,B    # chosen mutmut mutants (e.g. survivors)
     python bench/mutation.py planted               # the planted bugs of issue 18
 
 ``formulas`` perturbs the generated-code formula strings of kiln/codegen/cpp/ops.py (the FORMULAS
@@ -346,9 +348,9 @@ process_isolation = "forkserver"
 """
 
 
-# Only in the scratch copy of a passes run: mutmut forks each mutant's test process from one that
-# has already run the whole suite (its statistics run), so the compiled graphs and Dynamo frames
-# it holds would be served to the mutant without the passes running at all.
+# Only in the scratch copy of a passes run: each mutant's test process is forked from one that may
+# already have compiled graphs (with fork isolation: the statistics run over the whole suite), and
+# the compiled graphs and Dynamo frames it holds would be served without the passes running.
 PASSES_CONFTEST = """
 import pytest
 import torch
@@ -400,9 +402,9 @@ def cmd_passes(a: argparse.Namespace) -> list[str]:
         os.environ, KILN_CACHE_DIR=tempfile.mkdtemp(prefix="kiln_mut_cache_"), KILN_DISK_CACHE="0"
     )
     names: list[str] = []
-    if a.every > 1 or a.names:  # a deterministic sample: every Nth mutant name, sorted
+    if a.every > 1 or a.names:  # a deterministic sample: every Nth mutant name (from --offset)
         subprocess.run([sys.executable, "-c", _GENERATE], cwd=tree, env=env, check=True)
-        names = _mutant_names(tree)[:: a.every]
+        names = _mutant_names(tree)[a.offset :: a.every]
         if a.names:  # chosen mutants (e.g. the survivors of an earlier run)
             want = set(a.names.split(","))
             missing = want - set(_mutant_names(tree))
@@ -426,13 +428,15 @@ def cmd_passes(a: argparse.Namespace) -> list[str]:
     for _, s in status:
         counts[s] = counts.get(s, 0) + 1
     n = sum(counts.values())
-    # A timeout is not counted as a kill: mutmut forks each test process from one that has run
-    # torch's thread pools, and a forked child can hang on a lock another thread held (seen: a
-    # single-threaded child waiting on a futex at 0% CPU).  Score = killed / (killed + survived).
+    # A timeout is not counted as a kill (nor as a survivor): with mutmut's default fork
+    # isolation, test processes forked from the one that ran the statistics hung on torch's
+    # thread-pool locks; the fork server (PASSES_MUTMUT) forks from a process that only collected
+    # the tests.  Rerun timeouts with --names.  Score = killed / (killed + survived).
     killed = counts.get("killed", 0)
     decided = killed + counts.get("survived", 0)
     sel = f" --every {a.every}" if a.every > 1 else ""
-    sel += f" --names {a.names}" if a.names else ""
+    sel += f" --offset {a.offset}" if a.offset else ""
+    sel += f" --names <{len(a.names.split(','))} names>" if a.names else ""
     lines = [
         "## kiln/passes (mutmut)",
         "",
@@ -455,6 +459,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="formulas: only mutants of these (comma-separated)")
     ap.add_argument("--index", default="", help="formulas: only these mutant numbers")
     ap.add_argument("--names", default="", help="passes: only these mutmut names (comma-separated)")
+    ap.add_argument("--offset", type=int, default=0, help="passes: the sample starts here")
     ap.add_argument("--jobs", type=int, default=0, help="passes: mutmut's --max-children")
     ap.add_argument(
         "--no-confirm", dest="confirm", action="store_false",

@@ -83,6 +83,25 @@ def test_lifetimes_after_a_writeback_are_still_tracked():
     )
 
 
+def test_an_output_returned_to_the_caller_is_fresh_and_the_next_output_still_gets_a_slot():
+    b = GraphBuilder()
+    x, w = b.input(f32(16, 16)), b.input(f32(1, 16))
+    e = call(b, "exp.default", [V(x)], f32(16, 16))
+    s = call(b, "sum.dim_IntList", [V(e), [-1], True], f32(16, 1))
+    m = call(b, "mm.default", [V(s), V(w)], f32(16, 16))
+    _plan(
+        b.build([e, m]),
+        """
+        graph(%0: f32[16,16], %1: f32[1,16]) {
+          %2 = fused(kind='rows', shape=[16, 16], body=[['exp.default', [%0], [], 'f32'], ['sum.dim_IntList', [Val(0), [-1], True], [], 'f32']], outputs=[0, 1], members=[2, 3], placement=[None, 0]) : f32[16,16], f32[16,1]
+          %3 = getitem(%2, 0) : f32[16,16]
+          %4 = getitem(%2, 1) : f32[16,1]
+          %5 = mm.default(%4, %1) : f32[16,16]
+          return (%3, %5)
+        }""",  # noqa: E501
+    )
+
+
 def test_a_value_read_through_a_call_that_may_return_a_view_stays_alive():
     # an opaque call may return a view of any of its inputs: %2 and %4 live as long as %5 does,
     # so the second relu's kernel cannot take slot 0 or 1
