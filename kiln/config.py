@@ -65,6 +65,9 @@ class Config:
     )
     sr_seed: int = 0  # seed of the stochastic-rounding random bits (kiln.precision.manual_seed)
     gc_freeze: bool = False  # lazy device: gc.freeze() after steps that compiled a new graph
+    # lazy device: a step whose only change is a size reuses one shape-generic graph (0: one
+    # graph per shape, as PyTorch/XLA)
+    dynamic_shapes: bool = True
     publish: bool = True  # publish this process's state at step boundaries (kiln ls, kiln top)
     runtime_dir: str = field(default_factory=_default_runtime_dir)  # where state is published
     tensorboard_dir: str = ""  # write Kiln's per-step metrics as TensorBoard events here

@@ -20,6 +20,7 @@ import torch
 
 from kiln import metrics
 from kiln.config import config
+from kiln.frontends.lazy import dynamic
 from kiln.frontends.lazy.memory import track, update_peak
 from kiln.ir.graph import (
     Graph,
@@ -195,6 +196,7 @@ class _Entry:
         "nodes",
         "outs",
         "picks",
+        "run",
         "seed_index",
         "tensor_inputs",
     )
@@ -206,6 +208,8 @@ class _Entry:
         self.nodes = tr.b.nodes
         self.outs = outs
         self.next: _Entry | None = None  # the graph of the trace that followed this one last time
+        # (config.dynamic_shapes, graph to run, its extra symbol inputs): see lazy.dynamic
+        self.run: tuple[bool, Graph, list[int]] | None = None
         # worked out once, used at every cut of this graph
         ins = [graph.nodes[i] for i in graph.inputs]
         self.input_types = tuple(n.types[0] for n in ins)
@@ -368,13 +372,24 @@ def sync(reason: str | None = None) -> None:
         if tr.seed_node is not None and entry.seed_index is not None:
             values[entry.seed_index] = int(torch.randint(0, 2**62, (), dtype=torch.int64))
         site = call_site("lazy", python_frames()) or "lazy:<unknown>"
+        run = entry.run
+        if run is None or run[0] != config.dynamic_shapes:
+            gen, extra = dynamic.choose(g) if config.dynamic_shapes else (g, [])
+            run = entry.run = (config.dynamic_shapes, gen, extra)
         before = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
-        exe = compile_graph(g)
+        try:
+            exe = compile_graph(run[1])
+        except Exception as e:  # a shape-generic graph that does not compile: the graph itself
+            if run[1] is g:
+                raise
+            dynamic.disable(run[1], e)
+            run = entry.run = (config.dynamic_shapes, g, [])
+            exe = compile_graph(g)
         after = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
         sig = Signature(entry.input_types, g.hash, len(g))
         _recompiles.seen(site, sig, compiled=after > before)
         t0 = time.perf_counter()
-        results = exe(values)
+        results = exe(values + run[2] if run[2] else values)
         metrics.executed(time.perf_counter() - t0)
         settle = after > before
         seen: set[int] = {id(values[k]) for k in entry.tensor_inputs}
