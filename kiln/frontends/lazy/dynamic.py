@@ -329,6 +329,8 @@ def choose(g: Graph) -> tuple[Graph, list[int]]:
     A member no generic graph covers is generalized with the family's first member, else with
     the latest uncovered one (so a first member with a size of 1 does not block the family); a
     new generic graph covers the new member and every later one of its template."""
+    if g.constants:  # (the lazy device records none) such graphs are not cached per trace
+        return g, []
     s = split(g)
     try:
         fam = _families.get(s.skeleton)
