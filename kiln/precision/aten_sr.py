@@ -35,6 +35,15 @@ def wants_sr(n: Node) -> bool:
     return any(t is not None and t.dtype in LOWP for t in n.types)
 
 
+def in_float(n: Node) -> Node:
+    """``n`` computing its result in float32: a bf16 / fp16 ``dtype`` argument (a cast such as
+    ``_to_copy``) becomes float32, so the stochastic rounding after it is the only rounding."""
+    if n.kwarg("dtype") not in LOWP:
+        return n
+    kwargs = tuple((k, torch.float32 if k == "dtype" else v) for k, v in n.kwargs)
+    return n.with_(kwargs=kwargs)
+
+
 def _up(v: Any) -> Any:
     if isinstance(v, torch.Tensor) and v.dtype in LOWP:
         return v.float()
@@ -47,7 +56,7 @@ def sr_call(
     n: Node, call: Callable[[Sequence[Any]], Any], casts: dict[str, Callable]
 ) -> Callable[[Sequence[Any]], list]:
     """``ins -> [outputs]`` for node ``n`` (as a generated kernel's call returns them): ``call``
-    on float32 inputs, then every float32 result whose declared type is bf16 / fp16 rounded
+    (of :func:`in_float` ``(n)``) on float32 inputs, then every float32 result whose declared type is bf16 / fp16 rounded
     stochastically by ``casts[abbr](x_ptr, y_ptr, n, key)``."""
     want = [t.dtype if t is not None and t.dtype in LOWP else None for t in n.types]
 

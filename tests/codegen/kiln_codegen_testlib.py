@@ -17,11 +17,8 @@ from kiln.codegen.interpreter import Interpreter
 F32 = torch.float32
 
 # A test of the C++ backend's own kernels (their accuracy, what they refuse): it says nothing about
-# another backend, so it is skipped when KILN_BACKEND selects one.
-cpp_only = pytest.mark.skipif(
-    config.backend != "cpp",
-    reason=f"checks the C++ backend's generated kernels; KILN_BACKEND={config.backend}",
-)
+# another backend, so it is skipped when KILN_BACKEND selects one (tests/conftest.py).
+cpp_only = pytest.mark.needs_backend("cpp", reason="checks the C++ backend's generated kernels")
 
 
 def t(shape: Sequence, dtype: torch.dtype = F32) -> TensorType:

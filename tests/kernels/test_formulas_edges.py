@@ -33,6 +33,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _cases import grid, values
 
 
+# these run a C++ formula through the lazy device (the hand-built graphs call the C++ backend itself)
+cpp_formula = pytest.mark.needs_backend("cpp", reason="checks a generated C++ formula")
+
+
 def _lazy(fn, *xs: torch.Tensor) -> torch.Tensor:
     """``fn`` on the kiln device; the result, and that a generated kernel (no ATen) computed it."""
     kiln.metrics.reset()
@@ -54,6 +58,7 @@ def simplify_off():
         config.update(disable_passes=before)
 
 
+@cpp_formula
 @pytest.mark.parametrize("e", [2, 1])
 def test_pow_special_exponent_without_simplify(e, simplify_off):
     x = values(64)
@@ -81,12 +86,14 @@ def test_formula_on_a_hand_built_graph(op):
     torch.testing.assert_close(run(list(xs))[0], ref(*xs), equal_nan=True)
 
 
+@cpp_formula
 def test_lerp_at_weight_one_half():
     x, e = grid()
     got = _lazy(lambda a, b: torch.ops.aten.lerp.Scalar(a, b, 0.5), x, e)
     torch.testing.assert_close(got, torch.lerp(x, e, 0.5), equal_nan=True)
 
 
+@cpp_formula
 def test_exp_at_its_flush_to_zero_edge():
     """Kiln's exp returns 0 below x = -87 (results under FLT_MIN); from -87 up it must match ATen
     in relative terms: the comparison's absolute tolerance (1e-5) would hide any tiny result."""
@@ -99,6 +106,7 @@ def test_exp_at_its_flush_to_zero_edge():
     assert (got <= torch.exp(below)).all(), (got, torch.exp(below))
 
 
+@cpp_formula
 def test_exp_overflow_between_the_clamp_and_the_exponent_limit():
     """Kiln's exp clamps x to 89 before building 2**n from exponent bits; inputs past the float
     range but below 2 * 89 (where an unclamped n would overflow the exponent field) give inf."""

@@ -80,9 +80,10 @@ def test_input_gradient_of_near_constant_rows_vs_float64(case: str, mode: str) -
         k_err = float((got[i] - ref[i]).abs().max())
         e_err = float((eager[i] - ref[i]).abs().max())
         scale = float(ref[i].abs().max())
-        # eager's own error class, and within 1e-5 of the gradient's scale
+        # eager's own error class, and (C++ kernel) within 1e-5 of the gradient's scale
         assert k_err <= max(e_err, 1e-6 * scale), f"{name}: kiln {k_err:.3g} eager {e_err:.3g}"
-        assert k_err <= 1e-5 * scale, f"{name}: kiln error {k_err:.3g} of {scale:.3g}"
+        if kiln.config.backend == "cpp":  # its kernel recenters rows; ATen's (interpreter) does not
+            assert k_err <= 1e-5 * scale, f"{name}: kiln error {k_err:.3g} of {scale:.3g}"
 
 
 def test_backward_with_a_mean_that_is_not_the_rows_uses_it_as_given() -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from observe_testlib import Trainer, fake_neuron, kiln_cli
 
+from kiln.config import config
+
 
 def test_ls_and_top_find_a_training_process(tmp_path: Path) -> None:
     runtime = tmp_path / "run"
@@ -36,7 +38,8 @@ def test_ls_and_top_find_a_training_process(tmp_path: Path) -> None:
         assert proc["steps"] >= 2 and proc["kiln_version"]
         assert proc["graphs"], "the trainer compiled at least one graph"
         graph = proc["graphs"][0]
-        assert graph["nodes"] > 0 and graph["runs"] >= 1 and graph["kernels"] >= 1
+        assert graph["nodes"] > 0 and graph["runs"] >= 1
+        assert graph["kernels"] >= 1 or config.backend != "cpp"  # the interpreter runs none
         assert graph["hash"] == rec["graphs"][0]["hash"]
         # NEURON_RT_VISIBLE_CORES=2-3 is chip 1 (2 cores per chip), not chip 0
         devices = {d["id"]: d for d in inv["devices"]}

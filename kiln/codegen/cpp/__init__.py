@@ -31,7 +31,7 @@ from kiln.ir.graph import Graph
 from kiln.passes.fuse import Claims, fuse
 from kiln.passes.memory_plan import memory_plan
 from kiln.precision import cpp as lowp
-from kiln.precision.aten_sr import sr_call, sr_wanted
+from kiln.precision.aten_sr import in_float, sr_call, sr_wanted
 
 # What this backend generates code for: element types with a C type, and calls with a formula.
 CLAIMS = Claims(CTYPE, supported)
@@ -107,7 +107,7 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
             f.restype = None
             casts[abbr] = f
         for i in sr_nodes:
-            calls[i] = sr_call(g.nodes[i], prepare_aten_call(g.nodes[i]), casts)
+            calls[i] = sr_call(g.nodes[i], prepare_aten_call(in_float(g.nodes[i])), casts)
         metrics.incr("sr_aten_nodes", len(sr_nodes))
     info = {
         "backend": "cpp",
