@@ -13,7 +13,7 @@ from _fused_testlib import check_codegen_pass
 from _passes_testlib import V, call, f32
 
 from kiln.codegen.cpp import fuse_claimed as fuse  # the C++ backend's fusion (its claims)
-from kiln.ir import Graph, GraphBuilder, TensorType, verify
+from kiln.ir import Graph, GraphBuilder, In, Node, TensorType, verify
 from kiln.ir.kernel import FusedKernel
 from kiln.passes.fuse import HORIZONTAL_WINDOW, MAX_GROUP
 
@@ -290,3 +290,45 @@ def test_every_input_after_a_scalar_is_checked():
           return (%3, %4)
         }""",  # noqa: E501
     )
+
+
+def test_integer_and_boolean_literals():
+    i64 = TensorType((4, 8), torch.int64)
+    b = GraphBuilder()
+    y, mask = b.input(i64), b.input(TensorType((4, 8), torch.bool))
+    three = call(b, "full.default", [[], 3], TensorType((), torch.int64), dtype=torch.int64)
+    true = call(b, "scalar_tensor.default", [1], TensorType((), torch.bool), dtype=torch.bool)
+    a = call(b, "mul.Tensor", [V(y), V(three)], i64)
+    keep = call(b, "logical_and.default", [V(mask), V(true)], TensorType((4, 8), torch.bool))
+    w = call(b, "where.self", [V(keep), V(a), V(y)], i64)
+    check_codegen_pass(
+        fuse,
+        b.build([w]),
+        """
+        graph(%0: i64[4,8], %1: b8[4,8]) {
+          %2 = fused(kind='pointwise', shape=[4, 8], body=[['mul.Tensor', [%0, Lit(3,i64)], [], 'i64'], ['logical_and.default', [%1, Lit(True,b8)], [], 'b8'], ['where.self', [Val(1), Val(0), %0], [], 'i64']], outputs=[2], members=[4, 5, 6]) : i64[4,8]
+          return (%2)
+        }""",  # noqa: E501
+    )
+
+
+def test_a_group_of_nothing_but_copies_is_left_to_aten():
+    # one of each copy op in one group: still only copies
+    b = GraphBuilder()
+    x, y = b.input(f32(4, 8)), b.input(f32(4, 8))
+    c = call(b, "clone.default", [V(x)], f32(4, 8))
+    al = call(b, "alias.default", [V(c)], f32(4, 8))
+    tc = call(b, "_to_copy.default", [V(al)], f32(4, 8), dtype=torch.float32)
+    cp = call(b, "copy.default", [V(y), V(tc)], f32(4, 8))
+    g = b.build([cp])
+    check_codegen_pass(fuse, g, str(g))
+
+
+def test_a_reduction_of_a_value_of_unknown_type_stays():
+    # an opaque call whose result type is not known: its row sum is left to ATen
+    b = GraphBuilder()
+    x = b.input(f32(4, 8))
+    o = b.add(Node("opaque.aten::relu.default", (x,), (In(0),), (), (None,)))
+    s = call(b, "sum.dim_IntList", [V(o), [-1], True], f32(4, 1))
+    g = b.build([s])
+    check_codegen_pass(fuse, g, str(g))

@@ -9,6 +9,7 @@ C++ backend twice (slots persist between runs) against the reference interpreter
 from __future__ import annotations
 
 from _fused_testlib import check_codegen_pass
+import torch
 from _passes_testlib import V, call, f32
 
 from kiln.codegen.cpp import fuse_claimed as fuse
@@ -224,3 +225,95 @@ def test_planning_twice_gives_the_same_plan():
     again = verify(memory_plan(planned))
     assert str(again) == str(planned)
     assert all(sum(k == "placement" for k, _ in n.kwargs) <= 1 for n in again.nodes)
+
+
+def test_an_update_that_does_not_read_its_input_or_is_returned_is_not_written_into_it():
+    # %0's new value does not read %0 (nothing to update in place): slot 0; %1's new value is
+    # also returned to the caller, who must not get the parameter's own buffer: fresh
+    b = GraphBuilder()
+    p1, p2, g1, g2 = (b.input(f32(8, 8)) for _ in range(4))
+    u1 = call(b, "mul.Tensor", [V(g1), 2.0], f32(8, 8))
+    u2 = call(b, "sub.Tensor", [V(p2), V(g2)], f32(8, 8), alpha=0.1)
+    _writeback(b, p1, u1, f32(8, 8))
+    _writeback(b, p2, u2, f32(8, 8))
+    _plan(
+        b.build([u2]),
+        """
+        graph(%0: f32[8,8], %1: f32[8,8], %2: f32[8,8], %3: f32[8,8]) {
+          %4 = fused(kind='pointwise', shape=[8, 8], body=[['mul.Tensor', [%2, 2.0], [], 'f32'], ['sub.Tensor', [%1, %3], [['alpha', 0.1]], 'f32']], outputs=[0, 1], members=[4, 5], placement=[0, None]) : f32[8,8], f32[8,8]
+          %5 = getitem(%4, 0) : f32[8,8]
+          %6 = getitem(%4, 1) : f32[8,8]
+          %7 = writeback(%0, %5) : f32[8,8]
+          %8 = writeback(%1, %6) : f32[8,8]
+          return (%6)
+        }""",  # noqa: E501
+    )
+
+
+def test_an_input_read_after_the_kernel_is_not_overwritten_the_next_one_is():
+    # the matmul %8 reads the old %0 after the update kernel: %0's update gets slot 0, %1's is
+    # still written into %1
+    b = GraphBuilder()
+    p1, p2, g1, g2 = (b.input(f32(8, 8)) for _ in range(4))
+    u1 = call(b, "sub.Tensor", [V(p1), V(g1)], f32(8, 8), alpha=0.1)
+    u2 = call(b, "sub.Tensor", [V(p2), V(g2)], f32(8, 8), alpha=0.1)
+    w = b.input(f32(8, 8))
+    later = call(b, "mm.default", [V(p1), V(w)], f32(8, 8))
+    _writeback(b, p1, u1, f32(8, 8))
+    _writeback(b, p2, u2, f32(8, 8))
+    _plan(
+        b.build([later]),
+        """
+        graph(%0: f32[8,8], %1: f32[8,8], %2: f32[8,8], %3: f32[8,8], %7: f32[8,8]) {
+          %4 = fused(kind='pointwise', shape=[8, 8], body=[['sub.Tensor', [%0, %2], [['alpha', 0.1]], 'f32'], ['sub.Tensor', [%1, %3], [['alpha', 0.1]], 'f32']], outputs=[0, 1], members=[4, 5], placement=[0, ['arg', 2]]) : f32[8,8], f32[8,8]
+          %5 = getitem(%4, 0) : f32[8,8]
+          %6 = getitem(%4, 1) : f32[8,8]
+          %8 = mm.default(%0, %7) : f32[8,8]
+          %9 = writeback(%0, %5) : f32[8,8]
+          %10 = writeback(%1, %6) : f32[8,8]
+          return (%8)
+        }""",  # noqa: E501
+    )
+
+
+def test_an_update_of_another_dtype_is_not_written_into_its_input():
+    # a bf16 parameter updated in f32 (the writeback converts): the f32 result gets a slot
+    b = GraphBuilder()
+    p, g = b.input(TensorType((8, 8), torch.bfloat16)), b.input(f32(8, 8))
+    pf = call(b, "_to_copy.default", [V(p)], f32(8, 8), dtype=torch.float32)
+    u = call(b, "sub.Tensor", [V(pf), V(g)], f32(8, 8), alpha=0.1)
+    loss = call(b, "sum.default", [V(u)], f32())
+    _writeback(b, p, u, TensorType((8, 8), torch.bfloat16))
+    _plan(
+        b.build([loss]),
+        """
+        graph(%0: bf16[8,8], %1: f32[8,8]) {
+          %2 = fused(kind='pointwise', shape=[8, 8], body=[['_to_copy.default', [%0], [['dtype', torch.float32]], 'f32'], ['sub.Tensor', [Val(0), %1], [['alpha', 0.1]], 'f32']], outputs=[1], members=[2, 3], placement=[0]) : f32[8,8]
+          %3 = sum.default(%2) : f32[]
+          %4 = writeback(%0, %2) : bf16[8,8]
+          return (%3)
+        }""",  # noqa: E501
+    )
+
+
+def test_an_in_place_candidate_after_a_broadcast_input_is_found():
+    # the kernel reads the bias %2 (broadcast, not a candidate), the matmul %4, and %3, which
+    # dies here: the output takes %3's slot 0 in place
+    b = GraphBuilder()
+    x, w, bias = b.input(f32(16, 16)), b.input(f32(16, 16)), b.input(f32(16))
+    a = call(b, "exp.default", [V(x)], f32(16, 16))
+    m = call(b, "mm.default", [V(a), V(w)], f32(16, 16))
+    c = call(b, "add.Tensor", [V(bias), V(m)], f32(16, 16))
+    d = call(b, "mul.Tensor", [V(c), V(a)], f32(16, 16))
+    o = call(b, "mm.default", [V(d), V(w)], f32(16, 16))
+    _plan(
+        b.build([o]),
+        """
+        graph(%0: f32[16,16], %1: f32[16,16], %2: f32[16]) {
+          %3 = fused(kind='pointwise', shape=[16, 16], body=[['exp.default', [%0], [], 'f32']], outputs=[0], members=[3], placement=[0]) : f32[16,16]
+          %4 = mm.default(%3, %1) : f32[16,16]
+          %5 = fused(kind='pointwise', shape=[16, 16], body=[['add.Tensor', [%2, %4], [], 'f32'], ['mul.Tensor', [Val(0), %3], [], 'f32']], outputs=[1], members=[5, 6], placement=[0]) : f32[16,16]
+          %6 = mm.default(%5, %1) : f32[16,16]
+          return (%6)
+        }""",  # noqa: E501
+    )

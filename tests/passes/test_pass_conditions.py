@@ -69,6 +69,17 @@ def test_a_result_over_the_size_limit_is_not_folded_even_from_small_constants():
     )
 
 
+def test_a_reduction_of_a_constant_over_the_size_limit_is_not_folded():
+    # a one-element result, but its input holds 4096 elements
+    b = GraphBuilder()
+    x = b.input(f32())
+    c = b.constant(torch.ones(64, 64))
+    s = call(b, "sum.default", [V(c)], f32())
+    y = call(b, "add.Tensor", [V(x), V(s)], f32())
+    g = b.build([y])
+    check_pass(constant_fold, g, str(g))
+
+
 def test_copies_to_another_memory_format_stay():
     # same dtype, no other change, not an output: only memory_format keeps these copies (the
     # consumer may depend on the channels-last strides they produce)

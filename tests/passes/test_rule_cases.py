@@ -8,6 +8,7 @@ import pytest
 import torch
 from _passes_testlib import V, call, check_pass, f32
 
+from kiln.config import config
 from kiln.ir import GraphBuilder, Node
 from kiln.passes.dce import dce
 from kiln.passes.layout import layout
@@ -18,7 +19,16 @@ def _simplify_then_dce(g):
     return dce(simplify(g))
 
 
-def test_transposes_cancel_and_neutral_numbers_on_either_side_disappear():
+@pytest.fixture
+def checks():
+    """KILN_CHECKS on: a rule that raises fails the test instead of being counted."""
+    saved = config.checks
+    config.update(checks=True)
+    yield
+    config.update(checks=saved)
+
+
+def test_transposes_cancel_and_neutral_numbers_on_either_side_disappear(checks):
     b = GraphBuilder()
     x, v = b.input(f32(4, 3)), b.input(f32(5))
     t1 = call(b, "transpose.int", [V(x), 0, 1], f32(3, 4))
@@ -37,18 +47,21 @@ def test_transposes_cancel_and_neutral_numbers_on_either_side_disappear():
     n = call(b, "neg.default", [V(dev)], f32(4, 3))
     tv = call(b, "t.default", [V(v)], f32(5))  # t of a vector: the vector
     ev = call(b, "exp.default", [V(tv)], f32(5))
+    num = call(b, "mul.Tensor", [V(one), 2.0], f32())  # 1 * 2.0: no graph value to return
     check_pass(
         _simplify_then_dce,
-        b.build([n, ev]),
+        b.build([n, ev, num]),
         """
         graph(%0: f32[4,3], %1: f32[5]) {
           %2 = exp.default(%0) : f32[4,3]
           %3 = constant[0] : f32[]
-          %4 = add.Tensor(%3, %2, alpha=2) : f32[4,3]
-          %5 = _to_copy.default(%4, device=device(type='cpu')) : f32[4,3]
-          %6 = neg.default(%5) : f32[4,3]
-          %7 = exp.default(%1) : f32[5]
-          return (%6, %7)
+          %4 = constant[1] : f32[]
+          %5 = add.Tensor(%4, %2, alpha=2) : f32[4,3]
+          %6 = _to_copy.default(%5, device=device(type='cpu')) : f32[4,3]
+          %7 = neg.default(%6) : f32[4,3]
+          %8 = exp.default(%1) : f32[5]
+          %9 = mul.Tensor(%3, 2.0) : f32[]
+          return (%7, %8, %9)
         }""",
     )
 
@@ -86,6 +99,17 @@ def test_layout_keeps_a_copy_to_another_layout():
     m = call(b, "mm.default", [V(c), V(w)], f32(4, 16))
     g = b.build([m])
     assert str(layout(g)) == str(g)
+
+
+def test_simplify_keeps_copies_to_another_layout_or_to_pinned_memory(checks):
+    # the pass's decision only: on this CPU-only build ATen refuses both, so nothing is run
+    b = GraphBuilder()
+    x = b.input(f32(4, 8))
+    sparse = call(b, "_to_copy.default", [V(x)], f32(4, 8), layout=torch.sparse_coo)
+    pinned = call(b, "_to_copy.default", [V(x)], f32(4, 8), pin_memory=True)
+    s = call(b, "add.Tensor", [V(sparse), V(pinned)], f32(4, 8))
+    g = b.build([s])
+    assert str(simplify(g)) == str(g)
 
 
 def test_dce_keeps_unused_scalar_inputs():
