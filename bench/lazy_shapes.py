@@ -14,6 +14,10 @@ repetitions (the modes alternate, so both see the same machine load):
   compile_s     seconds spent compiling them
   first_pass_s  wall time of one step per length, compiles included (process CPU time beside it)
   steady_ms     median step time of a second pass over the same lengths (nothing compiles)
+
+Then, in one more process, the steady state side by side: both modes' graphs are compiled for
+every length, and the steps alternate between them (``kiln.config.dynamic_shapes`` switched per
+step, so both see the same machine load); medians of wall and process CPU time per step.
 """
 
 from __future__ import annotations
@@ -78,15 +82,62 @@ def one_run(lengths: list[int]) -> dict:
     }
 
 
+def steady_ab(lengths: list[int], rounds: int) -> dict:
+    """In the child process: generic vs per-length graphs, alternating step by step."""
+    sys.path.insert(0, ROOT)
+    import torch
+
+    import kiln
+    from examples.tinygpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    dev = kiln.device()
+    model = GPT(GPTConfig()).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+
+    def step(length: int) -> None:
+        x = torch.randint(0, 96, (8, length), generator=g)
+        y = torch.randint(0, 96, (8, length), generator=g)
+        model(x.to(dev), y.to(dev)).backward()
+        opt.step()
+        opt.zero_grad()
+        kiln.mark_step()
+
+    for on in (True, False):  # compile both modes' graphs for every length
+        kiln.config.update(dynamic_shapes=on)
+        for n in lengths:
+            step(n)
+            step(n)
+    wall: dict[bool, list[float]] = {True: [], False: []}
+    cpu: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds):
+        for n in lengths:
+            for on in (True, False) if r % 2 == 0 else (False, True):
+                kiln.config.update(dynamic_shapes=on)
+                step(n)  # the first step after a switch picks the graph
+                t, c = time.perf_counter(), time.process_time()
+                step(n)
+                wall[on].append((time.perf_counter() - t) * 1e3)
+                cpu[on].append((time.process_time() - c) * 1e3)
+    return {
+        f"{'on' if on else 'off'}_{k}": statistics.median(v[on])
+        for on in (True, False)
+        for k, v in (("wall_ms", wall), ("cpu_ms", cpu))
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--lengths", default=LENGTHS)
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=2, help="steady A/B rounds over the lengths")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     lengths = [int(s) for s in a.lengths.split(",")]
     if a.child:
-        print(json.dumps(one_run(lengths)))
+        out = one_run(lengths) if a.child == "compile" else steady_ab(lengths, a.rounds)
+        print(json.dumps(out))
         return
     results: dict[str, list[dict]] = {"on": [], "off": []}
     for r in range(a.reps):
@@ -95,7 +146,7 @@ def main() -> None:
             env["KILN_DYNAMIC_SHAPES"] = "1" if mode == "on" else "0"
             env["KILN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln-bench-shapes-")
             out = subprocess.run(
-                [sys.executable, __file__, "--child", "--lengths", a.lengths],
+                [sys.executable, __file__, "--child", "compile", "--lengths", a.lengths],
                 env=env,
                 capture_output=True,
                 text=True,
@@ -115,6 +166,16 @@ def main() -> None:
             f"{med['first_pass_s']:>13.2f} {med['first_pass_cpu_s']:>7.2f} "
             f"{med['steady_ms']:>10.1f}"
         )
+    env = dict(os.environ, KILN_CACHE_DIR=tempfile.mkdtemp(prefix="kiln-bench-shapes-"))
+    cmd = [sys.executable, __file__, "--child", "steady", "--lengths", a.lengths]
+    cmd += ["--rounds", str(a.rounds)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    ab = json.loads(out.stdout.strip().splitlines()[-1])
+    print(
+        f"\nsteady state, alternating step by step ({a.rounds} rounds over the lengths, medians): "
+        f"generic {ab['on_wall_ms']:.1f} ms wall / {ab['on_cpu_ms']:.1f} ms CPU, "
+        f"per-length {ab['off_wall_ms']:.1f} ms wall / {ab['off_cpu_ms']:.1f} ms CPU"
+    )
 
 
 if __name__ == "__main__":

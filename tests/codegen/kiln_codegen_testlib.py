@@ -52,17 +52,15 @@ def grads_of(fn, *xs):
 def on_configured_backend(min_graphs: int = 1) -> Iterator[None]:
     """The block ran at least ``min_graphs`` Kiln graphs, all through the configured backend
     (``KILN_BACKEND``); with the C++ backend, generated kernels ran."""
-    from kiln import metrics
     from kiln.runtime.compiler import executables
 
-    before = metrics.get("fused_kernels")
     runs = {id(e): e.runs for e in executables()}
     yield
     ran = [e for e in executables() if e.runs > runs.get(id(e), 0)]
     assert len(ran) >= min_graphs, f"{len(ran)} Kiln graphs ran, expected {min_graphs}"
     assert {e.info["backend"] for e in ran} == {config.backend}
-    if config.backend == "cpp":
-        assert metrics.get("fused_kernels") > before, "no generated kernel ran"
+    if config.backend == "cpp":  # (a graph compiled now, or a shape-generic one from before)
+        assert any(e.info.get("kernels") for e in ran), "no generated kernel ran"
 
 
 def check_compiled_vs_eager(fn, *xs):

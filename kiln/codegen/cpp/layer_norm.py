@@ -24,6 +24,8 @@ as every generated kernel (:mod:`kiln.codegen.cpp.emit`): ``P`` pointers (inputs
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from kiln.codegen.cpp.emit import PARALLEL_MIN, SAFELEN, KernelSpec, _mode
@@ -55,18 +57,22 @@ def layer_norm_ok(n: Node, in_types: list) -> bool:
         ns = n.args[2]
     else:
         return False
-    if not all(_is_f32(t) for t in in_types) or len(in_types) != len(n.inputs):
+    if not (isinstance(ns, (list, tuple)) and len(ns) == 1 and isinstance(ns[0], (int, In))):
         return False
-    if not (isinstance(ns, (list, tuple)) and len(ns) == 1 and isinstance(ns[0], int)):
+    size_in = ns[0].k if isinstance(ns[0], In) else None  # a symbolic normalized size's input
+    tensors = [t for k, t in enumerate(in_types) if k != size_in]
+    if not all(_is_f32(t) for t in tensors) or len(in_types) != len(n.inputs):
         return False
     shape = in_types[n.args[1].k if n.op.startswith("native_layer_norm_b") else n.args[0].k].shape
+    if len(shape) < 1:
+        return False
+    # sizes may be symbolic (a shape-generic graph): the kernel reads every size at run time
+    if size_in is not None:
+        # ATen requires the normalized size to be x's last dim; a plain symbol is never 0 or 1
+        # (Dynamo and the lazy device specialize those sizes)
+        return in_types[size_in].py == "int" and re.fullmatch(r"s\d+", str(shape[-1])) is not None
     # a zero-size normalized dim (mean and rstd of nothing) is left to ATen
-    return (
-        len(shape) >= 1
-        and shape[-1] == ns[0]
-        and ns[0] > 0
-        and all(isinstance(s, int) for s in shape)
-    )
+    return shape[-1] == ns[0] and ns[0] > 0
 
 
 def emit_layer_norm(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
