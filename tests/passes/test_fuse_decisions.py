@@ -332,3 +332,52 @@ def test_a_reduction_of_a_value_of_unknown_type_stays():
     s = call(b, "sum.dim_IntList", [V(o), [-1], True], f32(4, 1))
     g = b.build([s])
     check_codegen_pass(fuse, g, str(g))
+
+
+def test_a_group_that_grows_a_dependency_later_still_blocks_a_cycle():
+    # %8 reads group G (relu) when G depends on nothing; G then takes add(G, T @ w2), which
+    # depends on T (exp).  add(T, %8) must not join T: T -> G -> %8 -> T would be a cycle
+    b = GraphBuilder()
+    x, y = b.input(f32(16, 16)), b.input(f32(16, 8))
+    w, w2 = b.input(f32(8, 16)), b.input(f32(16, 8))
+    t = call(b, "exp.default", [V(x)], f32(16, 16))
+    g1 = call(b, "relu.default", [V(y)], f32(16, 8))
+    j = call(b, "mm.default", [V(g1), V(w)], f32(16, 16))
+    k = call(b, "mm.default", [V(t), V(w2)], f32(16, 8))
+    g2 = call(b, "add.Tensor", [V(g1), V(k)], f32(16, 8))
+    n = call(b, "add.Tensor", [V(t), V(j)], f32(16, 16))
+    check_codegen_pass(
+        fuse,
+        b.build([n, g2]),
+        """
+        graph(%0: f32[16,16], %1: f32[16,8], %2: f32[8,16], %3: f32[16,8]) {
+          %4 = fused(kind='pointwise', shape=[16, 16], body=[['exp.default', [%0], [], 'f32']], outputs=[0], members=[4]) : f32[16,16]
+          %5 = mm.default(%4, %3) : f32[16,8]
+          %6 = fused(kind='pointwise', shape=[16, 8], body=[['relu.default', [%1], [], 'f32'], ['add.Tensor', [Val(0), %5], [], 'f32']], outputs=[0, 1], members=[5, 8]) : f32[16,8], f32[16,8]
+          %7 = getitem(%6, 0) : f32[16,8]
+          %8 = getitem(%6, 1) : f32[16,8]
+          %9 = mm.default(%7, %2) : f32[16,16]
+          %10 = fused(kind='pointwise', shape=[16, 16], body=[['add.Tensor', [%4, %9], [], 'f32']], outputs=[0], members=[9]) : f32[16,16]
+          return (%10, %8)
+        }""",  # noqa: E501
+    )
+
+
+def test_a_softmax_joins_its_pointwise_producer_and_then_takes_no_reduction():
+    b = GraphBuilder()
+    x = b.input(f32(8, 16))
+    a = call(b, "exp.default", [V(x)], f32(8, 16))
+    sm = call(b, "_softmax.default", [V(a), -1, False], f32(8, 16))
+    s = call(b, "sum.dim_IntList", [V(a), [-1], True], f32(8, 1))
+    check_codegen_pass(
+        fuse,
+        b.build([sm, s]),
+        """
+        graph(%0: f32[8,16]) {
+          %1 = fused(kind='rows', shape=[8, 16], body=[['exp.default', [%0], [], 'f32'], ['_softmax.default', [Val(0), -1, False], [], 'f32']], outputs=[0, 1], members=[1, 2]) : f32[8,16], f32[8,16]
+          %2 = getitem(%1, 0) : f32[8,16]
+          %3 = getitem(%1, 1) : f32[8,16]
+          %4 = fused(kind='rows', shape=[8, 16], body=[['sum.dim_IntList', [%2, [-1], True], [], 'f32']], outputs=[0], members=[3]) : f32[8,1]
+          return (%3, %4)
+        }""",  # noqa: E501
+    )

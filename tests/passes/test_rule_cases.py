@@ -127,3 +127,25 @@ def test_dce_keeps_unused_scalar_inputs():
           return (%2)
         }""",
     )
+
+
+def test_only_a_literal_exponent_two_squares_and_view_of_reshape_stays_a_reshape(checks):
+    # x ** 3 stays; view(reshape(t(x))) becomes one reshape of t(x) (t(x) is not contiguous,
+    # so a view of it would fail)
+    b = GraphBuilder()
+    x = b.input(f32(8, 4))
+    cube = call(b, "pow.Tensor_Scalar", [V(x), 3.0], f32(8, 4))
+    t = call(b, "t.default", [V(x)], f32(4, 8))
+    r = call(b, "reshape.default", [V(t), [32]], f32(32))
+    v = call(b, "view.default", [V(r), [2, 16]], f32(2, 16))
+    check_pass(
+        _simplify_then_dce,
+        b.build([cube, v]),
+        """
+        graph(%0: f32[8,4]) {
+          %1 = pow.Tensor_Scalar(%0, 3.0) : f32[8,4]
+          %2 = t.default(%0) : f32[4,8]
+          %3 = reshape.default(%2, [2, 16]) : f32[2,16]
+          return (%1, %3)
+        }""",
+    )
