@@ -90,6 +90,38 @@ def test_layout_bypasses_a_same_dtype_copy_feeding_a_matmul():
     )
 
 
+def test_layout_keeps_a_copy_to_a_device():
+    b = GraphBuilder()
+    x, w = b.input(f32(8, 4)), b.input(f32(8, 16))
+    t = call(b, "t.default", [V(x)], f32(4, 8))
+    c = call(b, "_to_copy.default", [V(t)], f32(4, 8), device=torch.device("cpu"))
+    m = call(b, "mm.default", [V(c), V(w)], f32(4, 16))
+    g = b.build([m])
+    check_pass(layout, g, str(g))
+
+
+def test_a_transpose_stays_and_a_non_mutating_opaque_call_does_not_keep_copies(checks):
+    # transpose(x, 0, 1) is no identity; the clone goes although the graph holds an opaque
+    # call (it does not write its inputs)
+    b = GraphBuilder()
+    x = b.input(f32(4, 3))
+    tr = call(b, "transpose.int", [V(x), 0, 1], f32(3, 4))
+    c = call(b, "clone.default", [V(x)], f32(4, 3))
+    e = call(b, "exp.default", [V(c)], f32(4, 3))
+    o = call(b, "opaque.aten::add.Tensor", [V(x), V(x)], f32(4, 3))
+    check_pass(
+        _simplify_then_dce,
+        b.build([tr, e, o]),
+        """
+        graph(%0: f32[4,3]) {
+          %1 = transpose.int(%0, 0, 1) : f32[3,4]
+          %2 = exp.default(%0) : f32[4,3]
+          %3 = opaque.aten::add.Tensor(%0, %0) : f32[4,3]
+          return (%1, %2, %3)
+        }""",
+    )
+
+
 def test_layout_keeps_a_copy_to_another_layout():
     # the pass's decision only: ATen itself refuses this conversion, so the graph is not run
     b = GraphBuilder()
