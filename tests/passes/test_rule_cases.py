@@ -181,3 +181,20 @@ def test_only_a_literal_exponent_two_squares_and_view_of_reshape_stays_a_reshape
           return (%1, %3)
         }""",
     )
+
+
+def test_the_pipeline_logs_each_pass_with_kiln_log_passes(capsys):
+    from kiln.passes.pipeline import PIPELINE_NAMES, run_pipeline
+
+    b = GraphBuilder()
+    x = b.input(f32(4))
+    g = b.build([call(b, "neg.default", [V(x)], f32(4))])
+    saved = config.log
+    config.update(log="passes")
+    try:
+        run_pipeline(g)
+    finally:
+        config.update(log=saved)
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == [f"[kiln] pass {p}" for p in PIPELINE_NAMES]
+    assert all(ln.endswith(" ms, 2 nodes") for ln in lines)
