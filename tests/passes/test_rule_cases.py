@@ -198,3 +198,15 @@ def test_the_pipeline_logs_each_pass_with_kiln_log_passes(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split(":")[0] for ln in lines] == [f"[kiln] pass {p}" for p in PIPELINE_NAMES]
     assert all(ln.endswith(" ms, 2 nodes") for ln in lines)
+
+
+def test_a_raising_rule_names_the_fix(checks):
+    from kiln.passes.rewrite import Rule, RuleError, apply_rules
+
+    b = GraphBuilder()
+    x = b.input(f32(4))
+    g = b.build([call(b, "neg.default", [V(x)], f32(4))])
+    with pytest.raises(
+        RuleError, match="a rule must return None for a node it does not match: fix"
+    ):
+        apply_rules(g, [Rule("bad", ("neg.default",), lambda rw, n: n.args[5])])
