@@ -317,3 +317,27 @@ def test_an_in_place_candidate_after_a_broadcast_input_is_found():
           return (%6)
         }""",  # noqa: E501
     )
+
+
+def test_a_writeback_result_is_its_destination_not_its_source():
+    # %4 (the writeback) stands for %0 updated; %3's buffer dies at the writeback, so neg's
+    # kernel reuses slot 0 although %4 is read after it
+    b = GraphBuilder()
+    p, g, w = b.input(f32(8, 8)), b.input(f32(8, 8)), b.input(f32(8, 8))
+    u = call(b, "mul.Tensor", [V(g), 2.0], f32(8, 8))
+    wb = b.add(Node("writeback", (p, u), (In(0), In(1)), (), (f32(8, 8),)))
+    m = call(b, "mm.default", [V(wb), V(w)], f32(8, 8))
+    r = call(b, "neg.default", [V(m)], f32(8, 8))
+    f = call(b, "mm.default", [V(r), V(wb)], f32(8, 8))
+    _plan(
+        b.build([f]),
+        """
+        graph(%0: f32[8,8], %1: f32[8,8], %2: f32[8,8]) {
+          %3 = fused(kind='pointwise', shape=[8, 8], body=[['mul.Tensor', [%1, 2.0], [], 'f32']], outputs=[0], members=[3], placement=[0]) : f32[8,8]
+          %4 = writeback(%0, %3) : f32[8,8]
+          %5 = mm.default(%4, %2) : f32[8,8]
+          %6 = fused(kind='pointwise', shape=[8, 8], body=[['neg.default', [%5], [], 'f32']], outputs=[0], members=[6], placement=[0]) : f32[8,8]
+          %7 = mm.default(%6, %4) : f32[8,8]
+          return (%7)
+        }""",  # noqa: E501
+    )
