@@ -101,22 +101,22 @@ def test_layout_keeps_a_copy_to_a_device():
 
 
 def test_a_transpose_stays_and_a_non_mutating_opaque_call_does_not_keep_copies(checks):
-    # transpose(x, 0, 1) is no identity; the clone goes although the graph holds an opaque
+    # transpose(x, 0, 1) of a square x is no identity (same type, other values); the clone goes although the graph holds an opaque
     # call (it does not write its inputs)
     b = GraphBuilder()
-    x = b.input(f32(4, 3))
-    tr = call(b, "transpose.int", [V(x), 0, 1], f32(3, 4))
-    c = call(b, "clone.default", [V(x)], f32(4, 3))
-    e = call(b, "exp.default", [V(c)], f32(4, 3))
-    o = call(b, "opaque.aten::add.Tensor", [V(x), V(x)], f32(4, 3))
+    x = b.input(f32(4, 4))
+    tr = call(b, "transpose.int", [V(x), 0, 1], f32(4, 4))
+    c = call(b, "clone.default", [V(x)], f32(4, 4))
+    e = call(b, "exp.default", [V(c)], f32(4, 4))
+    o = call(b, "opaque.aten::add.Tensor", [V(x), V(x)], f32(4, 4))
     check_pass(
         _simplify_then_dce,
         b.build([tr, e, o]),
         """
-        graph(%0: f32[4,3]) {
-          %1 = transpose.int(%0, 0, 1) : f32[3,4]
-          %2 = exp.default(%0) : f32[4,3]
-          %3 = opaque.aten::add.Tensor(%0, %0) : f32[4,3]
+        graph(%0: f32[4,4]) {
+          %1 = transpose.int(%0, 0, 1) : f32[4,4]
+          %2 = exp.default(%0) : f32[4,4]
+          %3 = opaque.aten::add.Tensor(%0, %0) : f32[4,4]
           return (%1, %2, %3)
         }""",
     )
