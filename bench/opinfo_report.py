@@ -2,6 +2,7 @@
 
     python bench/opinfo_report.py                      # every op, both modes, fwd + grad
     python bench/opinfo_report.py --modes lazy --ops add,mul --json out.json
+    python bench/opinfo_report.py --workers 0          # in this process (one op at a time)
 
 Prints, per mode and check: passed / expected failures / unexpected failures / skipped, the
 unexpected failures with their reason, expected-failure entries that now pass, the ops that fell
@@ -21,8 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "conformance"))
 
 import kiln  # noqa: E402
+from opinfo_check import CHECKS, MODES, OPS  # noqa: E402
 from opinfo_expected import expected_failure  # noqa: E402
-from test_opinfo import CHECKS, MODES, check_op, selected  # noqa: E402
+from opinfo_pool import Sweep  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +33,10 @@ def main() -> None:
     ap.add_argument("--checks", default=",".join(CHECKS))
     ap.add_argument("--ops", default="", help="comma-separated op ids (default: all)")
     ap.add_argument(
-        "--default-subset", action="store_true", help="only the ops the default pytest run selects"
+        "--workers",
+        type=int,
+        default=None,
+        help="worker processes (default: the usable CPUs, <= 4)",
     )
     ap.add_argument(
         "--json",
@@ -42,19 +47,22 @@ def main() -> None:
     ap.add_argument("-v", "--verbose", action="store_true", help="name each op before it runs")
     a = ap.parse_args()
     kiln.config.update(cache_dir=tempfile.mkdtemp(prefix="kiln_opinfo_"))
+    modes = a.modes.split(",")
+    names = a.ops.split(",") if a.ops else list(OPS)
+    if a.start:
+        names = names[names.index(a.start) :]
+    sweep = Sweep([(m, n) for m in modes for n in names], kiln.config.cache_dir, a.workers)
     rows = []
     t_all = time.perf_counter()
-    for mode in a.modes.split(","):
-        names = a.ops.split(",") if a.ops else selected(mode, full=not a.default_subset)
-        if a.start:
-            names = names[names.index(a.start) :]
+    for mode in modes:
         t0 = time.perf_counter()
         for name in names:
+            if a.verbose:
+                print(f"{mode} {name}", file=sys.stderr, flush=True)
+            t = time.perf_counter()
+            outs = sweep.result(mode, name)
             for check in a.checks.split(","):
-                if a.verbose:
-                    print(f"{mode} {check} {name}", file=sys.stderr, flush=True)
-                t = time.perf_counter()
-                out = check_op(name, mode, check)
+                out = outs[check]
                 status = out.status
                 reason = expected_failure(name, mode, check)
                 if status == "fail" and reason is not None:
@@ -71,13 +79,14 @@ def main() -> None:
                         expected=reason,
                         fallbacks=out.fallbacks,
                         kiln_graphs=out.kiln_graphs,
-                        seconds=time.perf_counter() - t,
+                        seconds=time.perf_counter() - t,  # waited for it (workers overlap)
                     )
                 )
                 if a.json:  # one line per outcome as it comes: survives a crash
                     with open(a.json + "l", "a") as f:
                         f.write(json.dumps(rows[-1]) + "\n")
         print(f"[{mode}] {len(names)} ops in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    sweep.close()
     report(rows)
     print(f"\ntotal time {time.perf_counter() - t_all:.1f}s")
     if a.json:

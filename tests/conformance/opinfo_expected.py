@@ -57,32 +57,27 @@ NO_GRAPH: dict[str, str] = {
     "contiguous": "its samples are contiguous already: contiguous() returns its input",
 }
 
+_DATA_DEPENDENT = (
+    "boolean-mask indexing has a data-dependent output shape: the lazy device runs it eagerly "
+    "by design (a sync, counted as a fallback; kiln/frontends/lazy/tensor.py _record)"
+)
+
+# ATen ops that Kiln claims but that may run through ATen in this op's run, and why; the values
+# are still compared (unlike EXPECTED, which excuses any failure of the op).  Keys as in EXPECTED.
+ALLOWED_FALLBACKS: dict[tuple[str, str, str], dict[str, str]] = {
+    ("__getitem__", "lazy", "*"): {"index": _DATA_DEPENDENT},
+    ("index_put", "lazy", "grad"): {"index": _DATA_DEPENDENT + " (index_put's backward indexes)"},
+}
+
 _SPARSE = "sparse tensors are not supported on the lazy device"
 
 EXPECTED: dict[tuple[str, str, str], str] = {
-    # --- lazy: wrong results
-    ("linalg.eigvals", "lazy", "grad"): "wrong result: max abs diff 0.465 (complex eigenvalue "
-    "gradient; likely the conj bit of lazy views)",
     # --- lazy: ops Kiln claims that ran through ATen (lazy engineer; measured in the full sweep)
     ("logspace", "lazy", "fwd"): "claimed op fell back: logspace ran through ATen",
     ("_native_batch_norm_legit", "lazy", "*"): "claimed op fell back: _native_batch_norm_legit "
     "ran through ATen (and no Kiln graph ran)",
     ("nn.functional.linear_cross_entropy.chunked_none", "lazy", "grad"): "claimed ops fell back: "
     "addmm, amax, div, mm, mul ran through ATen in the gradient",
-    # --- compile: random ops Dynamo runs eagerly (no graph reaches Kiln)
-    **{
-        (op, "compile", "fwd"): "no Kiln graph ran: Dynamo runs the random op eagerly"
-        for op in (
-            "cauchy",
-            "exponential",
-            "geometric",
-            "log_normal",
-            "normal.in_place",
-            "uniform",
-            "randint_like",
-            "multinomial",
-        )
-    },
     # --- lazy: errors
     ("tensor_split", "lazy", "*"): (
         "tensor_split needs its indices tensor on the CPU ('expected tensor_indices_or_sections "
@@ -95,19 +90,21 @@ EXPECTED: dict[tuple[str, str, str], str] = {
     ),
     ("sparse.sampled_addmm", "lazy", "*"): _SPARSE,
     ("sparse.mm.reduce", "lazy", "*"): _SPARSE,
-    ("to_sparse", "lazy", "fwd"): _SPARSE + " ('to(options) doesn't support converting to a "
+    ("to_sparse", "lazy", "*"): _SPARSE + " ('to(options) doesn't support converting to a "
     "different layout')",
+    # --- compile
+    ("index_put", "compile", "*"): (
+        "no Kiln graph ran: with requires_grad, AOTAutograd cannot trace the boolean-mask samples "
+        "(DynamicOutputShapeException: aten.nonzero, a data-dependent shape), and Dynamo runs the "
+        "whole frame eagerly ('Backend compiler exception ... Adding a graph break')"
+    ),
 }
 
 
 # Failures that take the whole test process down (a C++ abort): never run, always xfail.
 CRASHES: dict[tuple[str, str, str], str] = {
-    ("fft.hfft", "lazy", "grad"): (
-        "process abort: the backward calls view_as_real on a conjugated lazy tensor ('view_as_real "
-        "doesn't work on unresolved conjugated tensors'); an exception raised inside "
-        "__torch_dispatch__ during backward unwinds through torch's Python device guard "
-        "(PythonDeviceGuard::exchangeStream in ~InlineStreamGuard) and std::terminate()s"
-    ),
+    # (fft.hfft's lazy backward aborted the process until the lazy device resolved conjugate
+    # views: it passes now.  The sweep runs in worker processes, so a new abort fails its op.)
 }
 
 
@@ -116,6 +113,10 @@ def _lookup(table: dict, op: str, mode: str, check: str) -> str | None:
         if key in table:
             return table[key]
     return None
+
+
+def allowed_fallbacks(op: str, mode: str, check: str) -> dict[str, str]:
+    return _lookup(ALLOWED_FALLBACKS, op, mode, check) or {}
 
 
 def expected_failure(op: str, mode: str, check: str) -> str | None:
