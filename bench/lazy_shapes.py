@@ -37,14 +37,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LENGTHS = "32,16,47,21,63,37,26,58,42,53"
 
 
-def one_run(lengths: list[int]) -> dict:
-    """In the child process: train over the lengths twice, report counters and times."""
+def _trainer():
+    """In the child process: the tiny GPT on the kiln device with AdamW; ``step(length)`` runs one
+    training step at that sequence length and cuts the graph."""
     sys.path.insert(0, ROOT)
     import torch
 
     import kiln
     from examples.tinygpt import GPT, GPTConfig
-    from kiln import metrics
 
     torch.manual_seed(0)
     dev = kiln.device()
@@ -52,16 +52,21 @@ def one_run(lengths: list[int]) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
 
-    def step(length: int) -> float:
+    def step(length: int) -> None:
         x = torch.randint(0, 96, (8, length), generator=g)
         y = torch.randint(0, 96, (8, length), generator=g)
-        loss = model(x.to(dev), y.to(dev))
-        loss.backward()
+        model(x.to(dev), y.to(dev)).backward()
         opt.step()
         opt.zero_grad()
         kiln.mark_step()
-        return loss.item()
 
+    return kiln, step
+
+
+def one_run(lengths: list[int]) -> dict:
+    """In the child process: train over the lengths twice, report counters and times."""
+    kiln, step = _trainer()
+    metrics = kiln.metrics
     step(lengths[0])  # AdamW's state: a graph of its own
     metrics.reset()
     t0, c0 = time.perf_counter(), time.process_time()
@@ -86,25 +91,7 @@ def one_run(lengths: list[int]) -> dict:
 
 def steady_ab(lengths: list[int], rounds: int) -> dict:
     """In the child process: generic vs per-length graphs, alternating step by step."""
-    sys.path.insert(0, ROOT)
-    import torch
-
-    import kiln
-    from examples.tinygpt import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    dev = kiln.device()
-    model = GPT(GPTConfig()).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(0)
-
-    def step(length: int) -> None:
-        x = torch.randint(0, 96, (8, length), generator=g)
-        y = torch.randint(0, 96, (8, length), generator=g)
-        model(x.to(dev), y.to(dev)).backward()
-        opt.step()
-        opt.zero_grad()
-        kiln.mark_step()
+    kiln, step = _trainer()
 
     for on in (True, False):  # compile both modes' graphs for every length
         kiln.config.update(dynamic_shapes=on)

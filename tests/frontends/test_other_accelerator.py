@@ -53,10 +53,11 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def test_device_registers_at_first_use_when_another_accelerator_is_present():
+def _python(script: str) -> str:
+    """``script`` in a fresh interpreter without KILN_* settings; its standard output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
     p = subprocess.run(
-        [sys.executable, "-c", _SCRIPT],
+        [sys.executable, "-c", script],
         env=env,
         check=False,
         capture_output=True,
@@ -64,7 +65,11 @@ def test_device_registers_at_first_use_when_another_accelerator_is_present():
         timeout=600,
     )
     assert p.returncode == 0, p.stderr[-4000:]
-    r = json.loads(p.stdout.splitlines()[-1])
+    return p.stdout
+
+
+def test_device_registers_at_first_use_when_another_accelerator_is_present():
+    r = json.loads(_python(_SCRIPT).splitlines()[-1])
     assert r["slot_after_import"] == "privateuseone"  # import kiln left the slot alone
     assert r["warnings"] == ["AcceleratorConflictWarning"]
     assert r["slot_after_device"] == "kiln"
@@ -77,14 +82,4 @@ def test_import_registers_the_device_when_no_other_accelerator_is_present():
         "import torch, kiln; "
         "print(torch._C._get_privateuse1_backend_name(), torch.device('kiln', 0))"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-    p = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    assert p.stdout.split() == ["kiln", "kiln:0"]
+    assert _python(script).split() == ["kiln", "kiln:0"]
