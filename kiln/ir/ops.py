@@ -71,6 +71,9 @@ class OpDef:
     inplace: tuple[tuple[str, str], ...] = ()
     fallback: str | None = None  # set: Kiln does not lower this op, and this is why
     side_effects: bool = False  # no pass may duplicate, drop or reorder it
+    # The operator namespace the record's ATen-level op lives in (``prims`` for ``prims::fma``):
+    # lowering maps ``<namespace>::<name>`` calls to this record; ``impl`` must be set for others.
+    namespace: str = "aten"
 
 
 OPS: dict[str, OpDef] = {}  # ops a graph may hold
@@ -359,6 +362,9 @@ defop(
     opaque_types=True,
     side_effects=True,
 )
+# prims::fma (a * b + c, one rounding): Dynamo writes in-place ``addcmul_`` / ``addcdiv_`` with a
+# ``value`` (every single-tensor Adam/AdamW step) and ``add_`` with a tensor ``alpha`` through it.
+defop("fma", Category.ELEMENTWISE, namespace="prims", impl=lambda op: _aten(f"prims::{op}"))
 defop("fused", Category.ELEMENTWISE, opaque_types=True)  # built by fusion; its backend runs it
 defop("writeback", Category.META, impl=lambda op: writeback, side_effects=True)
 

@@ -42,8 +42,9 @@ def _op_name(func: Any) -> tuple[str, bool]:
     schema = func._schema
     ns, _, name = schema.name.partition("::")
     overload = func._overloadname
-    if ns == "aten" and name in OPS:  # fallback ops have no record in OPS
-        if OPS[name].category not in (Category.OPAQUE, Category.META) or name == "sym_size":
+    d = OPS.get(name)  # fallback ops have no record in OPS
+    if d is not None and d.namespace == ns:
+        if d.category not in (Category.OPAQUE, Category.META) or name == "sym_size":
             return f"{name}.{overload}", True
     return f"opaque.{schema.name}.{overload}", False
 

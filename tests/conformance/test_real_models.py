@@ -72,8 +72,6 @@ ALLOWED_FALLBACKS: dict[str, dict[str, str]] = {
         "rsub": "no Kiln rule yet (ALiBi mask)",
     },
     "compile": {
-        "fma": "prims.fma from AdamW's decomposition: counted as opaque, computed by the fused "
-        "kernel formula 'opaque.prims::fma.default'",
         "lift_fresh_copy": "a tensor constant built inside the forward (T5)",
     },
 }

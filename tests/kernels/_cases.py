@@ -340,7 +340,7 @@ CASES: list[Case] = [
         "fma",
         lambda a, b, c: prims.fma.default(a, b, c),
         lambda: _fma_inputs(),
-        ("opaque.prims::fma.default",),
+        ("fma.default",),
     ),  # fmt: skip
     Case(
         "addcmul",

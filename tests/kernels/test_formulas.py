@@ -56,9 +56,7 @@ def _params(names: list[str], table: dict[str, str]) -> list:
 
 
 # ATen ops allowed to run outside Kiln in these graphs (counted as fallbacks), with why.
-ALLOWED_FALLBACKS = {
-    "fma": "prims.fma is lowered as 'opaque.prims::fma.default' and computed by its formula",
-}
+ALLOWED_FALLBACKS: dict[str, str] = {}
 
 
 def _gouts(outs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -285,7 +285,7 @@ FORMULAS: dict[str, Formula] = {
         f"(({_cast(a[1], 'float')} <= {_cast(a[2], 'float')}) ? ({o})0 : {_cast(a[0], o)})"
     ),
     "silu_backward.default": lambda a, kw, o: f"kiln_silu_bwd({_cast(a[0], o)}, {_cast(a[1], o)})",
-    "opaque.prims::fma.default": _fma,
+    "fma.default": _fma,
     "addcmul.default": _addc("*"),
     "addcdiv.default": _addc("/"),
     "lerp.Scalar": _lerp,
