@@ -124,3 +124,34 @@ def test_a_new_default_dtype_is_not_served_a_cached_dtype():
             torch.testing.assert_close(half.cpu(), torch.arange(3) * 0.5)
     finally:
         torch.set_default_dtype(old)
+
+
+def test_detach_and_alias_record_no_node_and_writes_still_reach_every_alias():
+    """A Parameter made from a kiln tensor is ``data.detach()`` (torch.nn's path for tensor
+    subclasses): reading it, or any detached or aliased tensor, records no node -- a ``detach``
+    between AdamW's weight decay and its update split the update into two kernels -- and a write
+    through such a view still reaches the parameter, as in eager."""
+    torch.manual_seed(5)
+    base = torch.randn(4, 3)
+    p_cpu = torch.nn.Parameter(base.clone())
+    p = torch.nn.Parameter(base.to(dev))
+    kiln.mark_step()
+    results = []
+    for q in (p_cpu, p):
+        d = q.detach()
+        assert d is not q and not d.requires_grad
+        d.mul_(2.0)  # through the detach view: q changes too
+        a = torch.ops.aten.alias.default(d)
+        a.add_(1.0)  # through an alias of it
+        with torch.no_grad():
+            q.sub_(0.5)  # the parameter itself, read back through both views
+        results.append([(d * 3).cpu(), a.cpu(), q.detach().cpu()])
+        kiln.mark_step()
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(p.detach().cpu(), p_cpu.detach())
+    # a step that reads the parameter through its detach chain: no identity view in its graph
+    (p * 2).sum().cpu()
+    ops = [n.op.split(".")[0] for n in T._last_entry.graph.nodes]
+    assert "mul" in ops
+    assert not {"detach", "alias", "lift_fresh"} & set(ops)

@@ -202,6 +202,17 @@ def _new_pending(meta: torch.Tensor, node: int) -> LazyTensor:
 # reading and writing values
 
 
+# View ops that return their input unchanged (same geometry, same value): a link of one of these
+# records no node.  A ``Parameter`` made from a kiln tensor is ``data.detach()`` (torch.nn's path for
+# tensor subclasses), so every read of a parameter would otherwise record a ``detach`` node, and a
+# detach between two in-place updates of one parameter (AdamW's weight decay, then its update)
+# split the optimizer's kernel in two with the parameter's intermediate value in memory.
+# ``detach`` and ``alias`` of a lazy tensor share its storage and chain (no link at all); the
+# checks in ``read`` and ``_write`` cover links made another way (``detach_``).
+_IDENTITY_VIEWS = {aten.detach.default, aten.alias.default, aten.lift_fresh.default}
+_IDENTITY_IDS = frozenset(id(f) for f in _IDENTITY_VIEWS)  # OpOverload hashes in Python: use ids
+
+
 def read(x: LazyTensor) -> int:
     """Node id of ``x``'s current value in the trace (replaying its view chain)."""
     tr = T.current()
@@ -212,6 +223,8 @@ def read(x: LazyTensor) -> int:
     meta = x._st.meta
     last = len(chain) - 1
     for k, link in enumerate(chain):
+        if id(link[0]) in _IDENTITY_IDS:
+            continue  # meta unchanged: an identity view has its input's geometry
         li = recipes.link_info(link)
         if li is not None:  # made by a view recipe: its node template is known
             if li.fallback is not None:
@@ -247,6 +260,8 @@ def _write(x: LazyTensor, value_node: int) -> None:
             metas.append(func(metas[-1], *args, **dict(kw)))
     new = value_node
     for k in range(len(chain) - 1, -1, -1):
+        if id(chain[k][0]) in _IDENTITY_IDS:
+            continue  # writing through an identity view writes its parent with the same value
         parent = LazyTensor(metas[k], x._st, chain[:k])
         new = inverse(chain[k], metas[k], _record_nodes, Ref(read(parent)), Ref(new)).id
     tr.set_pending(x._st, new)
@@ -365,10 +380,12 @@ class _Facts:
         "inplace_view",
         "mutated",
         "functional",
+        "identity",
         "decomp",
         "lift",
         "plain",
         "split",
+        "fast_view",
     )
 
     def __init__(self, func: Any) -> None:
@@ -376,6 +393,7 @@ class _Facts:
         self.name = func._schema.name.split("::")[1]
         self.composite = self.name not in OPS and _is_composite_implicit(func)
         self.view = func.is_view
+        self.identity = func in _IDENTITY_VIEWS  # detach / alias: a new tensor, same value
         self.inplace_view = (
             torch.Tag.inplace_view in func.tags and func is not aten.set_.source_Tensor
         )
@@ -386,6 +404,15 @@ class _Facts:
         self.lift = self.name not in _STRUCTURAL_FLOATS  # Python floats become scalar inputs
         # a functional foreach op recorded as per-tensor ops (see foreach.py)
         self.split = split_of(func) if not self.mutated else None
+        # a view op whose recipe ``_dispatch`` may replay before any other check (its only
+        # tensor argument is a lazy tensor, so there is no device to check)
+        self.fast_view = (
+            self.view
+            and not self.composite
+            and not self.identity
+            and func not in _BIT_VIEWS
+            and func is not aten.as_strided.default
+        )
         # recorded as one node by _record, with no special case before it: may use a recipe
         self.plain = not (
             self.composite
@@ -419,6 +446,16 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             r = recipes._recipes.get(key)
             if r is not None:
                 return _replay(r, leaves)
+    elif f.fast_view:  # the same for views: a view recipe, whose one leaf is the viewed tensor
+        leaves = []
+        key = recipes.signature(f, args, kwargs, False, leaves)
+        if key is not None and len(leaves) == 1 and leaves[0] is args[0]:
+            r = recipes._recipes.get(key)
+            if r is not None:
+                x = args[0]
+                if r.single:
+                    return _view_of(x, *r.outs[0])
+                return [_view_of(x, m, g, ln) for m, g, ln in r.outs]
     name = f.name
     if (
         func is aten._to_copy.default
@@ -449,6 +486,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         # an unresolved conjugate in the meta only; compute the value instead (a copy, not a view)
         return _dispatch(_BIT_VIEWS[func], args, kwargs)
     if f.view:
+        if f.identity and len(args) == 1 and not kwargs and type(args[0]) is LazyTensor:
+            return _alias_of(args[0])
         if func is not aten.as_strided.default:  # (as_strided checks its storage's size)
             leaves = []
             key = recipes.signature(f, args, kwargs, False, leaves)
@@ -554,6 +593,24 @@ def _view_of(x: LazyTensor, meta: torch.Tensor, geo: recipes.Geo, link: tuple) -
     return r
 
 
+def _geo(x: LazyTensor) -> recipes.Geo:
+    g = x._g
+    if g is None:
+        g = x._g = recipes.geo_of(x._meta)
+    return g
+
+
+def _alias_of(x: LazyTensor) -> LazyTensor:
+    """A new lazy tensor with ``x``'s storage, chain and geometry (``detach``, ``alias``)."""
+    g = _geo(x)
+    r = _wrapper(g)
+    r._st = x._st
+    r._chain = x._chain
+    r._meta = x._meta
+    r._g = g
+    return r
+
+
 def _check_in_storage(view: torch.Tensor, base: torch.Tensor) -> None:
     """``as_strided`` may address any element of its storage, and its meta kernel checks nothing:
     raise eager's error now (a view past the end would fail only when the step runs)."""
@@ -612,7 +669,8 @@ def _inplace(func: Any, fn: Any, args: tuple, kwargs: dict, mutated: list[int]) 
         )
     for t, v in zip(targets, outs):
         vn = read(v)
-        if v.dtype != t.dtype or v.shape != t.shape:
+        vg, tg = _geo(v), _geo(t)  # interned geometries: no torch.Size built per check
+        if vg.dtype != tg.dtype or vg.shape != tg.shape:
             vn = _record_nodes(aten._to_copy.default, Ref(vn), dtype=t.dtype).id
             if v.shape != t.shape:
                 vn = _record_nodes(aten.expand.default, Ref(vn), list(t.shape)).id
