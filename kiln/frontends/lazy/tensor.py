@@ -680,7 +680,7 @@ def _inplace(func: Any, fn: Any, args: tuple, kwargs: dict, mutated: list[int]) 
 
 def _replay(r: recipes.Recipe, leaves: list) -> Any:
     """Record one call from its recipe: its inputs are the current values of ``leaves``."""
-    tr = T.current()
+    tr = T._trace
     gen = tr.gen
     ins = []
     for a in leaves:
@@ -702,8 +702,7 @@ def _replay(r: recipes.Recipe, leaves: list) -> Any:
 
 
 def _pending(tr: T.Trace, meta: torch.Tensor, geo: recipes.Geo, node: int) -> LazyTensor:
-    st = T.Storage(meta)
-    tr.set_pending(st, node)
+    st = T.Storage.computed(meta, tr, node)
     r = _wrapper(geo)
     r._st = st
     r._chain = ()

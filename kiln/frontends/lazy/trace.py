@@ -49,6 +49,20 @@ class Storage:
         self.pending = False  # node is a computed value that ``data`` does not hold yet
         self.imported: tuple[int, int] | None = None  # (trace gen, input node) of ``data``
 
+    @classmethod
+    def computed(cls, meta: torch.Tensor, tr: Trace, node: int) -> Storage:
+        """A new storage whose value is ``node`` of ``tr`` (what ``set_pending`` makes of a fresh
+        storage, in one call: the recording fast path makes one per recorded op)."""
+        st = cls.__new__(cls)
+        st.meta = meta
+        st.data = None
+        st.node = node
+        st.gen = tr.gen
+        st.pending = True
+        st.imported = None
+        tr.pending.append(weakref.ref(st))
+        return st
+
 
 class Trace:
     def __init__(self, gen: int) -> None:
