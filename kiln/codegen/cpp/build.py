@@ -34,12 +34,6 @@ FLAGS = [
     # no a*b+c -> fma contraction: ATen rounds each op, so a fused chain of +, -, * gives
     # eager's bits (contracted, 1 - x*x near x=1 differed from eager by 1e-5 relative)
     "-ffp-contract=off",
-    # Inline the prelude's math (km::erf, km::exp, GELU backward) into every kernel that uses it.
-    # At -O2 g++ inlines a large ``inline`` function called from one place only; in a unit with
-    # several callers (a lazy step's graph: GELU forward and backward, softmax, ...) km::erf stayed
-    # an out-of-line call, the loop around it did not vectorize, and the same GELU kernel ran
-    # 10-15x slower than in a unit of its own (tiny GPT, (8,64,512): 2.5-8 ms vs 0.33-0.48 ms).
-    "--param=max-inline-insns-single=1000",
     "-std=c++17",
     "-w",
 ]
