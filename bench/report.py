@@ -19,6 +19,7 @@ COLUMNS = [
     ("speedup", "vs eager"),
     ("compile_cold_s", "compile cold s"),
     ("compile_warm_s", "compile warm s"),
+    ("peak_tensor_mb", "peak tensor MB"),
     ("peak_rss_mb", "peak RSS MB"),
     ("loss_drift", "loss drift"),
     ("mfu_pct", "MFU %"),
@@ -77,6 +78,10 @@ def table(result: dict) -> str:
         "peak RSS: ru_maxrss of that warm process per (workload, mode), after 1 + "
         f"{s['warm_steps']} steps; it includes the imports (parent RSS before fork: "
         f"{_cell('peak_rss_mb', result.get('baseline_rss_mb'))} MB).",
+        "peak tensor: most bytes live at once in PyTorch's CPU allocator (a counting wrapper, "
+        "bench/tensor_memory.py) during any of that warm process's steady steps (after its "
+        "first); it counts the mode's model copy, gradients, optimizer state, activations and "
+        "any buffers a compiler keeps between steps.",
         "loss drift: max over steps of |loss - eager loss| / |eager loss|, identical initial "
         "weights and batches. MFU: FlopCounterMode FLOPs of one eager step / median step time / "
         "GEMM peak.",

@@ -1,12 +1,14 @@
 """Training-step benchmark: eager vs Inductor vs Kiln compile backend vs Kiln lazy device.
 
     python bench/run.py                                   # every workload and mode (~10 min)
+    python bench/run.py --size large                      # the larger size class
     python bench/run.py --workloads mlp,gpt --modes eager,kiln --steps 20
     python bench/run.py --quick --workloads mlp           # tiny sizes, 3 steps (smoke test)
 
 For each workload (bench/workloads.py) it times the full training step (forward, backward, AdamW
 step, zero_grad, ``loss.item()``) with the modes interleaved round-robin in one process, then runs
-a second, warm-cache process for warm compile times and peak memory, and prints one markdown table
+a second, warm-cache process for warm compile times and peak memory (process RSS, and tensor memory
+at the allocator level: bench/tensor_memory.py), and prints one markdown table
 (bench/report.py).  Results also go to ``bench/results.json`` (``--json PATH``).  A workload/mode
 that raises or runs past ``--timeout`` seconds in one step shows ``error: ...`` in its row.
 """
@@ -39,18 +41,36 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 import kiln  # noqa: E402
+from bench import tensor_memory  # noqa: E402
 from bench.report import table, write_json  # noqa: E402
-from bench.workloads import WORKLOADS, Workload, build  # noqa: E402
+from bench.workloads import SIZES, WORKLOADS, Workload, build  # noqa: E402
 
 MODES = ("eager", "inductor", "kiln", "lazy")
 # bf16 column: the same steps under torch.autocast("cpu", bfloat16) (--modes ...,eager-bf16 or --bf16)
 BF16_MODES = ("eager-bf16", "inductor-bf16", "kiln-bf16")
 GEMM_N, GEMM_REPS = 2048, 5
+MB = 2**20
+# what the warm-cache child measures per (workload, mode), copied into the row
+WARM_KEYS = (
+    "compile_warm_s",
+    "peak_rss_mb",
+    "rss_parts_mb",
+    "peak_tensor_mb",
+    "peak_tensor_first_mb",
+    "live_tensor_mb",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument(
+        "--size",
+        choices=("small", "large", "both"),
+        default="small",
+        help="size class when --workloads is not given: small (default, ~10 min), large "
+        "(4-layer d=256 transformers at batch 8 x seq 128, an MLP, a CNN), or both",
+    )
+    ap.add_argument("--workloads", default=None, help="comma list (default: those of --size)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--steps", type=int, default=None, help="measured steps (default 10)")
     ap.add_argument("--warmup", type=int, default=None, help="unmeasured steps, incl. the first")
@@ -66,7 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.steps = a.steps if a.steps is not None else (3 if a.quick else 10)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 3)
     a.warm_steps = 2 if a.quick else 3
+    if a.workloads is None:
+        sizes = ("small", "large") if a.size == "both" else (a.size,)
+        a.workloads = ",".join(w for sz in sizes for w in SIZES[sz])
     a.workloads = [w for w in a.workloads.split(",") if w]
+    for w in a.workloads:
+        if w not in WORKLOADS:
+            ap.error(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
     a.modes = [m for m in a.modes.split(",") if m]
     if a.bf16:
         a.modes += [m for m in BF16_MODES if m not in a.modes]
@@ -117,6 +143,36 @@ def _rss_mb() -> float | None:
         return kb / 1024
     except (OSError, StopIteration):
         return None
+
+
+def rss_parts() -> dict[str, float] | None:
+    """This process's resident memory (MB) by kind of mapping, from /proc/self/smaps (Linux):
+    ``anon`` (heap, tensors, Python objects), ``torch`` (torch's own libraries), ``kiln_so``
+    (Kiln's launcher and kernel libraries), ``other_files`` (every other mapped file)."""
+    dirs = tuple(
+        os.path.realpath(d) for d in (kiln.config.cache_dir, kiln.config.launcher_dir) if d
+    )
+    parts = {"anon": 0.0, "torch": 0.0, "kiln_so": 0.0, "other_files": 0.0}
+    kind = "anon"
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=5)
+                if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's header
+                    path = head[5].strip() if len(head) > 5 else ""
+                    if not path.startswith("/"):
+                        kind = "anon"
+                    elif dirs and path.startswith(dirs):
+                        kind = "kiln_so"
+                    elif "/site-packages/torch/" in path:
+                        kind = "torch"
+                    else:
+                        kind = "other_files"
+                elif line.startswith("Rss:"):
+                    parts[kind] += int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return {k: round(v, 1) for k, v in parts.items()}
 
 
 def make_step(model: torch.nn.Module, loss_fn: Callable, mode: str) -> Callable:
@@ -246,6 +302,7 @@ def bench_workload(name: str, a: argparse.Namespace, peak: float) -> tuple[dict,
                 "compile_cold_s": r.compile_s(a.warmup),
                 "compile_warm_s": None,
                 "peak_rss_mb": None,
+                "peak_tensor_mb": None,
                 "loss_drift": drift,
                 "mfu_pct": 100 * flops / (ms / 1e3) / peak if ms else None,
                 "kiln_graphs": r.graphs if m in ("kiln", "lazy", "kiln-bf16") else None,
@@ -262,8 +319,15 @@ def bench_workload(name: str, a: argparse.Namespace, peak: float) -> tuple[dict,
 
 def warm_only(a: argparse.Namespace) -> None:
     """Fork one child per (workload, mode); each trains 1 + warm_steps steps with the warm caches
-    and reports its compile time and ru_maxrss.  Prints one JSON object on the last line."""
-    out: dict[str, Any] = {"baseline_rss_mb": _rss_mb(), "runs": []}
+    and reports its compile time, ru_maxrss (and RSS by kind of mapping at the end) and, with the
+    counting CPU allocator installed after the workload is built, the peak of tensor bytes live
+    during its steady steps and during its first.  Prints one JSON object on the last line."""
+    memory_error = None
+    try:
+        tensor_memory.load()  # built (or loaded) once, before the children fork
+    except tensor_memory.Unavailable as e:
+        memory_error = str(e)
+    out: dict[str, Any] = {"baseline_rss_mb": _rss_mb(), "runs": [], "memory_error": memory_error}
     pairs = [tuple(p.split(":")) for p in a.pairs.split(",") if p] or [
         (w, m) for w in a.workloads for m in a.modes
     ]
@@ -275,13 +339,28 @@ def warm_only(a: argparse.Namespace) -> None:
             res: dict[str, Any] = {"workload": name, "mode": m}
             try:
                 wl = build(name, a.quick, 1 + a.warm_steps)
+                counting = memory_error is None
+                if counting:  # from here on (the model's copy, its state, every step)
+                    tensor_memory.install()
                 r = Runner(m, wl, a.timeout)
+                peaks = []
                 for batch in wl.batches:
+                    if counting:
+                        tensor_memory.reset_peak()
                     r.run(batch)
+                    if counting:
+                        peaks.append(tensor_memory.peak_bytes() / MB)
                 res.update(compile_warm_s=r.compile_s(1), error=r.error)
+                if counting and not r.error:
+                    res.update(
+                        peak_tensor_mb=max(peaks[1:]),  # steady steps (the first compiles)
+                        peak_tensor_first_mb=peaks[0],
+                        live_tensor_mb=tensor_memory.live_bytes() / MB,
+                    )
             except Exception as e:  # noqa: BLE001
                 res["error"] = _err(e)
             res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            res["rss_parts_mb"] = rss_parts()
             os.write(wfd, json.dumps(res).encode())
             os._exit(0)
         os.close(wfd)
@@ -366,11 +445,13 @@ def main(argv: list[str] | None = None) -> dict:
         row = next(
             r for r in result["rows"] if (r["workload"], r["mode"]) == (w["workload"], w["mode"])
         )
-        row.update(compile_warm_s=w.get("compile_warm_s"), peak_rss_mb=w.get("peak_rss_mb"))
+        row.update({k: w.get(k) for k in WARM_KEYS})
         if w.get("error"):
             row["note"] = f"warm run {w['error']}"  # the main run of this pair had no error
     if warm.get("error"):
         print(f"warm-cache run failed: {warm['error']}")
+    if warm.get("memory_error"):
+        print(f"tensor memory not measured: {warm['memory_error']}")
     print()
     print(table(result))
     write_json(a.json, result)

@@ -5,8 +5,10 @@
     loss = wl.loss(model, wl.batches[0])
 
 Every workload is deterministic for a given seed, so each mode starts from identical weights and
-sees identical batches.  Sizes are chosen so one eager training step takes roughly 10-100 ms on two
-CPU cores; ``quick=True`` shrinks everything for the smoke test.  The ``transformers`` models are
+sees identical batches.  Two size classes (``SIZES``): the small one, where one eager training step
+takes roughly 10-100 ms on two CPU cores, and the large one (``*-large``: 4-layer d=256
+transformers at batch 8 x seq 128, an MLP and a CNN of comparable cost), a few hundred ms per
+step; ``quick=True`` shrinks everything for the smoke test.  The ``transformers`` models are
 built from small configs (no weight download), with dropout 0 and eager attention.
 """
 
@@ -43,8 +45,8 @@ def _xent(model: nn.Module, batch: Batch) -> torch.Tensor:
     return F.cross_entropy(model(x), y)
 
 
-def _mlp(quick: bool, n: int, g: torch.Generator) -> Workload:
-    d_in, hidden, batch = (32, 64, 8) if quick else (512, 1024, 128)
+def _mlp(quick: bool, n: int, g: torch.Generator, large: bool = False) -> Workload:
+    d_in, hidden, batch = (32, 64, 8) if quick else (1024, 2048, 512) if large else (512, 1024, 128)
     model = nn.Sequential(
         nn.Linear(d_in, hidden),
         nn.GELU(),
@@ -56,7 +58,8 @@ def _mlp(quick: bool, n: int, g: torch.Generator) -> Workload:
         (torch.randn(batch, d_in, generator=g), torch.randint(0, 10, (batch,), generator=g))
         for _ in range(n)
     ]
-    return Workload("mlp", model, data, _xent, f"MLP {d_in}-{hidden}-{hidden}-10, batch {batch}")
+    name = "mlp-large" if large else "mlp"
+    return Workload(name, model, data, _xent, f"MLP {d_in}-{hidden}-{hidden}-10, batch {batch}")
 
 
 class _CNN(nn.Module):
@@ -72,8 +75,8 @@ class _CNN(nn.Module):
         return self.fc(x.flatten(1))
 
 
-def _cnn(quick: bool, n: int, g: torch.Generator) -> Workload:
-    c, size, batch = (4, 8, 2) if quick else (16, 32, 32)
+def _cnn(quick: bool, n: int, g: torch.Generator, large: bool = False) -> Workload:
+    c, size, batch = (4, 8, 2) if quick else (32, 64, 32) if large else (16, 32, 32)
     data = [
         (
             torch.randn(batch, 3, size, size, generator=g),
@@ -82,7 +85,7 @@ def _cnn(quick: bool, n: int, g: torch.Generator) -> Workload:
         for _ in range(n)
     ]
     return Workload(
-        "cnn",
+        "cnn-large" if large else "cnn",
         _CNN(c, size),
         data,
         _xent,
@@ -90,10 +93,12 @@ def _cnn(quick: bool, n: int, g: torch.Generator) -> Workload:
     )
 
 
-def _gpt(quick: bool, n: int, g: torch.Generator) -> Workload:
+def _gpt(quick: bool, n: int, g: torch.Generator, large: bool = False) -> Workload:
     from examples.tinygpt import GPT, GPTConfig, batches
 
-    layers, block, embd, batch = (1, 16, 32, 2) if quick else (2, 64, 128, 8)
+    layers, block, embd, batch = (
+        (1, 16, 32, 2) if quick else (4, 128, 256, 8) if large else (2, 64, 128, 8)
+    )
     model = GPT(GPTConfig(n_layer=layers, block_size=block, n_embd=embd))
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g))
 
@@ -101,7 +106,7 @@ def _gpt(quick: bool, n: int, g: torch.Generator) -> Workload:
         return next(iter(batches(batch, t, 1, seed=seed + t)))
 
     return Workload(
-        "gpt",
+        "gpt-large" if large else "gpt",
         model,
         list(batches(batch, block, n, seed=seed)),
         _lm_loss,
@@ -123,10 +128,12 @@ def _hf_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     return model(input_ids=x, labels=y, use_cache=False).loss
 
 
-def _hf(kind: str, quick: bool, n: int, g: torch.Generator) -> Workload:
+def _hf(kind: str, quick: bool, n: int, g: torch.Generator, large: bool = False) -> Workload:
     import transformers as tf
 
-    layers, hidden, seq, batch = (1, 32, 8, 2) if quick else (2, 128, 64, 4)
+    layers, hidden, seq, batch = (
+        (1, 32, 8, 2) if quick else (4, 256, 128, 8) if large else (2, 128, 64, 4)
+    )
     vocab = 100 if quick else 1000
     common = dict(
         vocab_size=vocab,
@@ -170,7 +177,7 @@ def _hf(kind: str, quick: bool, n: int, g: torch.Generator) -> Workload:
         data.append((ids, labels))
     head = "masked LM" if kind == "bert" else "causal LM"
     return Workload(
-        kind,
+        f"{kind}-large" if large else kind,
         model,
         data,
         _hf_loss,
@@ -185,6 +192,16 @@ WORKLOADS: dict[str, Callable[[bool, int, torch.Generator], Workload]] = {
     "gpt2": lambda q, n, g: _hf("gpt2", q, n, g),
     "bert": lambda q, n, g: _hf("bert", q, n, g),
     "llama": lambda q, n, g: _hf("llama", q, n, g),
+    # the larger size class (--size large): 4-layer d=256 transformers at batch 8 x seq 128, an
+    # MLP and a CNN of comparable step time
+    "mlp-large": lambda q, n, g: _mlp(q, n, g, large=True),
+    "gpt-large": lambda q, n, g: _gpt(q, n, g, large=True),
+    "llama-large": lambda q, n, g: _hf("llama", q, n, g, large=True),
+    "cnn-large": lambda q, n, g: _cnn(q, n, g, large=True),
+}
+SIZES = {
+    "small": ["mlp", "gpt", "cnn", "gpt2", "bert", "llama"],
+    "large": ["mlp-large", "gpt-large", "llama-large", "cnn-large"],
 }
 
 

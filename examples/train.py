@@ -3,8 +3,9 @@
     python examples/train.py                 # 30 steps: eager, kiln lazy device, kiln compile
     python examples/train.py --steps 100 --layers 4
 
-Every mode starts from the same weights and sees the same batches; the table shows the loss of
-each mode at a few steps (they agree to ~1e-5) and the median step time after warm-up.
+Every mode starts from the same weights and sees the same batches; the modes take turns step by
+step (so a busy machine slows them alike).  The table shows the loss of each mode at a few steps
+(they agree to ~1e-5), the first step (compiles included) and the median step time after warm-up.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,29 +26,41 @@ import kiln  # noqa: E402
 from examples.tinygpt import GPT, GPTConfig, batches  # noqa: E402
 
 
-def run(mode: str, model: torch.nn.Module, data: list, lr: float) -> tuple[list, list]:
+def make_step(mode: str, model: torch.nn.Module, lr: float) -> tuple[Callable, torch.device]:
+    """One mode's training step (forward, backward, AdamW, zero_grad) and the device it runs on."""
     dev = kiln.device() if mode == "lazy" else torch.device("cpu")
     model = model.to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
 
-    def step(x, y):
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
-    if mode == "compile":
-        step = kiln.compile(step)
-    losses, times = [], []
-    for x, y in data:
-        t0 = time.perf_counter()
-        loss = step(x.to(dev), y.to(dev))
-        if mode == "lazy":
-            kiln.mark_step()
-        losses.append(loss.item())
-        times.append(time.perf_counter() - t0)
-    return losses, times
+    return (kiln.compile(step) if mode == "compile" else step), dev
+
+
+def run_interleaved(
+    modes: Sequence[str], base: torch.nn.Module, data: list, lr: float
+) -> dict[str, tuple[list, list]]:
+    """Train every mode on its own copy of ``base``, one step of each mode in turn (the order
+    rotating), so that a busy machine slows every mode alike: per mode (losses, step seconds)."""
+    steps = {m: make_step(m, copy.deepcopy(base), lr) for m in modes}
+    results: dict[str, tuple[list, list]] = {m: ([], []) for m in modes}
+    for i, (x, y) in enumerate(data):
+        k = i % len(modes)
+        for mode in [*modes[k:], *modes[:k]]:
+            step, dev = steps[mode]
+            t0 = time.perf_counter()
+            loss = step(x.to(dev), y.to(dev))
+            if mode == "lazy":
+                kiln.mark_step()
+            value = loss.item()
+            results[mode][1].append(time.perf_counter() - t0)
+            results[mode][0].append(value)
+    return results
 
 
 def main() -> None:
@@ -60,17 +74,14 @@ def main() -> None:
     torch.manual_seed(0)
     base = GPT(GPTConfig(n_layer=a.layers, block_size=a.block))
     data = list(batches(a.batch, a.block, a.steps))
-    results = {}
-    for mode in ("eager", "lazy", "compile"):
-        t0 = time.perf_counter()
-        results[mode] = run(mode, copy.deepcopy(base), data, a.lr)
-        print(f"[{mode}] done in {time.perf_counter() - t0:.1f}s", flush=True)
+    results = run_interleaved(("eager", "lazy", "compile"), base, data, a.lr)
     warm = min(3, a.steps - 1)
     print(f"\nGPT {a.layers} layers, batch {a.batch}x{a.block}, AdamW, {a.steps} steps")
     print(f"{'step':>6} " + " ".join(f"{m:>12}" for m in results))
     shown = sorted({0, 1, a.steps // 2, a.steps - 1})
     for i in shown:
         print(f"{i + 1:>6} " + " ".join(f"{results[m][0][i]:>12.6f}" for m in results))
+    print(f"{'1st ms':>6} " + " ".join(f"{r[1][0] * 1e3:>12.0f}" for r in results.values()))
     med = {m: statistics.median(r[1][warm:]) * 1e3 for m, r in results.items()}
     print(f"{'ms/step':>6} " + " ".join(f"{med[m]:>12.2f}" for m in results))
     print(f"{'vs eager':>6} " + " ".join(f"{med['eager'] / med[m]:>11.2f}x" for m in results))

@@ -56,6 +56,9 @@ class Config:
     # cache does not rebuild it)
     launcher_dir: str = field(default_factory=lambda: str(Path(_default_cache_dir()) / "launcher"))
     disable_passes: str = ""  # comma-separated pass names to switch off
+    # compile mode: AOTAutograd's min-cut partitioner (as Inductor uses it) recomputes cheap
+    # pointwise work in backward instead of saving it (0: save every value backward reads)
+    recompute: bool = True
     log: str = ""  # comma-separated: "graphs", "passes", "kernels", "recompiles", "fallbacks"
     recompile_warn: int = 4  # warn when one call site compiles more graphs than this
     max_steps: int = 0  # stop the process after this many steps (precompile/explain); 0 = never

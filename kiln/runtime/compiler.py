@@ -10,6 +10,7 @@ backend's build (:mod:`kiln.codegen`: generated C++ kernels, or the reference in
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -36,12 +37,17 @@ class Executable:
     info: dict = field(default_factory=dict)
     runs: int = 0  # times run in this process (kiln top)
 
-    def __call__(self, inputs: Sequence[Any]) -> list[Any]:
+    def __call__(self, inputs: Sequence[Any], steal: bool = False) -> list[Any]:
+        """Run the graph.  ``steal=True``: ``inputs`` is a list the caller gives up; a backend
+        that can (``run.steals``) empties it and frees each input after its last use."""
         self.runs += 1
+        run = self.run
+        if steal and getattr(run, "steals", False):
+            run = functools.partial(run, steal=True)
         if metrics.profiling():
             with metrics.span(f"kiln::graph {self.source_graph_hash[:12]}"):
-                return self.run(inputs)
-        return self.run(inputs)
+                return run(inputs)
+        return run(inputs)
 
 
 def _backend_build(g: Graph) -> tuple[Callable, dict]:

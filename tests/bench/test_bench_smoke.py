@@ -23,6 +23,7 @@ from bench.report import table  # noqa: E402
 from bench.workloads import WORKLOADS, build  # noqa: E402
 
 MODES = ["eager", "inductor", "kiln", "lazy"]
+PARAM_MB = sum(p.numel() * 4 for p in build("mlp", True, 0).model.parameters()) / 2**20
 
 
 def _eager_losses(n: int) -> list[float]:
@@ -78,9 +79,19 @@ def test_one_row_per_mode_with_finite_numbers(result: dict) -> None:
         # here every mode must have run
         assert not (r["note"] or "").startswith("error:"), f"{mode}: {r['note']}"
         assert len(r["losses"]) == 3 and len(r["times_s"]) == 3, mode
-        for key in ("ms_per_step", "speedup", "loss_drift", "mfu_pct", "peak_rss_mb"):
+        for key in (
+            "ms_per_step",
+            "speedup",
+            "loss_drift",
+            "mfu_pct",
+            "peak_rss_mb",
+            "peak_tensor_mb",
+        ):
             assert isinstance(r[key], float) and math.isfinite(r[key]), (mode, key, r[key])
         assert r["ms_per_step"] > 0 and r["peak_rss_mb"] > 0
+        # at least the mode's own copy of the parameters, their gradients and AdamW's two moments
+        assert r["peak_tensor_mb"] >= 4 * PARAM_MB, (mode, r["peak_tensor_mb"])
+        assert set(r["rss_parts_mb"]) == {"anon", "torch", "kiln_so", "other_files"}
         assert r["loss_drift"] < 1e-3, (mode, r["losses"], rows["eager"]["losses"])
         if mode != "eager":
             assert r["compile_cold_s"] is not None and r["compile_cold_s"] >= 0

@@ -98,7 +98,11 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
     plan = dict(_memory_plan(g))
     slots: dict = {}
     metrics.incr("fused_kernels", len(specs))
-    calls = {i: make_fused_call(s, fns[s.name], plan.get(i), slots) for i, s in specs.items()}
+    final = _final_slot_uses(plan)
+    calls = {
+        i: make_fused_call(s, fns[s.name], plan.get(i), slots, final.get(i, frozenset()))
+        for i, s in specs.items()
+    }
     if sr_nodes:
         casts = {}
         for abbr, name in lowp.CAST_NAMES.items():
@@ -123,7 +127,7 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
             for i, s in specs.items()
         ],
     }
-    return Executor(g, calls), info
+    return Executor(g, calls, slots), info
 
 
 def _memory_plan(g: Graph):
@@ -133,6 +137,19 @@ def _memory_plan(g: Graph):
             p = n.kwarg("placement")
             if p is not None:
                 yield i, p
+
+
+def _final_slot_uses(plan: dict[int, tuple]) -> dict[int, frozenset[int]]:
+    """Per fused node, its outputs that are the last value placed in their slot (node order)."""
+    last: dict[int, tuple[int, int]] = {}
+    for i in sorted(plan):
+        for o, slot in enumerate(plan[i]):
+            if isinstance(slot, int):
+                last[slot] = (i, o)
+    res: dict[int, set[int]] = {}
+    for i, o in last.values():
+        res.setdefault(i, set()).add(o)
+    return {i: frozenset(os) for i, os in res.items()}
 
 
 def fuse_claimed(g: Graph) -> Graph:

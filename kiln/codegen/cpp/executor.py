@@ -3,8 +3,8 @@
 The executor is prepared once per graph (a list of steps with everything the hot loop needs bound
 in closures) and run many times.  Values are dropped right after their last use.  When the graph
 carries a memory plan (``kiln.passes.memory_plan``), fused outputs are written into slot buffers
-kept for the life of the executable (reused between dead values, and in place over a dying input)
-instead of fresh ones.
+(reused between dead values, and in place over a dying input) instead of fresh ones; the slots are
+given back at the end of each run, so a graph holds no memory between its runs.
 
 By default the graph runs as one native call (:mod:`kiln.codegen.cpp.launcher`, a program built
 by :mod:`kiln.codegen.cpp.program`): no Python per node.  The straight-line Python function below
@@ -46,8 +46,13 @@ def new_output(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 _NEW_OUTPUT = new_output
 
 
-def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) -> Callable:
+def make_fused_call(
+    spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict, final: frozenset = frozenset()
+) -> Callable:
     """A callable ``(input values) -> output tensors`` for one fused node.
+
+    ``final``: the outputs that are the last in the graph placed in their plan slot: their buffer
+    leaves the slot with the value, so that it is freed when the value dies, as in eager.
 
     Per call it only checks layouts, allocates (or reuses) outputs and passes pointers: the size
     and stride array and the output shapes are cached per input geometry (a training loop sees
@@ -116,6 +121,8 @@ def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) 
                 if buf is None or buf.shape != osh or buf.dtype != dt:
                     buf = new_output(osh, dt)
                     slots[slot] = buf
+                if o in final:
+                    del slots[slot]
             results.append(buf)
         ptrs = PA(*[t.data_ptr() for t in ts], *[t.data_ptr() for t in results])
         if sr:
@@ -133,8 +140,9 @@ def make_fused_call(spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict) 
 class Executor:
     """A graph with its kernels, prepared once, run many times."""
 
-    def __init__(self, g: Graph, calls: dict[int, Callable]) -> None:
+    def __init__(self, g: Graph, calls: dict[int, Callable], slots: dict | None = None) -> None:
         self.graph = g
+        self._slots = slots if slots is not None else {}  # the kernels' memory-plan buffers
         self.free = last_uses(g)
         self._lock = threading.Lock()
         steps = []
@@ -184,15 +192,28 @@ class Executor:
         metrics.incr("launcher_python_nodes", native.python_nodes())
         return native
 
-    def __call__(self, inputs: Sequence[Any]) -> list[Any]:
+    steals = True  # may take over its caller's input list (see __call__)
+
+    def __call__(self, inputs: Sequence[Any], steal: bool = False) -> list[Any]:
+        """Run the graph.  ``steal=True`` (``inputs`` a list the caller gives up, AOTAutograd's
+        boxed convention): the list is emptied once read and each input is dropped after its
+        last use, so a backward graph frees saved activations as it goes, as eager does."""
         with self._lock:  # slot buffers are shared between runs of this executable
             if _profiler._is_profiler_enabled and metrics.profiled_runner is not None:
-                return metrics.profiled_runner(self)(inputs)  # kernels as named ranges
+                try:
+                    return metrics.profiled_runner(self)(inputs)  # kernels as named ranges
+                finally:
+                    self._slots.clear()
             if self.native is None or not config.launcher:  # switched off after the build
-                return (self._fast or self._generate())(inputs)
+                try:
+                    return (self._fast or self._generate())(inputs, steal)
+                finally:
+                    # slot values die within a run: nothing is held between runs (the launcher
+                    # gives its slots back too)
+                    self._slots.clear()
             # the tests' NaN-filling output allocator, where installed, allocates natively too
             alloc = None if new_output is _NEW_OUTPUT else new_output
-            outs, copies = self.native.run(inputs, alloc)
+            outs, copies = self.native.run(inputs, alloc, steal)
             if copies:
                 metrics.incr("input_update_copies", copies)
             return outs
@@ -202,7 +223,8 @@ class Executor:
         ops called with their arguments in place, getitem inlined, values deleted after their
         last use): no per-step interpretation of the step list at run time."""
         ns: dict[str, Any] = {"writeback": writeback}
-        lines = ["def run(inputs):"]
+        lines = ["def run(inputs, steal=False):"]
+        last_input = max((i for i, s in enumerate(self.steps) if s[0] == 0), default=-1)
         for i, (kind, x, inp, free) in enumerate(self.steps):
             n = self.graph.nodes[i]
             args = ", ".join(f"v{j}" for j in inp)
@@ -220,6 +242,9 @@ class Executor:
             else:
                 ns[f"F{i}"] = x if kind != 4 else prepared(n)
                 lines.append(f"    v{i} = F{i}([{args}])" + ("[0]" if kind == 2 else ""))
+            if i == last_input:  # every input is read: a stolen list is the caller's no more
+                lines.append("    if steal:")
+                lines.append("        inputs.clear()")
             if free:
                 lines.append(f"    del {', '.join(f'v{j}' for j in sorted(set(free)))}")
         lines.append(f"    return [{', '.join(f'v{o}' for o in self.graph.outputs)}]")

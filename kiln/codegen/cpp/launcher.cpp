@@ -8,7 +8,7 @@
 // once), take an element of a tuple, write a result back into an input, or call back into Python
 // for the rare node that has no native form (stochastic-rounding kernels, Python arithmetic on
 // sizes, opaque fallbacks).  Values are dropped after their last use; the memory plan's slot
-// buffers live as long as the launcher.  The GIL is released while the program runs and taken
+// buffers live for one run.  The GIL is released while the program runs and taken
 // back only for Python callbacks.
 
 #include <ATen/ExpandUtils.h>
@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 namespace py = pybind11;
@@ -88,6 +89,9 @@ struct Kernel {
   std::vector<c10::ScalarType> out_dtypes;
   // per output: -1 new buffer, -2 - q: in place over input slot q, s >= 0: plan slot s
   std::vector<int64_t> out_plan;
+  // per output: the last use of its plan slot in the program: the buffer leaves the slot with
+  // the value, so it is freed when the value dies (as eager frees it), not at the end of the run
+  std::vector<bool> out_final;
   bool single = true;  // one output: the value is the tensor itself, else a tuple
 };
 
@@ -181,13 +185,27 @@ class Launcher {
       : n_nodes_(n_nodes), slots_(n_slots) {
     for (auto o : outputs) outputs_.push_back(o.cast<int64_t>());
     for (auto item : program) instrs_.push_back(parse(py::reinterpret_borrow<py::tuple>(item)));
+    std::unordered_set<int64_t> seen;  // IN: b = 1 on the last instruction reading an input
+    std::unordered_set<int64_t> seen_slots;  // KERNEL: the last output placed in each slot
+    for (auto it = instrs_.rbegin(); it != instrs_.rend(); ++it) {
+      if (it->kind == IN) it->b = seen.insert(it->a).second ? 1 : 0;
+      if (it->kind != KERNEL) continue;
+      Kernel& k = it->kernel;
+      k.out_final.assign(k.out_plan.size(), false);
+      for (size_t o = k.out_plan.size(); o-- > 0;)
+        if (k.out_plan[o] >= 0) k.out_final[o] = seen_slots.insert(k.out_plan[o]).second;
+    }
   }
 
-  // Runs the program; returns (outputs, writeback copies made).
-  py::tuple run(py::sequence inputs, py::object alloc) {
+  // Runs the program; returns (outputs, writeback copies made).  ``steal``: the caller hands
+  // over its list of inputs (AOTAutograd's boxed convention): it is emptied here, and each input
+  // is dropped after its last use, as eager autograd frees saved tensors during backward.
+  py::tuple run(py::sequence inputs, py::object alloc, bool steal) {
     std::vector<IValue> ins;
     ins.reserve(py::len(inputs));
     for (auto x : inputs) ins.push_back(from_py(x));
+    if (steal) inputs.attr("clear")();
+    steal_ = steal;
     std::vector<IValue> vals(n_nodes_);
     int64_t copies = 0;
     alloc_ = alloc.is_none() ? nullptr : &alloc;
@@ -199,20 +217,31 @@ class Launcher {
       }
     } catch (python_error& e) {  // raised in Python under the dispatcher: re-raised as it was
       alloc_ = nullptr;
+      release_slots();
       e.restore();
       throw py::error_already_set();
     } catch (const c10::Error& e) {  // as PyTorch's own bindings raise it
       alloc_ = nullptr;
+      release_slots();
       PyErr_SetString(python_type_of(e), e.what_without_backtrace());
       throw py::error_already_set();
     } catch (...) {
       alloc_ = nullptr;
+      release_slots();
       throw;
     }
     alloc_ = nullptr;
+    release_slots();
     py::list out(outputs_.size());
     for (size_t k = 0; k < outputs_.size(); ++k) out[k] = to_py(vals[outputs_[k]]);
     return py::make_tuple(out, copies);
+  }
+
+  // The memory plan's slot buffers hold values that die within a run: they are given back at
+  // its end, so that between runs (e.g. while the backward or the optimizer graph runs) this
+  // graph holds no memory, as eager holds no intermediates between ops.
+  void release_slots() {
+    for (auto& t : slots_) t = at::Tensor();
   }
 
   int64_t python_nodes() const {
@@ -227,6 +256,7 @@ class Launcher {
   std::vector<int64_t> outputs_;
   std::vector<Instr> instrs_;
   py::object* alloc_ = nullptr;
+  bool steal_ = false;
 
   Instr parse(py::tuple t) {
     Instr in;
@@ -326,10 +356,13 @@ class Launcher {
     }
   }
 
-  void step(Instr& in, const std::vector<IValue>& ins, std::vector<IValue>& vals, int64_t& copies) {
+  void step(Instr& in, std::vector<IValue>& ins, std::vector<IValue>& vals, int64_t& copies) {
     switch (in.kind) {
       case IN:
-        vals[in.node] = ins.at(in.a);
+        if (steal_ && in.b)
+          vals[in.node] = std::move(ins.at(in.a));
+        else
+          vals[in.node] = ins.at(in.a);
         return;
       case CONST:
         vals[in.node] = in.value;
@@ -546,6 +579,7 @@ class Launcher {
         if (!s.defined() || s.sizes() != c10::IntArrayRef(osh) || s.scalar_type() != dt)
           s = new_output(osh, dt);
         buf = s;
+        if (k.out_final[o]) s = at::Tensor();
       }
       outs.push_back(std::move(buf));
     }
@@ -578,6 +612,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Kiln native graph launcher";
   py::class_<Launcher>(m, "Launcher", py::module_local())
       .def(py::init<int64_t, py::list, py::list, int64_t>())
-      .def("run", &Launcher::run)
+      .def("run", &Launcher::run, py::arg("inputs"), py::arg("alloc"), py::arg("steal") = false)
       .def("python_nodes", &Launcher::python_nodes);
 }

@@ -71,7 +71,8 @@ def aot_cache_settings() -> Iterator[None]:
     """For the duration of one Kiln backend call: AOTAutograd's cache on (bundled entries, Kiln's
     tag in the key, ``config.disk_cache`` decides), under ``<config.cache_dir>/torch``, the backward
     compiled with the forward (one entry holds both).  Inductor and other backends are untouched."""
-    tag = cache_key_tag()
+    # the partitioner is not part of AOTAutograd's key (entries hold partitioned graphs)
+    tag = cache_key_tag() + ("|recompute" if config.recompute else "")
     user_tag = torch.compiler.config.cache_key_tag
     old_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     # AOTAutograd finds its folder through this variable at each lookup and save
@@ -128,7 +129,7 @@ def make_runner(exe: Executable, out_spec: OutSpec) -> Callable[[list], list]:
     def run(args: list) -> list:
         steps.graph_run(runs)  # step boundaries and KILN_MAX_STEPS (kiln.runtime.steps)
         t0 = time.perf_counter()
-        outs = exe(args)
+        outs = exe(args, steal=True)  # AOTAutograd hands the list over (boxed convention)
         args.clear()
         metrics.executed(time.perf_counter() - t0)
         return [outs[v] if k == "out" else v for k, v in zip(kinds, idx)]

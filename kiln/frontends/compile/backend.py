@@ -3,8 +3,10 @@
     import kiln, torch
     step = torch.compile(step, backend="kiln")     # or: step = kiln.compile(step)
 
-Dynamo captures the Python code, AOTAutograd splits it into forward and backward ATen graphs (the
-optimizer step, compiled on its own, is an inference graph), torch's core decompositions reduce the
+Dynamo captures the Python code, AOTAutograd splits it into forward and backward ATen graphs with
+the min-cut partitioner Inductor uses (the backward recomputes cheap pointwise values instead of
+the forward saving them; ``KILN_RECOMPUTE=0`` saves them all; the optimizer step, compiled on its
+own, is an inference graph), torch's core decompositions reduce the
 op set, and each graph is lowered to Kiln IR, optimized and compiled through the shared caches.
 AOTAutograd's own cache holds the lowered graphs (:mod:`kiln.frontends.compile.aot_cache`), so a
 new process with the same cache runs neither AOTAutograd's tracing nor Kiln's passes again.
@@ -17,7 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from functorch.compile import make_boxed_func
+from functorch.compile import (
+    default_partition,
+    make_boxed_func,
+    min_cut_rematerialization_partition,
+)
 from torch._decomp import core_aten_decompositions
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
@@ -84,6 +90,9 @@ def _aot_backend() -> Callable:
         bw_compiler=compiler,
         inference_compiler=compiler,
         decompositions=_DECOMPS,
+        # what the forward saves for backward: Inductor's choice (recompute cheap pointwise work,
+        # save less) or AOTAutograd's default (save every value backward reads)
+        partition_fn=min_cut_rematerialization_partition if config.recompute else default_partition,
         # in-place updates of inputs (the optimizer's parameters and state) stay in the graph as
         # copy_ nodes -> Kiln ``writeback`` nodes, so kernels can write the new values in place
         keep_inference_input_mutations=True,
