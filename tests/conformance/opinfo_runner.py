@@ -1,6 +1,6 @@
 """Running one OpInfo op through a Kiln mode, every sample, forward and gradients, against eager.
 
-One Kiln run per op covers both checks: all samples of the op are batched (``CHUNK`` at a time)
+One Kiln run per op covers both checks: all samples of the op are batched (``chunk(mode)`` at a time)
 into one compiled function (compile mode: one Dynamo compile and one backward graph per chunk
 instead of one per sample and check) or one lazy step (lazy mode: the forwards of the chunk, then
 their gradients).  The forward outputs are read before any gradient is computed, and the Kiln
@@ -29,10 +29,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 import kiln
 
 # Samples per op.  By default (CI) every sample in lazy mode and the first COMPILE_SAMPLES in
-# compile mode, where each sample costs a Dynamo + AOTAutograd trace (~40 ms CPU);
-# KILN_TEST_FULL_OPINFO=1 runs every sample in both modes, KILN_TEST_OPINFO_SAMPLES=N (or "all")
-# sets the number for both.
-COMPILE_SAMPLES = 8
+# compile mode, where a sample costs ~65-90 ms CPU (Dynamo and AOTAutograd trace it, Kiln
+# compiles its kernels: the full compile sweep measured ~1,100-1,650 CPU-s, too long for CI's
+# 20 minutes on 2 cores; 48 per op takes 8,767 of the 19,038 samples and every sample of 643 of
+# the 702 ops); KILN_TEST_FULL_OPINFO=1 runs every sample in both modes,
+# KILN_TEST_OPINFO_SAMPLES=N (or "all") sets the number for both.
+COMPILE_SAMPLES = 48
 
 
 def max_samples(mode: str) -> int | None:
@@ -44,9 +46,17 @@ def max_samples(mode: str) -> int | None:
     return COMPILE_SAMPLES
 
 
-# Samples run side by side in one Kiln run; KILN_TEST_OPINFO_CHUNK=1 runs each sample alone
-# (one compile per sample: slower, the layout the per-sample runs used to have).
-CHUNK = int(os.environ.get("KILN_TEST_OPINFO_CHUNK", "32"))
+# Samples run side by side in one Kiln run, per mode; KILN_TEST_OPINFO_CHUNK=N sets both
+# (1: each sample alone, one compile per sample: slower, the layout the per-sample runs used to
+# have).  Compile mode takes 64: fewer Dynamo/AOTAutograd/g++ rounds per op (every 10th op, every
+# sample, one process on a loaded machine: 76 CPU-s with 64 against 109 with 32, of it g++ 20
+# against 39 s: a kernel repeated in several chunks of an op is built once per chunk).
+CHUNKS = {"lazy": 32, "compile": 64}
+
+
+def chunk(mode: str) -> int:
+    env = os.environ.get("KILN_TEST_OPINFO_CHUNK", "")
+    return int(env) if env else CHUNKS[mode]
 
 
 class EagerFailed(Exception):
@@ -333,8 +343,9 @@ def kiln_results(mode: str, op: Any, ss: list, mask: list[bool]) -> tuple[list, 
     ph = _Phases()
     fwd: list[Any] = []
     grad: list[Any] = []
-    for i in range(0, len(ss), CHUNK):
-        part, pmask = ss[i : i + CHUNK], mask[i : i + CHUNK]
+    n = chunk(mode)
+    for i in range(0, len(ss), n):
+        part, pmask = ss[i : i + n], mask[i : i + n]
         if len(part) > 1:
             tried = _Phases()  # counted only when the chunk succeeds
             try:
