@@ -351,6 +351,18 @@ def _aten(qual: str) -> Callable[..., Any]:
     return getattr(getattr(getattr(torch.ops, ns), name), overload or "default")
 
 
+def _fma(a: Any, b: Any, c: Any) -> torch.Tensor:
+    """``prims::fma`` on its graph arguments: Dynamo's graphs pass a Python number where the
+    schema wants a tensor (``fma(t1 * t2, value, self)``), which the op itself refuses; such an
+    operand becomes a 0-dim tensor of the tensors' dtype."""
+    like = next(x for x in (a, b, c) if isinstance(x, torch.Tensor))
+    a, b, c = (
+        x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=like.dtype, device=like.device)
+        for x in (a, b, c)
+    )
+    return torch.ops.prims.fma.default(a, b, c)
+
+
 for _n in ("input", "scalar", "constant", "sym_size", "sym_numel", "sym_stride"):
     defop(_n, Category.META, opaque_types=True)
 defop("getitem", Category.META, impl=lambda op: operator.getitem)
@@ -364,7 +376,7 @@ defop(
 )
 # prims::fma (a * b + c, one rounding): Dynamo writes in-place ``addcmul_`` / ``addcdiv_`` with a
 # ``value`` (every single-tensor Adam/AdamW step) and ``add_`` with a tensor ``alpha`` through it.
-defop("fma", Category.ELEMENTWISE, namespace="prims", impl=lambda op: _aten(f"prims::{op}"))
+defop("fma", Category.ELEMENTWISE, namespace="prims", impl=lambda op: _fma)
 defop("fused", Category.ELEMENTWISE, opaque_types=True)  # built by fusion; its backend runs it
 defop("writeback", Category.META, impl=lambda op: writeback, side_effects=True)
 
