@@ -3,9 +3,10 @@
 Needs: a graph after ``fuse``.  Guarantees: each ``fused`` node gets a ``placement`` kwarg, one
 entry per output: ``None`` (allocate a fresh tensor) or a slot id.  Slots are buffers the executor
 allocates at their first use in a run; the last value placed in a slot takes its buffer along, so
-it is freed when that value dies (as eager frees it), and nothing is held between runs.  Two values share a slot only if their lifetimes do not overlap; a pointwise kernel may take
-the slot of an input that dies at that very kernel and has the output's shape and dtype (in-place
-update: element i is read before it is written).  Values that escape (graph outputs, or anything
+it is freed when that value dies (as eager frees it), and nothing is held between runs.  Two values
+share a slot only if their lifetimes do not overlap; a pointwise kernel may take the slot of an
+input that dies at that very kernel and has the output's shape and dtype (in-place update:
+element i is read before it is written).  Values that escape (graph outputs, or anything
 aliasing them through views), graph inputs and constants never get a slot.  The computed values
 are unchanged.
 

@@ -10,21 +10,21 @@ backend's build (:mod:`kiln.codegen`: generated C++ kernels, or the reference in
 
 from __future__ import annotations
 
-import functools
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 from kiln import metrics
+from kiln.codegen import get_backend
 from kiln.config import config
 from kiln.ir.graph import Graph
 from kiln.passes.pipeline import run_pipeline
 from kiln.runtime import explain
 from kiln.runtime.cache import DiskCache, MemoryCache, cache_key
 from kiln.runtime.collectives import check_waits
-from kiln.codegen import get_backend
 
 _memory = MemoryCache()
 
@@ -41,13 +41,15 @@ class Executable:
         """Run the graph.  ``steal=True``: ``inputs`` is a list the caller gives up; a backend
         that can (``run.steals``) empties it and frees each input after its last use."""
         self.runs += 1
-        run = self.run
-        if steal and getattr(run, "steals", False):
-            run = functools.partial(run, steal=True)
         if metrics.profiling():
             with metrics.span(f"kiln::graph {self.source_graph_hash[:12]}"):
-                return run(inputs)
-        return run(inputs)
+                return self._run(inputs, steal)
+        return self._run(inputs, steal)
+
+    def _run(self, inputs: Sequence[Any], steal: bool) -> list[Any]:
+        if steal and getattr(self.run, "steals", False):
+            return self.run(inputs, steal=True)
+        return self.run(inputs)
 
 
 def _backend_build(g: Graph) -> tuple[Callable, dict]:
