@@ -63,3 +63,42 @@ def test_adamw_step_has_no_fallback():
         torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
     assert metrics.counters()["fallbacks"] == {}
     assert metrics.counters()["graphs_compiled"] >= 1
+
+
+@pytest.mark.parametrize("case", ["contiguous", "transposed_broadcast", "zero_rows"])
+def test_addcmul_value_forward_and_gradients(case):
+    """Forward and gradients against eager: a transposed ``t1`` and a broadcast row ``t2`` read
+    through their strides, and zero rows."""
+    g = torch.Generator().manual_seed(1)
+    rows = 0 if case == "zero_rows" else 6
+    x = torch.randn(rows, 7, generator=g)
+    t1 = (
+        torch.randn(7, rows, generator=g).t()
+        if case == "transposed_broadcast"
+        else torch.randn(rows, 7, generator=g)
+    )
+    t2 = (
+        torch.randn(7, generator=g)
+        if case == "transposed_broadcast"
+        else torch.randn(rows, 7, generator=g)
+    )
+
+    def f(x, t1, t2):
+        y = x * 1.5
+        y.addcmul_(t1, t2, value=-0.25)
+        return (y * y).sum()
+
+    def run(fn):
+        leaves = [a.detach().clone().requires_grad_() for a in (x, t1, t2)]
+        out = fn(*leaves)
+        out.backward()
+        return out.detach(), [a.grad for a in leaves]
+
+    torch._dynamo.reset()
+    metrics.reset()
+    got, got_grads = run(torch.compile(f, backend="kiln"))
+    want, want_grads = run(f)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert "fma" not in metrics.counters()["fallbacks"]
