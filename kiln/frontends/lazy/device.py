@@ -66,8 +66,10 @@ def _register() -> None:
     (``torch.kiln``), the accelerator hooks, the device guard (unless the ``torch.backends``
     autoload hook registered it at ``import torch``), the kernels that create kiln tensors, the
     kiln autocast kernels, and the scoped conversion rules.  When the guard comes this late and a
-    backward pass already ran, PyTorch's autograd engine cannot serve kiln tensors: the device is
-    then marked unusable and :func:`device` says why and how to fix it.
+    backward pass already ran, PyTorch's autograd engine cannot serve kiln tensors: the first use
+    of the device (:func:`device`, a kiln factory) probes for that and says why and how to fix it.
+    The probe is a backward pass, so it does not run at import: after it, PyTorch refuses autograd
+    in forked children.
     """
     global _registered
     with _reg_lock:
@@ -112,7 +114,7 @@ def _register() -> None:
         _allow_foreach()
         _registered = True
         if early_guard is None:
-            device_module.unusable = _late_registration_problem()
+            device_module.pending_probe = _late_registration_problem
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):

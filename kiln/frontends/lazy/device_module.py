@@ -23,20 +23,29 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from kiln.frontends.lazy.memory import _allocated, peak, reset_peak, update_peak
 
-# Set by registration when PyTorch's autograd engine cannot serve the kiln device in this process
-# (a backward pass ran before the device guard existed): the reason and the fix.
+# Why PyTorch's autograd engine cannot serve the kiln device in this process (a backward pass ran
+# before the device guard existed): the reason and the fix; None while it can (or is not known yet).
 unusable: str | None = None
+# Set by registration when the guard came late (autoload off): the check that finds ``unusable``.
+# It runs a backward pass, which starts the engine's device thread, and PyTorch then refuses
+# autograd in forked children; so it runs at the first use of the device, not at ``import kiln``.
+pending_probe: Callable[[], str | None] | None = None
 
 
 def check_usable() -> None:
-    """Raise if the kiln device cannot work in this process."""
+    """Raise if the kiln device cannot work in this process (probing it first if still pending)."""
+    global unusable, pending_probe
+    probe = pending_probe
+    if probe is not None:
+        pending_probe = None  # before probing: the probe itself makes kiln tensors
+        unusable = probe()
     if unusable is not None:
         raise RuntimeError(unusable)
 

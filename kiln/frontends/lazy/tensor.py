@@ -886,7 +886,7 @@ def _eager(func: Any, args: tuple, kwargs: dict, reason: str) -> Any:
 
 def factory(func: Any, *args: Any, **kwargs: Any) -> Any:
     """Ops that make a kiln tensor from nothing (``torch.zeros(..., device=dev)``)."""
-    if _devmod.unusable is not None:
+    if _devmod.unusable is not None or _devmod.pending_probe is not None:
         _devmod.check_usable()
     with T._lock:
         out = _record(func, args, kwargs)
