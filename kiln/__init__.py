@@ -29,13 +29,13 @@ from kiln.frontends.lazy import device, mark_step, optimizer_step, sync
 from kiln.frontends.lazy.device import AcceleratorConflictWarning
 from kiln.frontends.lazy.device import register_at_import as _register_device
 
-# The device guard itself is registered at ``import torch`` by Kiln's autoload hook
-# (kiln_autoload), so that the order of ``import kiln`` and the first backward pass does not
-# matter; this registers the rest of the device.  Conversions to and from kiln swap parameters in
-# place (tied weights stay tied) without changing PyTorch's process-wide setting: see
-# kiln/frontends/lazy/conversion.py.  On a machine with a GPU the device is registered at the
-# first kiln.device() instead: naming the slot would break cuda backward passes (see
-# register_at_import).
+# Registers the kiln device (PrivateUse1 renamed, device guard, hooks, kernels).  Import order
+# does not matter: a process that ran backward passes before ``import kiln`` runs its backward
+# passes on the calling thread from the device's first use on (kiln/frontends/lazy/device.py).
+# Conversions to and from kiln swap parameters in place (tied weights stay tied) without changing
+# PyTorch's process-wide setting: see kiln/frontends/lazy/conversion.py.  On a machine with a GPU
+# the device is registered at the first kiln.device() instead: naming the slot would break cuda
+# backward passes (see register_at_import).
 _register_device()
 
 from kiln.observe.hook import install as _install_observe

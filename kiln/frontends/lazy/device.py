@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kiln.frontends.lazy import device_module
+from kiln.frontends.lazy import backward_thread, device_module
 from kiln.frontends.lazy.device_module import KILN_MODULE
 
 _registered = False
@@ -63,13 +63,12 @@ def _register() -> None:
     """Make the ``kiln`` device usable in this process (called by ``import kiln``).
 
     Renames PyTorch's PrivateUse1 slot to ``kiln`` and registers the device module
-    (``torch.kiln``), the accelerator hooks, the device guard (unless the ``torch.backends``
-    autoload hook registered it at ``import torch``), the kernels that create kiln tensors, the
-    kiln autocast kernels, and the scoped conversion rules.  When the guard comes this late and a
-    backward pass already ran, PyTorch's autograd engine cannot serve kiln tensors: the first use
-    of the device (:func:`device`, a kiln factory) probes for that and says why and how to fix it.
-    The probe is a backward pass, so it does not run at import: after it, PyTorch refuses autograd
-    in forked children.
+    (``torch.kiln``), the accelerator hooks, the device guard, the kernels that create kiln
+    tensors, the kiln autocast kernels, and the scoped conversion rules.  The first use of the
+    device (:func:`device`, a kiln factory) then checks that PyTorch's autograd engine can serve
+    it (:func:`_engine_check`: a backward pass ran before this registration leaves the engine
+    without a kiln queue); the check is a backward pass, so it does not run at import: after one,
+    PyTorch refuses autograd in forked children.
     """
     global _registered
     with _reg_lock:
@@ -81,14 +80,12 @@ def _register() -> None:
                 "Kiln's lazy device needs PyTorch's PrivateUse1 backend slot, but another backend "
                 f"({name!r}) already took it in this process"
             )
-        early_guard = _autoload_guard()
         if name == "privateuseone":
             torch.utils.rename_privateuse1_backend("kiln")
             torch.utils.generate_methods_for_privateuse1_backend()
             torch._register_device_module("kiln", KILN_MODULE)
             torch._C._acc.register_python_privateuseone_hook(_Hooks())
-            if early_guard is None:
-                torch._C._acc.register_python_privateuseone_device_guard(_LATE_GUARD)
+            torch._C._acc.register_python_privateuseone_device_guard(_GUARD)
         from kiln.frontends.lazy import autocast, conversion, serialization
         from kiln.frontends.lazy.tensor import factory
 
@@ -113,8 +110,7 @@ def _register() -> None:
         _register.libs = libs  # type: ignore[attr-defined]  # keep registrations alive
         _allow_foreach()
         _registered = True
-        if early_guard is None:
-            device_module.pending_probe = _late_registration_problem
+        device_module.pending_probe = _engine_check
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
@@ -133,23 +129,12 @@ class _Guard(torch._C._acc.DeviceGuard):
         return torch._C._autograd.DeviceType.PrivateUse1
 
 
-_LATE_GUARD = _Guard()
+_GUARD = _Guard()
 
 
-def _autoload_guard() -> object | None:
-    """The guard registered at ``import torch`` by Kiln's autoload hook, if it ran."""
-    try:
-        import kiln_autoload
-    except ImportError:  # kiln used from a source tree that was never pip-installed
-        return None
-    return kiln_autoload.guard()
-
-
-def _late_registration_problem() -> str | None:
-    """Why the kiln device cannot run backward passes in this process, or None if it can.
-
-    Probes PyTorch's autograd engine with a backward pass that starts on the kiln device: the
-    engine checks the device against the queues it sized at the process's first backward."""
+def _backward_reaches_kiln() -> bool:
+    """Whether PyTorch's autograd engine can run a backward pass that starts on the kiln device
+    (it checks the device against the queues it sized at the process's first backward)."""
     from kiln.frontends.lazy import trace
 
     x = torch.zeros((), device="kiln", requires_grad=True)
@@ -158,18 +143,31 @@ def _late_registration_problem() -> str | None:
     except RuntimeError as e:
         if "device_ready_queues_" not in str(e):
             raise
-        return (
-            "the kiln device cannot be used in this process: a backward pass ran before kiln "
-            "registered its device, and PyTorch sizes its autograd device queues at the first "
-            "backward pass.  Fix: keep PyTorch's device-backend autoload on (unset "
-            "TORCH_DEVICE_BACKEND_AUTOLOAD, or set it to 1, with kiln pip-installed: kiln then "
-            "registers its device when torch is imported), or import kiln before the first "
-            "backward pass."
-        )
+        return False
     finally:
         del x
         trace.sync("probe")
-    return None
+    return True
+
+
+def _engine_check() -> str | None:
+    """At the first use of the device: make backward passes work on it, or say why they cannot.
+
+    A process whose first backward pass ran before ``import kiln`` has no autograd queue for the
+    kiln device; its backward passes then run on the calling thread
+    (:mod:`kiln.frontends.lazy.backward_thread`).  The check is itself a backward pass, so it
+    waits for the device's first use: after it, PyTorch refuses autograd in forked children."""
+    if _backward_reaches_kiln():
+        return None
+    backward_thread.install()
+    if _backward_reaches_kiln():
+        return None
+    return (
+        "the kiln device cannot run backward passes in this process: a backward pass ran before "
+        "kiln registered its device, PyTorch's autograd engine has no queue for it, and running "
+        "backward passes on the calling thread did not help either.  Fix: import kiln before the "
+        "first backward pass of the process."
+    )
 
 
 def _allow_foreach() -> None:

@@ -30,10 +30,10 @@ import torch
 
 from kiln.frontends.lazy.memory import _allocated, peak, reset_peak, update_peak
 
-# Why PyTorch's autograd engine cannot serve the kiln device in this process (a backward pass ran
-# before the device guard existed): the reason and the fix; None while it can (or is not known yet).
+# Why PyTorch's autograd engine cannot serve the kiln device in this process: the reason and the
+# fix; None while it can (or is not known yet).
 unusable: str | None = None
-# Set by registration when the guard came late (autoload off): the check that finds ``unusable``.
+# Set by registration: the check that makes the engine serve the device or finds ``unusable``.
 # It runs a backward pass, which starts the engine's device thread, and PyTorch then refuses
 # autograd in forked children; so it runs at the first use of the device, not at ``import kiln``.
 pending_probe: Callable[[], str | None] | None = None

@@ -1,0 +1,52 @@
+"""Kiln backward passes on the calling thread, in a process whose autograd engine started first.
+
+PyTorch's autograd engine sizes its per-device worker queues once, at the process's first
+backward pass, from the device guards registered at that moment, and runs a kiln tensor's
+backward nodes on the kiln queue's worker thread.  When a backward pass ran before ``import
+kiln`` registered the kiln guard, the engine has no kiln queue (an internal assert on
+``device_ready_queues_``); it can still run every node on the calling thread, which is what
+``torch.autograd.set_multithreading_enabled(False)`` asks for.
+
+:func:`install` makes every backward pass of the process run that way: ``Tensor.backward``,
+``torch.autograd.backward`` and ``torch.autograd.grad`` all reach the engine through
+``torch.autograd._engine_run_backward``, which it wraps.  Kiln installs it only in that case
+(the device check at the first use of the device finds it); a process that imports kiln before
+its first backward keeps PyTorch's device threads.  Registering the guard earlier, at ``import
+torch`` through PyTorch's device-backend autoload, also avoids the assert, but then every process
+of an environment with kiln installed starts a device thread at its first backward, and PyTorch
+then refuses autograd in forked children: kiln would change programs that never use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.autograd
+
+_installed = False
+
+
+def install() -> None:
+    """Run every later backward pass of this process on its calling thread (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    original = getattr(torch.autograd, "_engine_run_backward", None)
+    if original is None:
+        raise RuntimeError(
+            "kiln: this PyTorch has no torch.autograd._engine_run_backward, so kiln cannot run "
+            "backward passes in a process whose autograd engine started before kiln was imported; "
+            "import kiln before the first backward pass"
+        )
+
+    def run_backward(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        with torch.autograd.set_multithreading_enabled(False):
+            return original(t_outputs, *args, **kwargs)
+
+    torch.autograd._engine_run_backward = run_backward
+    _installed = True
+
+
+def installed() -> bool:
+    return _installed
