@@ -71,3 +71,59 @@ def test_one_compiled_graph_serves_many_sizes():
         out, red = run([xv, yv])
         torch.testing.assert_close(out, torch.relu(xv + yv))
         torch.testing.assert_close(red, torch.relu(xv + yv).sum(-1))
+
+
+_PRELUDE = "// test prelude\n"
+
+
+def _kernels(*specs: tuple[str, int]) -> dict:
+    return {f"kiln_test_{n}": (_SRC % (n, m), (f"kiln_test_{n}",)) for n, m in specs}
+
+
+def test_kernel_built_in_one_unit_is_loaded_from_it_by_the_next(tmp_path, monkeypatch):
+    """A kernel already built (in any unit) is not compiled again: a later set of kernels loads
+    it from that unit and compiles only its new kernels, in this process and, through the on-disk
+    index, in a new one; an index entry that names a missing or corrupted unit is rebuilt."""
+    monkeypatch.setattr(config, "cache_dir", str(tmp_path))
+    builds = metrics.get("kernel_builds")
+    first = cbuild.build_kernels(_kernels(("ka", 2), ("kb", 3)), _PRELUDE, 8)
+    assert metrics.get("kernel_builds") == builds + 1  # one unit for both
+    assert first["kiln_test_ka"] is first["kiln_test_kb"]
+    reused = metrics.get("kernels_reused")
+    second = cbuild.build_kernels(_kernels(("ka", 2), ("kc", 5)), _PRELUDE, 8)
+    assert metrics.get("kernel_builds") == builds + 2  # only kc compiled
+    assert metrics.get("kernels_reused") == reused + 1
+    assert second["kiln_test_ka"] is first["kiln_test_ka"]
+    assert not hasattr(second["kiln_test_kc"], "kiln_test_ka")  # the new unit holds kc alone
+    assert second["kiln_test_ka"].kiln_test_ka(4) == 8
+    assert second["kiln_test_kc"].kiln_test_kc(4) == 20
+    # a new process (empty in-memory tables): every kernel found through the index
+    cbuild.forget_loaded()
+    third = cbuild.build_kernels(_kernels(("kc", 5), ("kb", 3), ("ka", 2)), _PRELUDE, 8)
+    assert metrics.get("kernel_builds") == builds + 2
+    assert [third[f"kiln_test_{n}"][f"kiln_test_{n}"](1) for n in ("ka", "kb", "kc")] == [2, 3, 5]
+    # the same source after another prelude is another kernel
+    cbuild.build_kernels(_kernels(("ka", 2)), "// other prelude\n", 8)
+    assert metrics.get("kernel_builds") == builds + 3
+    # an index entry naming a unit that is gone, or garbage: built again, the entry replaced
+    index = tmp_path / "kernels" / "index"
+    key_b = cbuild.kernel_key(_PRELUDE, _SRC % ("kb", 3))
+    (index / key_b).write_text("0" * 32)
+    key_c = cbuild.kernel_key(_PRELUDE, _SRC % ("kc", 5))
+    (index / key_c).write_text("not a key\n")
+    cbuild.forget_loaded()
+    again = cbuild.build_kernels(_kernels(("kb", 3), ("kc", 5)), _PRELUDE, 8)
+    assert metrics.get("kernel_builds") == builds + 4
+    assert (
+        again["kiln_test_kb"].kiln_test_kb(2) == 6 and again["kiln_test_kc"].kiln_test_kc(2) == 10
+    )
+    assert (index / key_b).read_text() == (index / key_c).read_text() != "0" * 32
+
+
+def test_many_new_kernels_split_into_two_units(tmp_path, monkeypatch):
+    monkeypatch.setattr(config, "cache_dir", str(tmp_path))
+    builds = metrics.get("kernel_builds")
+    libs = cbuild.build_kernels(_kernels(*[(f"s{i}", i) for i in range(5)]), _PRELUDE, 2)
+    assert metrics.get("kernel_builds") == builds + 2
+    assert len({id(lib) for lib in libs.values()}) == 2
+    assert [libs[f"kiln_test_s{i}"][f"kiln_test_s{i}"](3) for i in range(5)] == [0, 3, 6, 9, 12]

@@ -4,8 +4,10 @@ own passes (``fuse`` with this backend's :data:`CLAIMS`, then ``memory_plan``).
 Every ``fused`` node of the graph becomes one generated C++ function (so does each layer norm,
 forward and backward, see :mod:`kiln.codegen.cpp.layer_norm`, and each last-dim (log_)softmax
 backward, :mod:`kiln.codegen.cpp.softmax_backward`); identical kernels are shared.
-All kernels of a graph go into one translation unit (two, compiled in parallel, when there are
-many), built with g++ through the kernel cache (:mod:`kiln.codegen.cpp.build`).  Everything else
+A kernel built before (by an earlier graph, in this process or another sharing the cache) is
+loaded from the unit that holds it; the graph's new kernels go into one translation unit (two,
+compiled in parallel, when there are many), built with g++ through the kernel cache
+(:mod:`kiln.codegen.cpp.build`).  Everything else
 runs through ATen (:mod:`kiln.codegen.cpp.executor`).  ``info["kernels"]`` lists each kernel's
 name, the graph nodes fused into it and its C++ source, for ``kiln explain``; ``KILN_LOG=kernels``
 prints the sources.
@@ -20,7 +22,7 @@ from collections.abc import Callable, Sequence
 from kiln import metrics
 from kiln.codegen.base import Backend, Pass, register_backend
 from kiln.codegen.cpp.aten_call import prepare_aten_call
-from kiln.codegen.cpp.build import build_many
+from kiln.codegen.cpp.build import build_kernels
 from kiln.codegen.cpp.emit import KernelSpec, emit_kernel
 from kiln.codegen.cpp.executor import Executor, make_fused_call
 from kiln.codegen.cpp.layer_norm import emit_layer_norm, layer_norm_ok
@@ -43,7 +45,8 @@ _DIRECT = {
     "_softmax_backward_data.default": (softmax_backward_ok, emit_softmax_backward),
     "_log_softmax_backward_data.default": (softmax_backward_ok, emit_softmax_backward),
 }
-SPLIT_AT = 8  # more kernels than this: two units, compiled by two g++ in parallel
+SPLIT_AT = 8  # more new kernels than this: two units, compiled by two g++ in parallel
+_SR_CASTS = "kiln_sr_casts"  # the stochastic-rounding cast kernels, as one kernel id
 
 
 def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
@@ -73,28 +76,22 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
         spec.source = src.replace("KILN_KERNEL", name)
         unique.setdefault(name, spec.source)
         specs[i] = spec
-    names = sorted(unique)
-    units: list[list[str]] = (
-        [names] if len(names) <= SPLIT_AT else [names[: len(names) // 2], names[len(names) // 2 :]]
-    )
-    units = [u for u in units if u]
     sr_nodes = [i for i, n in enumerate(g.nodes) if i not in specs and sr_wanted(n)]
-    if sr_nodes and not units:
-        units = [[]]
-    sources = [PRELUDE + "\n".join(unique[k] for k in u) for u in units]
+    # kernel id -> (source, symbols it defines)
+    kernels = {name: (src, (name,)) for name, src in unique.items()}
     if sr_nodes:  # stochastic casts for bf16 / fp16 results of ops that run through ATen
-        sources[0] += lowp.CAST_KERNELS
+        kernels[_SR_CASTS] = (lowp.CAST_KERNELS, tuple(lowp.CAST_NAMES.values()))
     if config.log_enabled("kernels"):
-        for s in sources:
-            print(f"[kiln] generated kernels ({len(s)} chars):\n{s}")
-    libs = build_many(sources) if sources else []
+        for name, (src, _) in sorted(kernels.items()):
+            print(f"[kiln] generated kernel {name} ({len(src)} chars):\n{src}")
+    # kernels built before (in any unit) are loaded from there; the new ones form new units
+    libs = build_kernels(kernels, PRELUDE, SPLIT_AT) if kernels else {}
     fns: dict[str, ctypes._CFuncPtr] = {}
-    for u, lib in zip(units, libs):
-        for name in u:
-            f = getattr(lib, name)
-            f.argtypes = None  # called with ctypes arrays only: no per-call conversion
-            f.restype = None
-            fns[name] = f
+    for name in unique:
+        f = getattr(libs[name], name)
+        f.argtypes = None  # called with ctypes arrays only: no per-call conversion
+        f.restype = None
+        fns[name] = f
     plan = dict(_memory_plan(g))
     slots: dict = {}
     metrics.incr("fused_kernels", len(specs))
@@ -106,7 +103,7 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
     if sr_nodes:
         casts = {}
         for abbr, name in lowp.CAST_NAMES.items():
-            f = getattr(libs[0], name)
+            f = getattr(libs[_SR_CASTS], name)
             f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64]
             f.restype = None
             casts[abbr] = f
@@ -115,7 +112,7 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
         metrics.incr("sr_aten_nodes", len(sr_nodes))
     info = {
         "backend": "cpp",
-        "units": len(sources),
+        "units": len({id(lib) for lib in libs.values()}),
         "kernels": [
             {
                 "name": s.name,

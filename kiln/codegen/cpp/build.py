@@ -6,6 +6,14 @@ sizes (kernels take sizes as arguments).  Each ``.so`` has a ``.sha256`` sidecar
 bytes do not match it (a torn or corrupted file) is rebuilt.  Builds run under a per-key file lock
 and land by ``os.replace`` of a temporary file, so processes can share one cache.  Several
 translation units are compiled in parallel (one g++ process each).
+
+Kernel level (:func:`build_kernels`): a unit holds several kernels, and a kernel is found again
+wherever it was built before, whatever unit held it.  ``<cache_dir>/kernels/index/<kernel key>``
+(the key covers the kernel's source, the prelude, the flags and the toolchain, as above) names the
+unit that holds it, written atomically once the unit has landed; a kernel whose unit is listed and
+valid is loaded from that unit, and only the kernels found nowhere go into a new unit.  A graph
+that repeats kernels of earlier graphs (a new shape, another chunk of a test sweep, the lazy
+device's next step) then compiles only what is new.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ LIBS = ["-lmvec"]  # glibc's vector math (the prelude declares its SIMD variants
 CXX = os.environ.get("CXX", "g++")
 
 _loaded: dict[str, ctypes.CDLL] = {}
+_units_of: dict[str, str] = {}  # kernel key -> key of a unit holding it (this process)
 
 
 class BuildError(RuntimeError):
@@ -158,6 +167,80 @@ def build_many(sources: list[str]) -> list[ctypes.CDLL]:
     return out
 
 
+def kernel_key(prelude: str, source: str) -> str:
+    """A kernel's key in the index: its source, the prelude it is compiled after, flags, toolchain."""
+    return cache_key(_sha(prelude) + "\n" + source)
+
+
+@lru_cache(maxsize=8)
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _index_dir() -> Path:
+    d = kernel_dir() / "index"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def _from_index(kkey: str, symbols: tuple[str, ...], d: Path) -> tuple[ctypes.CDLL, str] | None:
+    """(library, unit key) of a unit that already holds the kernel with these symbols, or None."""
+    ukey = _units_of.get(kkey)
+    if ukey is None:
+        try:
+            ukey = (_index_dir() / kkey).read_text().strip()
+        except OSError:
+            return None
+    lib = _loaded.get(ukey)
+    if lib is None:
+        so = d / f"{ukey}.so"
+        if len(ukey) != 32 or not _valid(so):  # unknown, removed or corrupted: built anew
+            return None
+        lib = ctypes.CDLL(str(so))
+        _loaded[ukey] = lib
+        metrics.incr("kernel_cache_hits")
+    if not all(hasattr(lib, name) for name in symbols):
+        return None
+    _units_of[kkey] = ukey
+    return lib, ukey
+
+
+def build_kernels(
+    kernels: dict[str, tuple[str, tuple[str, ...]]], prelude: str, split_at: int
+) -> dict[str, ctypes.CDLL]:
+    """The library holding each kernel: ``kernels`` maps an id to (C++ source, symbols it
+    defines), each compiled after ``prelude``.  A kernel some unit already holds (this process,
+    or the on-disk index) comes from that unit; the others are compiled into new units, sorted by
+    id (more than ``split_at``: two units, two g++ in parallel), and listed in the index."""
+    d = kernel_dir()
+    keys = {k: kernel_key(prelude, src) for k, (src, _) in kernels.items()}
+    out: dict[str, ctypes.CDLL] = {}
+    new: list[str] = []
+    for k in sorted(kernels):
+        found = _from_index(keys[k], kernels[k][1], d)
+        if found is None:
+            new.append(k)
+        else:
+            out[k] = found[0]
+            metrics.incr("kernels_reused")
+    if not new:
+        return out
+    units = [new] if len(new) <= split_at else [new[: len(new) // 2], new[len(new) // 2 :]]
+    sources = [prelude + "\n".join(kernels[k][0] for k in u) for u in units]
+    libs = build_many(sources)
+    index = _index_dir()
+    for u, src, lib in zip(units, sources, libs):
+        ukey = cache_key(src)
+        for k in u:
+            out[k] = lib
+            if _units_of.get(keys[k]) != ukey:
+                _write_atomic(index / keys[k], ukey.encode())
+                _units_of[keys[k]] = ukey
+    return out
+
+
 def forget_loaded() -> None:
-    """Drop the in-process table of loaded libraries (tests use it to force a cache lookup)."""
+    """Drop the in-process tables of loaded libraries and of the units holding each kernel
+    (tests use it to force a lookup in the on-disk cache)."""
     _loaded.clear()
+    _units_of.clear()
