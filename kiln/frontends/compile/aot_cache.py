@@ -47,6 +47,12 @@ from kiln.runtime.steps import Recompiles, Signature
 OutSpec = list[tuple[str, Any]]
 
 
+class StaleKilnGraph(FXGraphCacheMiss):
+    """A compiled function holds Kiln graphs that another Kiln (version or frontend code) lowered.
+    AOTAutograd's cache never serves one (the tag is in its key); a function saved with
+    ``aot_compile(...).save_compiled_function`` and loaded by a newer Kiln raises this."""
+
+
 @functools.lru_cache(maxsize=1)
 def cache_key_tag() -> str:
     """Kiln's part of the AOTAutograd cache key: its version, the compiler's code and this
@@ -158,6 +164,7 @@ class KilnOutputCode(OutputCode):
         self._fallback_reason = fallback_reason
         self._payload = b""
         self._digest = ""
+        self._kiln_tag = cache_key_tag()  # which Kiln lowered the graph
         if graph is not None:
             self._payload = pickle.dumps(
                 (graph, out_spec, site, sig), protocol=pickle.HIGHEST_PROTOCOL
@@ -198,6 +205,14 @@ class KilnOutputCode(OutputCode):
             metrics.incr("aot_cache_corrupt")
             # a miss, not a bypass: AOTAutograd compiles and saves a fresh entry
             raise FXGraphCacheMiss("corrupt Kiln payload")
+        if getattr(self, "_kiln_tag", None) != cache_key_tag():
+            metrics.incr("aot_cache_stale")
+            raise StaleKilnGraph(
+                f"Kiln: this compiled function holds graphs lowered by another Kiln "
+                f"({getattr(self, '_kiln_tag', 'unknown')}; this one is {cache_key_tag()}): "
+                "compile it again with this Kiln (torch.compile(..., backend='kiln')) and save "
+                "it anew"
+            )
         graph, out_spec, site, sig = pickle.loads(self._payload)
         if site and sig is not None:
             note_graph(site, sig)
