@@ -16,6 +16,12 @@ Dynamo's ``compilation_time_metrics`` (what ``torch._dynamo.utils.compile_times(
 - g++ units: kernel translation units g++ built (``kernel_builds``);
 - other: the rest of the first step (running the graphs, Python around them).
 
+A third row per workload (``saved``) loads the workload's loss function (forward and loss; its
+backward runs through the loaded graphs too, the optimizer is not part of it) that a fourth
+process compiled whole (``fullgraph=True``) with ``aot_compile`` and saved: no Dynamo, no
+AOTAutograd in the loading process.  Its first step is the load plus the first call minus a
+steady call.  A workload whose loss function does not compile whole shows the error.
+
 Timings on a shared machine are noisy: compare the split, and rerun for absolute numbers.
 """
 
@@ -29,10 +35,59 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 STAGES = ("dynamo", "guards", "aot", "kiln compile", "kiln load", "other")
+_WL = None  # the workload of a --saved child: the saved loss function reads it as a global
+
+
+def _loss(model: Any, batch: Any) -> Any:  # compiled whole, saved and loaded
+    return _WL.loss(model, batch)
+
+
+def child_saved(name: str, steps: int, quick: bool, path: str, save: bool) -> dict:
+    """Save (``save``) or load and time the workload's loss function compiled whole."""
+    global _WL
+    sys.path.insert(0, ROOT)
+    import torch
+
+    import kiln
+    from bench.workloads import build
+
+    torch.set_num_threads(2)
+    _WL = build(name, quick, 1 + steps)
+    model = _WL.model
+    if save:
+        example = ((model, _WL.batches[0]), {})
+        f = torch.compile(_loss, backend="kiln", fullgraph=True).aot_compile(example)
+        f.save_compiled_function(path)
+        return {}
+    t0 = time.perf_counter()
+    with open(path, "rb") as fh:
+        f = torch.compiler.load_compiled_function(fh, f_globals=globals())
+    load_s = time.perf_counter() - t0
+    times = []
+    for batch in _WL.batches:
+        t0 = time.perf_counter()
+        f(model, batch).backward()
+        model.zero_grad()
+        times.append(time.perf_counter() - t0)
+    first = load_s + times[0] - statistics.median(times[1:])
+    m = kiln.metrics.snapshot()
+    split = dict.fromkeys(STAGES, 0.0)
+    split.update({"kiln load": m["load_s"], "other": first - m["load_s"]})
+    split["dynamo"] = sum(
+        torch._dynamo.utils.compilation_time_metrics.get("_compile.compile_inner", [])
+    )
+    return {
+        "first_s": first,
+        "split": split,
+        "kernel_builds": kiln.metrics.get("kernel_builds"),
+        "aot_cache_hits": kiln.metrics.get("aot_cache_hits"),
+        "graphs_compiled": kiln.metrics.get("graphs_compiled"),
+    }
 
 
 def child(name: str, steps: int, quick: bool) -> dict:
@@ -79,13 +134,14 @@ def child(name: str, steps: int, quick: bool) -> dict:
     }
 
 
-def run_child(name: str, cache: str, a: argparse.Namespace) -> dict:
+def run_child(name: str, cache: str, a: argparse.Namespace, extra: tuple[str, ...] = ()) -> dict:
     env = {
         **os.environ,
         "KILN_CACHE_DIR": cache,
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
     }
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--steps", str(a.steps)]
+    cmd += list(extra)
     p = subprocess.run(
         cmd + (["--quick"] if a.quick else []),
         env=env,
@@ -117,9 +173,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
     ap.add_argument("--json", default="", help="also write the rows here")
     ap.add_argument("--child", default="", help="internal: measure this workload in-process")
+    ap.add_argument("--saved", default="", help="internal: with --child, the saved function")
+    ap.add_argument("--save", action="store_true", help="internal: with --saved, write it")
     a = ap.parse_args(argv)
     if a.child:
-        print(json.dumps(child(a.child, a.steps, a.quick)))
+        if a.saved:
+            print(json.dumps(child_saved(a.child, a.steps, a.quick, a.saved, a.save)))
+        else:
+            print(json.dumps(child(a.child, a.steps, a.quick)))
         return
     head = ["workload", "start", "first step s", *STAGES, "g++ units", "AOT cache hits"]
     print("| " + " | ".join(head) + " |")
@@ -131,6 +192,12 @@ def main(argv: list[str] | None = None) -> None:
                 r = run_child(name, cache, a)
                 rows.append({"workload": name, "start": start, **r})
                 print(f"| {name} | {start} | {fmt(r)} |", flush=True)
+            saved = os.path.join(cache, "loss_fn.saved")
+            r = run_child(name, cache, a, ("--saved", saved, "--save"))
+            if "error" not in r:
+                r = run_child(name, cache, a, ("--saved", saved))
+            rows.append({"workload": name, "start": "saved", **r})
+            print(f"| {name} | saved | {fmt(r)} |", flush=True)
     print(f"load average at the end: {os.getloadavg()}")
     if a.json:
         with open(a.json, "w") as f:
