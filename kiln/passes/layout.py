@@ -10,7 +10,16 @@ removes are the copies that only exist to make an operand contiguous:
   tensor) whose copy has no other reader: ``reshape`` of the source, which copies only when the
   strides really need it;
 * ``_unsafe_view`` -> ``view``: the same op for values (it only hides aliasing from autograd), so
-  later passes see one spelling.
+  later passes see one spelling;
+* ``cat`` of reshapes that all merge the same dims of same-shaped tensors (attention's q/k/v
+  gradients: ``cat([view(permute(dq), (B, T, C)), ...], 2)``): ``view(cat(sources, e), ...)``
+  along the first merged dim ``e``.  ATen's ``cat`` reads the (permuted) sources through their
+  strides, so the copy each reshape made of a non-viewable source is gone; the view of the
+  contiguous ``cat`` result is free;
+* ``sum`` over every dim but the last of a reshape that keeps the last dim (a linear layer's bias
+  gradient: ``sum(view(dy, (B*T, C)), [0])``): the same sum over every leading dim of the
+  reshape's source (then a view to the result's shape), so that the fusion pass can put it into
+  the kernel that computes ``dy`` (one pass over ``dy`` instead of two).
 
 Needs: a well-formed graph.  Guarantees: same output values, shapes and dtypes; no output or value
 that something mutates or reads the strides of becomes an alias; dead copies are left to ``dce``.
@@ -26,10 +35,10 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ir.graph import Graph, Node
+from kiln.ir.graph import Graph, In, Node, TensorType
 from kiln.passes._util import Rewriter
 from kiln.passes.rewrite import Rule, apply_rules
-from kiln.passes.simplify import src
+from kiln.passes.simplify import RESHAPES, src
 
 MATMULS = (
     "mm.default",
@@ -91,6 +100,98 @@ def reshape_of_copy(rw: Rewriter, n: Node) -> Node | None:
     return n.with_(op="reshape.default", inputs=(x,) + n.inputs[1:])
 
 
+def _prod(xs) -> int:
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+def _merged_dims(x: tuple, s: tuple, d: int) -> tuple[int, int] | None:
+    """The dims ``[e, f)`` of shape ``x`` that dim ``d`` of shape ``s`` is the row-major merge of
+    (every dim before them merging into the dims of ``s`` before ``d``), or None."""
+    before, upto = _prod(s[:d]), _prod(s[: d + 1])
+    e = next((k for k in range(len(x) + 1) if _prod(x[:k]) == before), None)
+    f = next((k for k in range(len(x) + 1) if _prod(x[:k]) == upto), None)
+    if e is None or f is None or f <= e:
+        return None
+    return e, f
+
+
+def cat_of_reshapes(rw: Rewriter, n: Node) -> Node | None:
+    """``cat([reshape(x_i, S)], d) -> view(cat([x_i], e), S')`` (see the module docstring)."""
+    if rw.facts.has_mutation or n.kwargs or not n.args or len(n.args) > 2:
+        return None
+    items = n.args[0]
+    if not isinstance(items, (list, tuple)) or len(items) < 2:
+        return None
+    if not all(isinstance(a, In) for a in items):
+        return None
+    views = [rw.node(n.inputs[a.k]) for a in items]
+    if not all(v.op in RESHAPES and v.args and v.args[0] == In(0) for v in views):
+        return None
+    xs = [v.inputs[0] for v in views]
+    x_t, s_t, out_t = rw.type(xs[0]), rw.type(n.inputs[items[0].k]), n.type
+    if x_t is None or s_t is None or out_t is None or x_t.dtype is None:
+        return None
+    shapes = [x_t.shape, s_t.shape, out_t.shape]
+    if not all(isinstance(k, int) and k > 0 for sh in shapes for k in sh):
+        return None  # symbolic or zero sizes: left as written
+    if any(rw.type(x) != x_t or rw.type(n.inputs[a.k]) != s_t for x, a in zip(xs, items)):
+        return None
+    d = n.args[1] if len(n.args) > 1 else 0
+    if not isinstance(d, int) or not -len(s_t.shape) <= d < len(s_t.shape):
+        return None
+    d %= len(s_t.shape)
+    dims = _merged_dims(x_t.shape, s_t.shape, d)
+    if dims is None:
+        return None
+    e = dims[0]
+    cat_shape = list(x_t.shape)
+    cat_shape[e] *= len(xs)
+    cat = Node(
+        "cat.default",
+        tuple(xs),
+        ([In(k) for k in range(len(xs))], e),
+        (),
+        (TensorType(tuple(cat_shape), x_t.dtype),),
+    )
+    c = rw.add(cat)
+    return Node("view.default", (c,), (In(0), list(out_t.shape)), (), (out_t,))
+
+
+def col_sum_of_reshape(rw: Rewriter, n: Node) -> Node | None:
+    """``sum(reshape(x, S), leading dims of S) -> sum(x, leading dims of x)`` (see the docstring).
+
+    Row-major, a reshape that keeps the last dim maps element ``(r, c)`` to an element of ``x``
+    with last index ``c``: both sums add the same elements for each ``c``."""
+    if rw.facts.has_mutation or n.kwargs or len(n.args) not in (2, 3) or n.args[0] != In(0):
+        return None  # (under mutation, a reshape that copied may hold older values than x)
+    if len(n.args) == 3 and not isinstance(n.args[2], bool):
+        return None
+    v = rw.node(n.inputs[0])
+    if v.op not in RESHAPES or not v.args or v.args[0] != In(0):
+        return None
+    x = v.inputs[0]
+    x_t, v_t, out_t = rw.type(x), rw.type(n.inputs[0]), n.type
+    if x_t is None or v_t is None or out_t is None or x_t.dtype is None:
+        return None
+    rank = len(v_t.shape)
+    dims = n.args[1]
+    if not isinstance(dims, (list, tuple)) or rank < 2 or len(x_t.shape) < 2:
+        return None
+    if sorted(d % rank for d in dims if isinstance(d, int)) != list(range(rank - 1)):
+        return None
+    if len(dims) != rank - 1 or x_t.shape[-1] != v_t.shape[-1]:
+        return None
+    lead = list(range(len(x_t.shape) - 1))
+    flat_t = TensorType(tuple(x_t.shape[-1:]), out_t.dtype)
+    s = Node("sum.dim_IntList", (x,), (In(0), lead, False), (), (flat_t,))
+    if flat_t == out_t:
+        return s
+    return Node("view.default", (rw.add(s),), (In(0), list(out_t.shape)), (), (out_t,))
+
+
 def unsafe_view_to_view(rw: Rewriter, n: Node) -> Node:
     return n.with_(op="view.default")
 
@@ -102,6 +203,10 @@ RULES: tuple[Rule, ...] = (
     Rule("reshape_of_copy", ("view.default", "_unsafe_view.default"), reshape_of_copy),
     # _unsafe_view(x, s) -> view(x, s): same values, one spelling
     Rule("unsafe_view", ("_unsafe_view.default",), unsafe_view_to_view),
+    # cat of reshapes merging the same dims -> view of the cat of their sources
+    Rule("cat_of_reshapes", ("cat.default",), cat_of_reshapes),
+    # sum over the leading dims of a reshape keeping the last dim -> the same sum of its source
+    Rule("col_sum_of_reshape", ("sum.dim_IntList",), col_sum_of_reshape),
 )
 
 

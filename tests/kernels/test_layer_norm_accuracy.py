@@ -37,6 +37,15 @@ def _near_constant_rows(n: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     return [x, w, b], torch.randn(512, n, generator=g)
 
 
+def _offset_rows(n: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Rows far from zero: 64 rows of n values spread 1e-2 around a mean of 1e3, so the backward
+    kernel's sum(g * xhat) = rstd * (sum(g * x) - mean * sum(g)) cancels ~5 digits."""
+    g = torch.Generator().manual_seed(4)
+    x = 1e3 + torch.randn(64, 1, generator=g) + 1e-2 * torch.randn(64, n, generator=g)
+    w, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    return [x, w, b], torch.randn(64, n, generator=g)
+
+
 def _ln(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, x.shape[-1:], w, b)
 
@@ -63,6 +72,7 @@ CASES = {
     "fuzzer_3x3x2": _fuzzer_case,
     "rows_of_2": lambda: _near_constant_rows(2),
     "rows_of_8": lambda: _near_constant_rows(8),
+    "offset_rows_of_257": lambda: _offset_rows(257),
 }
 
 

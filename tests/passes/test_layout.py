@@ -97,3 +97,104 @@ def test_copy_with_a_second_reader_is_not_duplicated():
     s = call(b, "sum.default", [V(v)], f32())
     g = b.build([s, e])
     check_pass(layout, g, str(g))
+
+
+def _heads_to_rows(a, b, c):
+    # attention's q/k/v gradients: (B, H, T, D) -> (B, T, H*D), concatenated, then rows for a GEMM
+    B, H, T, D = a.shape
+    parts = [x.transpose(1, 2).reshape(B, T, H * D) for x in (a, b, c)]
+    return torch.cat(parts, 2).reshape(B * T, 3 * H * D)
+
+
+def test_cat_of_reshaped_permutes_reads_them_by_stride():
+    g = capture(_heads_to_rows, *[torch.randn(2, 3, 5, 7) for _ in range(3)])
+    out = check_pass(
+        layout,
+        g,
+        """
+        graph(%0: f32[2,3,5,7], %1: f32[2,3,5,7], %2: f32[2,3,5,7]) {
+          %3 = permute.default(%0, [0, 2, 1, 3]) : f32[2,5,3,7]
+          %4 = clone.default(%3, memory_format=torch.contiguous_format) : f32[2,5,3,7]
+          %5 = reshape.default(%3, [2, 5, 21]) : f32[2,5,21]
+          %6 = permute.default(%1, [0, 2, 1, 3]) : f32[2,5,3,7]
+          %7 = clone.default(%6, memory_format=torch.contiguous_format) : f32[2,5,3,7]
+          %8 = reshape.default(%6, [2, 5, 21]) : f32[2,5,21]
+          %9 = permute.default(%2, [0, 2, 1, 3]) : f32[2,5,3,7]
+          %10 = clone.default(%9, memory_format=torch.contiguous_format) : f32[2,5,3,7]
+          %11 = reshape.default(%9, [2, 5, 21]) : f32[2,5,21]
+          %12 = cat.default([%3, %6, %9], 2) : f32[2,5,9,7]
+          %13 = view.default(%12, [2, 5, 63]) : f32[2,5,63]
+          %14 = view.default(%13, [10, 63]) : f32[10,63]
+          return (%14)
+        }""",
+    )
+    # no copy is left but the cat: the reshapes and clones die
+    assert dce(out).count(lambda n: n.op in ("clone.default", "reshape.default")) == 0
+
+
+def test_cat_of_reshapes_along_a_merged_leading_dim():
+    # cat along dim 0 of (B*T, C) rows made from (B, T, C) tensors: the cat goes along B
+    g = capture(
+        lambda a, b: torch.cat([a.transpose(0, 1).reshape(12, 5), b.reshape(12, 5)], 0).exp(),
+        torch.randn(4, 3, 5),
+        torch.randn(3, 4, 5),
+    )
+    out = dce(layout(g))
+    cats = [n for n in out.nodes if n.op == "cat.default"]
+    assert len(cats) == 1 and cats[0].args[1] == 0 and cats[0].type.shape == (6, 4, 5)
+    check_pass(layout, g, str(layout(g)))
+
+
+def test_cat_of_reshapes_that_merge_different_dims_stays():
+    b = GraphBuilder()
+    x = b.input(f32(2, 6))
+    y = b.input(f32(3, 4))
+    vx = call(b, "view.default", [V(x), (12,)], f32(12))
+    vy = call(b, "view.default", [V(y), (12,)], f32(12))
+    # sources of different shapes (both merge to 12): not the same dims, left as written
+    c = call(b, "cat.default", [[V(vx), V(vy)], 0], f32(24))
+    g = b.build([c])
+    check_pass(layout, g, str(g))
+    # a cat dim that splits a source dim (6 -> 2 x 3): no merged dims to concatenate along
+    b = GraphBuilder()
+    x = b.input(f32(2, 6))
+    z = b.input(f32(2, 6))
+    vx = call(b, "view.default", [V(x), (4, 3)], f32(4, 3))
+    vz = call(b, "view.default", [V(z), (4, 3)], f32(4, 3))
+    c = call(b, "cat.default", [[V(vx), V(vz)], 1], f32(4, 6))
+    g = b.build([c])
+    check_pass(layout, g, str(g))
+
+
+def test_column_sum_of_a_reshape_sums_its_source():
+    # a linear layer's bias gradient: sum over the rows of dy viewed as (B*T, C)
+    g = capture(
+        lambda a: (
+            a.exp().reshape(-1, 7).sum(0),
+            a.exp().reshape(-1, 7).sum(0, keepdim=True),
+            a.exp().reshape(3, -1, 7).sum([0, 1]),
+        ),
+        torch.randn(2, 3, 7),
+    )
+    out = dce(layout(g))
+    sums = [n for n in out.nodes if n.op == "sum.dim_IntList"]
+    assert len(sums) == 3 and all(out.nodes[n.inputs[0]].op == "exp.default" for n in sums)
+    assert all(n.args[1:] == ([0, 1], False) for n in sums)
+    check_pass(layout, g, str(layout(g)))
+
+
+def test_column_sum_of_a_reshape_that_moves_the_last_dim_stays():
+    b = GraphBuilder()
+    x = b.input(f32(2, 6))
+    v = call(b, "view.default", [V(x), (4, 3)], f32(4, 3))
+    s = call(b, "sum.dim_IntList", [V(v), (0,)], f32(3))
+    y = b.input(f32(7))  # a rank-1 source: no leading dims to sum over
+    w = call(b, "view.default", [V(y), (1, 7)], f32(1, 7))
+    t = call(b, "sum.dim_IntList", [V(w), (0,)], f32(7))
+    z = b.input(f32(0, 4, 5))  # zero rows: still the same sum (of nothing)
+    u = call(b, "view.default", [V(z), (0, 5)], f32(0, 5))
+    r = call(b, "sum.dim_IntList", [V(u), (0,)], f32(5))
+    g = b.build([s, t, r])
+    out = check_pass(layout, g, str(layout(g)))
+    srcs = [out.nodes[n.inputs[0]].op for n in out.nodes if n.op == "sum.dim_IntList"]
+    assert srcs == ["view.default", "view.default", "input"]

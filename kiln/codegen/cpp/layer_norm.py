@@ -17,7 +17,9 @@ recomputed from the row in double when the saved (float) one is its rounding::
     dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
     dw = sum over rows of dy * xhat          db = sum over rows of dy
 
-The column sums use per-thread double partials, combined at the end.  Same calling convention
+Two passes per row: the sums of ``x``, ``g`` and ``g * x`` (``sum(g * xhat)`` is then
+``rstd * (sum(g * x) - mean * sum(g))``), then ``dx`` and the column sums.  The column sums use
+per-thread double partials, combined at the end.  Same calling convention
 as every generated kernel (:mod:`kiln.codegen.cpp.emit`): ``P`` pointers (inputs, then outputs),
 ``I`` the iteration shape and then, per broadcast input, its strides.
 """
@@ -227,9 +229,16 @@ def _backward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
         "    const float* dyr = dy + r * L;",
         "    const float* xr = x + r * L;",
         "    float* dxr = out0 + r * L;",
-        "    double sx = 0.0;",
-        f"    #pragma omp simd reduction(+:sx) {SAFELEN}",
-        "    for (int64_t j = 0; j < L; ++j) sx += (double)xr[j];",
+        "    // one pass for the row sums: sum(x), sum(g) and sum(g * x); sum(g * xhat) follows as",
+        "    // rstd * (sum(g * x) - c * sum(g)) once the center c is known (in double, the",
+        "    // cancellation costs ~L * 2^-53 * |c| / std relative to the result, far below float)",
+        "    double sx = 0.0, sg = 0.0, sgx0 = 0.0;",
+        f"    #pragma omp simd reduction(+:sx, sg, sgx0) {SAFELEN}",
+        "    for (int64_t j = 0; j < L; ++j) {",
+        "      const double xd = (double)xr[j];",
+        f"      const double g = {g};",
+        "      sx += xd; sg += g; sgx0 += g * xd;",
+        "    }",
         "    const double md = sx / (double)L;",
         "    // the saved mean is this row's mean rounded to float (by Kiln's forward or ATen's):",
         "    // center on the exact mean instead, so that xhat sums to zero as it should (a rounded",
@@ -238,15 +247,7 @@ def _backward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
         "    const double c = __builtin_fabs(md - (double)mu) <= 4.8e-7 * __builtin_fabs(md)",
         "        ? md : (double)mu;",
         "    const double rsd = (double)rs;",
-        "    double sg = 0.0, sgx = 0.0;",
-        f"    #pragma omp simd reduction(+:sg, sgx) {SAFELEN}",
-        "    for (int64_t j = 0; j < L; ++j) {",
-        "      const double xh = ((double)xr[j] - c) * rsd;",
-        f"      const double g = {g};",
-        "      sg += g; sgx += g * xh;",
-        "      pw[j] += (double)dyr[j] * xh;",
-        "      pb[j] += (double)dyr[j];",
-        "    }",
+        "    const double sgx = rsd * (sgx0 - c * sg);",
         "    const double mg = sg / (double)L, mgx = sgx / (double)L;",
         "    #pragma omp simd",
         "    for (int64_t j = 0; j < L; ++j) {",
@@ -255,6 +256,8 @@ def _backward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
         "      // should (rows of equal values, one-element rows), before rstd amplifies it",
         f"      const double g = {g};",
         "      dxr[j] = (float)(rsd * (g - mg - xh * mgx));",
+        "      pw[j] += (double)dyr[j] * xh;",
+        "      pb[j] += (double)dyr[j];",
         "    }",
         "  }",
         "  #pragma omp critical",
