@@ -18,15 +18,43 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import types
+import unittest
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.testing._internal.common_utils as _common_utils
+import torch.testing._internal.opinfo.core as _opinfo_core
 from torch.utils._pytree import tree_flatten, tree_map
 
 import kiln
+
+
+def extract_test_fn() -> Callable | None:
+    """``torch.testing._internal.common_utils.extract_test_fn`` (the unittest test method on the
+    stack, whose per-sample skips and seed OpInfo's sample iterators use), walking the frames
+    instead of ``inspect.stack()``: that reads every frame's source lines and searched
+    ``sys.modules`` for each, once per sample iterator, ~7% of the compile sweep's time (cProfile,
+    ops 100:160) for a result that is None under pytest's plain test functions.  Same answer."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        self_val = frame.f_locals.get("self")
+        if isinstance(self_val, unittest.TestCase):
+            *_, cls_name, test_name = self_val.id().rsplit(".", 2)
+            if cls_name == type(self_val).__name__ and test_name.startswith("test"):
+                # (the original returns None where this lookup raises)
+                return getattr(getattr(self_val, test_name, None), "__func__", None)
+        frame = frame.f_back
+    return None
+
+
+# OpInfo's sample iterators look the test method up through these two module globals
+STACK_EXTRACT_TEST_FN = _common_utils.extract_test_fn  # torch's own (its test compares)
+_common_utils.extract_test_fn = extract_test_fn
+_opinfo_core.extract_test_fn = extract_test_fn
 
 # Samples per op.  By default (CI) every sample in lazy mode and the first COMPILE_SAMPLES in
 # compile mode, where a sample costs ~65-90 ms CPU (Dynamo and AOTAutograd trace it, Kiln
@@ -49,9 +77,11 @@ def max_samples(mode: str) -> int | None:
 
 # Samples run side by side in one Kiln run, per mode; KILN_TEST_OPINFO_CHUNK=N sets both
 # (1: each sample alone, one compile per sample: slower, the layout the per-sample runs used to
-# have).  Compile mode takes 64: fewer Dynamo/AOTAutograd/g++ rounds per op (every 10th op, every
+# have).  Compile mode takes 64: fewer Dynamo/AOTAutograd rounds per op (every 10th op, every
 # sample, one process on a loaded machine: 76 CPU-s with 64 against 109 with 32, of it g++ 20
-# against 39 s: a kernel repeated in several chunks of an op is built once per chunk).
+# against 39 s, before the kernel-level build cache, which now builds a kernel repeated in several
+# chunks once; with it, ops 100:160, every sample, 2 workers, loaded machine: 114.0 CPU-s with 64,
+# 116.1 with 256).
 CHUNKS = {"lazy": 32, "compile": 64}
 
 

@@ -30,10 +30,18 @@ one op.
 What CI runs (``pytest -q``): every op of op_db (702) in both modes, forward and gradients;
 lazy mode with every sample (19,038; 18,679 run in eager), compile mode with each op's first 8
 samples (4,287 of the 19,038; max_pool2d and its backward have 1,440 each).  The full compile
-sweep does not fit CI's 20 minutes on 2 cores yet (measured ~1,100-1,650 CPU-s against ~400 for
-8 samples per op; 48 per op, 8,767 samples, passed with zero mismatches but put the whole CI at
-21.4 minutes; opinfo_runner.COMPILE_SAMPLES has the numbers;
-``KILN_TEST_OPINFO_SAMPLES=48 pytest -q tests/conformance/test_opinfo.py`` runs that).  ``KILN_TEST_FULL_OPINFO=1`` runs every sample in compile mode too (the full sweep);
+sweep does not fit CI's 20 minutes on 2 cores yet: its cost is Dynamo's and AOTAutograd's tracing
+of every sample (fake tensors, functionalization, decompositions, the partitioner) and OpInfo's
+sample generation, not Kiln's compiler or g++ (ops 100:160, every sample, 2 workers: g++ 17.9
+CPU-s of 127; the kernel-level build cache, 17.1 of 127 there: its kernels rarely repeat across
+graphs; totals within the loaded machine's noise, 123-127 CPU-s before, 114-127 after; chunks of 256 samples 116, no better than 64; walking the
+frames instead of OpInfo's ``inspect.stack()`` (``opinfo_runner.extract_test_fn``) took the lazy
+sweep of those ops from 51.1 to 47.2 CPU-s and the compile sweep to 124.8).
+The measured estimate stays ~1,100-1,650 CPU-s against ~400 for 8 samples per
+op; 48 per op, 8,767 samples, passed with zero mismatches but put the whole CI at 21.4 minutes
+(opinfo_runner.COMPILE_SAMPLES has the numbers;
+``KILN_TEST_OPINFO_SAMPLES=48 pytest -q tests/conformance/test_opinfo.py`` runs that).
+``KILN_TEST_FULL_OPINFO=1`` runs every sample in compile mode too (the full sweep);
 ``KILN_TEST_OPINFO_SAMPLES=N`` (or ``all``) sets the samples per op for both modes;
 ``KILN_TEST_OPINFO_OPS=a:b`` runs ops a..b-1 of op_db's order; ``KILN_TEST_OPINFO_CHUNK=N`` sets
 how many samples share one Kiln run (default 32 lazy, 64 compile; 1: each sample alone).  Which ops fell back to ATen
@@ -45,6 +53,7 @@ from __future__ import annotations
 
 import os
 import sys
+import unittest
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -57,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from opinfo_check import CHECKS, OPS  # noqa: E402
 from opinfo_expected import expected_failure  # noqa: E402
 from opinfo_pool import Sweep  # noqa: E402
+from opinfo_runner import STACK_EXTRACT_TEST_FN, extract_test_fn  # noqa: E402
 
 
 def selected() -> list[str]:
@@ -218,3 +228,25 @@ def test_compile_takes_graphs_with_tensor_constants() -> None:
     c = kiln.metrics.counters()
     assert not [k for k in c["fallbacks"] if k.startswith("graph:")], c["fallbacks"]
     assert c.get("graphs_executed", 0) >= 1
+
+
+class _ProbeCase(unittest.TestCase):
+    __test__ = False  # run by the test below, not collected
+
+    def test_probe(self) -> None:
+        self.found = (extract_test_fn(), STACK_EXTRACT_TEST_FN())
+        self.tracked = OPS["add"].sample_inputs("cpu", torch.float32).test_fn
+
+
+def test_sweep_finds_the_test_method_as_torch_does() -> None:
+    """The sweep's frame walk (in place of OpInfo's ``inspect.stack()``, ~7% of the compile
+    sweep) finds the same unittest test method as torch's own, and None under pytest."""
+    from torch.testing._internal import common_utils
+
+    assert common_utils.extract_test_fn is extract_test_fn
+    assert STACK_EXTRACT_TEST_FN is not extract_test_fn
+    assert extract_test_fn() is None and STACK_EXTRACT_TEST_FN() is None
+    case = _ProbeCase("test_probe")
+    case.test_probe()
+    assert case.found == (_ProbeCase.test_probe, _ProbeCase.test_probe)
+    assert case.tracked is _ProbeCase.test_probe  # what OpInfo's sample iterator saw
