@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -151,9 +152,11 @@ def run_child(name: str, cache: str, a: argparse.Namespace, extra: tuple[str, ..
         check=False,
     )
     if p.returncode != 0:
-        tail = p.stderr.strip().splitlines()[-12:] or ["no output"]
-        print("\n".join(tail), file=sys.stderr)
-        return {"error": tail[-1][:200]}
+        lines = p.stderr.strip().splitlines() or ["no output"]
+        print("\n".join(lines[-12:]), file=sys.stderr)
+        # the exception's own line (Dynamo prints hints after it)
+        raised = [ln for ln in lines if re.match(r"[\w.]+(Error|Exception|Unsupported): ", ln)]
+        return {"error": (raised or lines)[-1][:200]}
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
