@@ -226,12 +226,13 @@ def test_random_programs_match_eager(progs: list[Program], data_seeds: list[int]
         )
 
 
-def test_zz_fuzz_summary(capsys) -> None:
-    """Prints (and logs) how many programs ran; fails if the budget produced too few valid ones
-    (a generator that only makes programs eager refuses would check nothing)."""
+def test_zz_fuzz_summary(record_property: Callable) -> None:
+    """Reports (and logs) how many programs ran; fails if the budget produced too few valid ones
+    (a generator that only makes programs eager refuses would check nothing).  The line is a
+    ``summary`` property: tests/conftest.py prints it at the end of the run, also from an xdist
+    worker (whose own output is not shown)."""
     if STATS["programs"] + STATS["rejected"] == 0:
         pytest.skip("the fuzz test did not run in this session (selected alone)")
     _log({"final": _rounded(), "seconds": round(time.time() - _t0, 1)})
-    with capsys.disabled():
-        print(f"\nfuzz: {_rounded()} in {time.time() - _t0:.0f} s")
+    record_property("summary", f"fuzz: {_rounded()} in {time.time() - _t0:.0f} s")
     assert STATS["programs"] >= max(1, EXAMPLES // 2), STATS
