@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -48,17 +47,6 @@ def test_next_build_lands_the_previous_one_first(fresh_cache):
     assert not first.running and second.running
     assert first.wait()[1].kiln_bg_b(2) == 6
     assert second.wait()[0].kiln_bg_c(2) == 10
-
-
-def test_forked_child_leaves_the_parents_builds_alone(fresh_cache):
-    pending = cbuild.start_many([_SRC % ("fork", 6)])
-    pid = os.fork()
-    if pid == 0:  # the child: it holds no background build of its parent's, stops nothing
-        cbuild._abandon_inflight()
-        os._exit(len(cbuild._inflight))
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert pending.wait()[0].kiln_bg_fork(2) == 12
 
 
 def test_failed_gxx_raises_at_every_wait(fresh_cache):

@@ -218,11 +218,6 @@ def _abandon_inflight() -> None:
         _inflight.pop().abandon()
 
 
-# a forked child (a DataLoader worker) neither waits for nor stops its parent's g++, nor releases
-# the parent's unit locks (flock locks are shared with the child's copies of the descriptors)
-os.register_at_fork(after_in_child=_inflight.clear)
-
-
 def _make_room(n: int) -> None:
     """Wait for the oldest background builds until ``n`` more g++ fit in :data:`MAX_INFLIGHT`
     (their errors are raised by their own :meth:`PendingUnits.wait`, not here)."""
