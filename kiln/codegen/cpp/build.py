@@ -5,10 +5,7 @@ flags, the compiler version (``g++ --version``) and the CPU's feature flags, nev
 sizes (kernels take sizes as arguments).  Each ``.so`` has a ``.sha256`` sidecar: an entry whose
 bytes do not match it (a torn or corrupted file) is rebuilt.  Builds run under a per-key file lock
 and land by ``os.replace`` of a temporary file, so processes can share one cache.  Several
-translation units are compiled in parallel (one g++ process each), in the background
-(:func:`start_many`, :func:`start_kernels`): the caller goes on (PyTorch traces the next graph)
-and waits at first use; at most :data:`MAX_INFLIGHT` g++ run at once, the next build lands the
-previous one first.  A cache hit starts no process and waits for nothing.
+translation units are compiled in parallel (one g++ process each).
 
 Kernel level (:func:`build_kernels`): a unit holds several kernels, and a kernel is found again
 wherever it was built before, whatever unit held it.  ``<cache_dir>/kernels/index/<kernel key>``
@@ -21,7 +18,6 @@ device's next step) then compiles only what is new.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import hashlib
 import os
@@ -123,125 +119,16 @@ def _start_compile(source: str, key: str, d: Path) -> tuple[subprocess.Popen, Pa
     return proc, cpp, tmp_so
 
 
-MAX_INFLIGHT = 2  # g++ processes running in the background at once (the machine's cores)
-_inflight: list[PendingUnits] = []  # started, not yet waited for (oldest first)
-
-
-class PendingUnits:
-    """Translation units whose g++ runs in the background (:func:`start_many`).  :meth:`wait`
-    waits for g++, lands each ``.so`` in the cache (atomically, under the unit's file lock, held
-    since the start), then loads the libraries; a failed g++ raises :class:`BuildError`, at
-    every call.  With nothing to compile (all cache hits) it is done at once: no process."""
-
-    def __init__(self, d: Path, keys: list[str], jobs: list, locks: list[FileLock]) -> None:
-        self._d, self._keys, self._jobs, self._locks = d, keys, jobs, locks
-        self._libs: list[ctypes.CDLL] | None = None
-        self._error: BuildError | None = None
-        if jobs:
-            _inflight.append(self)
-
-    @property
-    def running(self) -> bool:
-        """Whether g++ processes were started and not yet waited for."""
-        return bool(self._jobs)
-
-    def wait(self) -> list[ctypes.CDLL]:
-        if self._error is not None:
-            raise self._error
-        if self._libs is None:
-            try:
-                self._land()
-            except BuildError as e:
-                self._error = e
-                raise
-            self._libs = [self._load(key) for key in self._keys]
-        return self._libs
-
-    def _load(self, key: str) -> ctypes.CDLL:
-        lib = _loaded.get(key)
-        if lib is None:
-            lib = ctypes.CDLL(str(self._d / f"{key}.so"))
-            _loaded[key] = lib
-        return lib
-
-    def _land(self) -> None:
-        jobs, self._jobs = self._jobs, []
-        if self in _inflight:
-            _inflight.remove(self)
-        try:
-            for n, (key, so, proc, cpp, tmp_so) in enumerate(jobs):
-                try:
-                    _, err = proc.communicate()
-                    if proc.returncode != 0:
-                        raise BuildError(f"g++ failed for kernel unit {key}:\n{err[-4000:]}")
-                    data = tmp_so.read_bytes()
-                    _write_atomic(so, data)
-                    _write_atomic(
-                        so.with_suffix(".sha256"), hashlib.sha256(data).hexdigest().encode()
-                    )
-                    metrics.incr("kernel_builds")
-                except BaseException:
-                    _abandon(jobs[n + 1 :])
-                    raise
-                finally:
-                    _unlink(cpp, tmp_so)
-        finally:
-            for lock in self._locks:
-                lock.release()
-            self._locks = []
-
-    def abandon(self) -> None:
-        """Stop the g++ processes, remove their files, release the locks (at exit, unwaited)."""
-        jobs, self._jobs = self._jobs, []
-        _abandon(jobs)
-        for lock in self._locks:
-            lock.release()
-        self._locks = []
-
-
-def _unlink(*paths: Path) -> None:
-    for p in paths:
-        if p.exists():
-            p.unlink()
-
-
-def _abandon(jobs: list) -> None:
-    for _, _, proc, cpp, tmp_so in jobs:
-        proc.kill()
-        proc.communicate()
-        _unlink(cpp, tmp_so)
-
-
-@atexit.register
-def _abandon_inflight() -> None:
-    while _inflight:
-        _inflight.pop().abandon()
-
-
-def _make_room(n: int) -> None:
-    """Wait for the oldest background builds until ``n`` more g++ fit in :data:`MAX_INFLIGHT`
-    (their errors are raised by their own :meth:`PendingUnits.wait`, not here)."""
-    while _inflight and sum(len(p._jobs) for p in _inflight) + n > MAX_INFLIGHT:
-        try:
-            _inflight[0].wait()
-        except BuildError:
-            pass  # kept in the PendingUnits: its graph's first run raises it
-
-
-def start_many(sources: list[str]) -> PendingUnits:
-    """Start g++ for each translation unit not in the cache (one process each, in parallel) and
-    return without waiting: :meth:`PendingUnits.wait` gives the loaded libraries."""
+def build_many(sources: list[str]) -> list[ctypes.CDLL]:
+    """Compile (or fetch from the cache) each translation unit, in parallel; load them all."""
     d = kernel_dir()
     keys = [cache_key(s) for s in sources]
-    if _inflight and any(k not in _loaded for k in keys):
-        # this process's own background builds hold their units' locks: land them first (a unit
-        # of theirs asked again is then a cache hit, never a lock held against ourselves)
-        _make_room(MAX_INFLIGHT)
-    jobs = []
+    libs: list[ctypes.CDLL | None] = [_loaded.get(k) for k in keys]
+    pending = []
     locks = []
     try:
-        for src, key in zip(sources, keys):
-            if key in _loaded:
+        for idx, (src, key) in enumerate(zip(sources, keys)):
+            if libs[idx] is not None:
                 continue
             so = d / f"{key}.so"
             if _valid(so):
@@ -253,18 +140,31 @@ def start_many(sources: list[str]) -> PendingUnits:
             if _valid(so):  # built by another process while we waited
                 metrics.incr("kernel_cache_hits")
                 continue
-            jobs.append((key, so, *_start_compile(src, key, d)))
-    except BaseException:
-        _abandon(jobs)
+            pending.append((key, so, *_start_compile(src, key, d)))
+        for key, so, proc, cpp, tmp_so in pending:
+            _, err = proc.communicate()
+            try:
+                if proc.returncode != 0:
+                    raise BuildError(f"g++ failed for kernel unit {key}:\n{err[-4000:]}")
+                data = tmp_so.read_bytes()
+                _write_atomic(so, data)
+                _write_atomic(so.with_suffix(".sha256"), hashlib.sha256(data).hexdigest().encode())
+                metrics.incr("kernel_builds")
+            finally:
+                for p in (cpp, tmp_so):
+                    if p.exists():
+                        p.unlink()
+    finally:
         for lock in locks:
             lock.release()
-        raise
-    return PendingUnits(d, keys, jobs, locks)
-
-
-def build_many(sources: list[str]) -> list[ctypes.CDLL]:
-    """Compile (or fetch from the cache) each translation unit, in parallel; load them all."""
-    return start_many(sources).wait()
+    out = []
+    for idx, key in enumerate(keys):
+        lib = libs[idx]
+        if lib is None:
+            lib = ctypes.CDLL(str(d / f"{key}.so"))
+            _loaded[key] = lib
+        out.append(lib)
+    return out
 
 
 def kernel_key(prelude: str, source: str) -> str:
@@ -305,69 +205,38 @@ def _from_index(kkey: str, symbols: tuple[str, ...], d: Path) -> tuple[ctypes.CD
     return lib, ukey
 
 
-class PendingKernels:
-    """The libraries of a set of kernels, some maybe still compiling (:func:`start_kernels`):
-    :meth:`wait` gives ``{kernel id: library}`` and lists the new units in the index."""
-
-    def __init__(
-        self, found: dict[str, ctypes.CDLL], units: list[list[str]], keys: dict, sources: list
-    ) -> None:
-        self._out = found
-        self._units, self._keys, self._sources = units, keys, sources
-        self._pending = start_many(sources) if sources else None
-        self.n_units = len({id(lib) for lib in found.values()}) + len(set(map(cache_key, sources)))
-
-    @property
-    def running(self) -> bool:
-        return self._pending is not None and self._pending.running
-
-    def wait(self) -> dict[str, ctypes.CDLL]:
-        if self._pending is None:
-            return self._out
-        libs = self._pending.wait()
-        index = _index_dir()
-        for u, src, lib in zip(self._units, self._sources, libs):
-            ukey = cache_key(src)
-            for k in u:
-                self._out[k] = lib
-                if _units_of.get(self._keys[k]) != ukey:
-                    _write_atomic(index / self._keys[k], ukey.encode())
-                    _units_of[self._keys[k]] = ukey
-        self._pending = None
-        return self._out
-
-
-def start_kernels(
-    kernels: dict[str, tuple[str, tuple[str, ...]]], prelude: str, split_at: int
-) -> PendingKernels:
-    """The library holding each kernel, as :class:`PendingKernels`: ``kernels`` maps an id to
-    (C++ source, symbols it defines), each compiled after ``prelude``.  A kernel some unit
-    already holds (this process, or the on-disk index) comes from that unit; the others are
-    compiled into new units, sorted by id (more than ``split_at``: two units, two g++ in
-    parallel), in the background, and listed in the index once built."""
-    d = kernel_dir()
-    keys = {k: kernel_key(prelude, src) for k, (src, _) in kernels.items()}
-    found: dict[str, ctypes.CDLL] = {}
-    new: list[str] = []
-    for k in sorted(kernels):
-        hit = _from_index(keys[k], kernels[k][1], d)
-        if hit is None:
-            new.append(k)
-        else:
-            found[k] = hit[0]
-            metrics.incr("kernels_reused")
-    if not new:
-        return PendingKernels(found, [], keys, [])
-    units = [new] if len(new) <= split_at else [new[: len(new) // 2], new[len(new) // 2 :]]
-    sources = [prelude + "\n".join(kernels[k][0] for k in u) for u in units]
-    return PendingKernels(found, units, keys, sources)
-
-
 def build_kernels(
     kernels: dict[str, tuple[str, tuple[str, ...]]], prelude: str, split_at: int
 ) -> dict[str, ctypes.CDLL]:
-    """:func:`start_kernels`, waited for."""
-    return start_kernels(kernels, prelude, split_at).wait()
+    """The library holding each kernel: ``kernels`` maps an id to (C++ source, symbols it
+    defines), each compiled after ``prelude``.  A kernel some unit already holds (this process,
+    or the on-disk index) comes from that unit; the others are compiled into new units, sorted by
+    id (more than ``split_at``: two units, two g++ in parallel), and listed in the index."""
+    d = kernel_dir()
+    keys = {k: kernel_key(prelude, src) for k, (src, _) in kernels.items()}
+    out: dict[str, ctypes.CDLL] = {}
+    new: list[str] = []
+    for k in sorted(kernels):
+        found = _from_index(keys[k], kernels[k][1], d)
+        if found is None:
+            new.append(k)
+        else:
+            out[k] = found[0]
+            metrics.incr("kernels_reused")
+    if not new:
+        return out
+    units = [new] if len(new) <= split_at else [new[: len(new) // 2], new[len(new) // 2 :]]
+    sources = [prelude + "\n".join(kernels[k][0] for k in u) for u in units]
+    libs = build_many(sources)
+    index = _index_dir()
+    for u, src, lib in zip(units, sources, libs):
+        ukey = cache_key(src)
+        for k in u:
+            out[k] = lib
+            if _units_of.get(keys[k]) != ukey:
+                _write_atomic(index / keys[k], ukey.encode())
+                _units_of[keys[k]] = ukey
+    return out
 
 
 def forget_loaded() -> None:
