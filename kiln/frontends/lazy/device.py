@@ -134,20 +134,32 @@ _GUARD = _Guard()
 
 def _backward_reaches_kiln() -> bool:
     """Whether PyTorch's autograd engine can run a backward pass that starts on the kiln device
-    (it checks the device against the queues it sized at the process's first backward)."""
+    (it checks the device against the queues it sized at the process's first backward).
+
+    The probe records into a trace of its own that is dropped unexecuted: it compiles and runs
+    nothing, and its tensors (kept alive a while by autograd's reference cycles) can never join
+    a later step's graph (their trace generation is never reused)."""
     from kiln.frontends.lazy import trace
 
-    x = torch.zeros((), device="kiln", requires_grad=True)
+    # not under trace._lock: the backward records on the engine's device thread, which takes it
+    with trace._lock:
+        saved = trace._trace
+        trace._trace = trace.Trace(_PROBE_GEN)
     try:
+        x = torch.zeros((), device="kiln", requires_grad=True)
         torch.autograd.grad(x.view(()), x, torch.ones((), device="kiln"))
     except RuntimeError as e:
         if "device_ready_queues_" not in str(e):
             raise
         return False
     finally:
-        del x
-        trace.sync("probe")
+        x = None
+        with trace._lock:
+            trace._trace = saved
     return True
+
+
+_PROBE_GEN = -2  # live traces count up from 0; -1 marks materialized storages
 
 
 def _engine_check() -> str | None:
