@@ -44,6 +44,19 @@ STAGES = ("dynamo", "guards", "aot", "kiln compile", "kiln load", "other")
 _WL = None  # the workload of a --saved child: the saved loss function reads it as a global
 
 
+def _result(first: float, split: dict[str, float]) -> dict:
+    """One row: first-step seconds, its split by stage, and Kiln's build/cache counters."""
+    import kiln
+
+    return {
+        "first_s": first,
+        "split": split,
+        "kernel_builds": kiln.metrics.get("kernel_builds"),
+        "aot_cache_hits": kiln.metrics.get("aot_cache_hits"),
+        "graphs_compiled": kiln.metrics.get("graphs_compiled"),
+    }
+
+
 def _loss(model: Any, batch: Any) -> Any:  # compiled whole, saved and loaded
     return _WL.loss(model, batch)
 
@@ -82,13 +95,7 @@ def child_saved(name: str, steps: int, quick: bool, path: str, save: bool) -> di
     split["dynamo"] = sum(
         torch._dynamo.utils.compilation_time_metrics.get("_compile.compile_inner", [])
     )
-    return {
-        "first_s": first,
-        "split": split,
-        "kernel_builds": kiln.metrics.get("kernel_builds"),
-        "aot_cache_hits": kiln.metrics.get("aot_cache_hits"),
-        "graphs_compiled": kiln.metrics.get("graphs_compiled"),
-    }
+    return _result(first, split)
 
 
 def child(name: str, steps: int, quick: bool) -> dict:
@@ -126,13 +133,7 @@ def child(name: str, steps: int, quick: bool) -> dict:
         "kiln load": kiln_load,
     }
     split["other"] = first - sum(split.values())
-    return {
-        "first_s": first,
-        "split": split,
-        "kernel_builds": kiln.metrics.get("kernel_builds"),
-        "aot_cache_hits": kiln.metrics.get("aot_cache_hits"),
-        "graphs_compiled": kiln.metrics.get("graphs_compiled"),
-    }
+    return _result(first, split)
 
 
 def run_child(name: str, cache: str, a: argparse.Namespace, extra: tuple[str, ...] = ()) -> dict:

@@ -8,13 +8,10 @@ lowered by another Kiln are refused with the fix named.  (A whole training step 
 README's compile-cache paragraph.)
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from _subprocess import run_json
 
 SCRIPT = textwrap.dedent(
     """
@@ -67,17 +64,9 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(tmp_path, which):
-    env = {**os.environ, "KILN_CACHE_DIR": str(tmp_path / "cache")}
-    p = subprocess.run(
-        [sys.executable, "-c", SCRIPT, which, str(tmp_path / "loss_fn.kiln")],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    return run_json(
+        SCRIPT, which, str(tmp_path / "loss_fn.kiln"), KILN_CACHE_DIR=str(tmp_path / "cache")
     )
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def test_saved_function_loads_without_dynamo_and_refuses_other_inputs(tmp_path):

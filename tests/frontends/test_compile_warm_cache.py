@@ -8,13 +8,10 @@ cache key tag, Kiln's config; and finally reads a corrupted and a truncated entr
 fresh compile, the right numbers, never a crash.
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from _subprocess import run_json
 
 SCRIPT = textwrap.dedent(
     """
@@ -88,17 +85,7 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(tmp_path, which):
-    env = {**os.environ, "KILN_CACHE_DIR": str(tmp_path / "cache")}
-    p = subprocess.run(
-        [sys.executable, "-c", SCRIPT, which],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_json(SCRIPT, which, KILN_CACHE_DIR=str(tmp_path / "cache"))
 
 
 def test_second_process_loads_then_misses_on_any_change(tmp_path):

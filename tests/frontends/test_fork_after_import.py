@@ -13,9 +13,7 @@ at the first use of the device, not at import (the check is a backward pass).  S
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from _subprocess import start_python
 
 _FORK = r"""
 import os, sys
@@ -78,24 +76,14 @@ child(body)
 )
 
 
-def _start(code: str, **env: str) -> subprocess.Popen:
-    e = {k: v for k, v in os.environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
-    e.update(env)
-    return subprocess.Popen(
-        [sys.executable, "-c", code],
-        env=e,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def test_forked_children_run_autograd():
     # fresh processes side by side
     procs = {
-        "backward, fork, no kiln": _start(_WITHOUT_KILN),
-        "import kiln, fork": _start(_WITH_KILN),
-        "import kiln, fork, autoload off": _start(_WITH_KILN, TORCH_DEVICE_BACKEND_AUTOLOAD="0"),
+        "backward, fork, no kiln": start_python(_WITHOUT_KILN),
+        "import kiln, fork": start_python(_WITH_KILN),
+        "import kiln, fork, autoload off": start_python(
+            _WITH_KILN, TORCH_DEVICE_BACKEND_AUTOLOAD="0"
+        ),
     }
     for name, p in procs.items():
         out, err = p.communicate(timeout=300)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import torch.utils.checkpoint as cp
+from _subprocess import start_python
 from torch.testing._internal.autocast_test_lists import AutocastCPUTestLists
 
 import kiln
@@ -256,27 +254,15 @@ _TRAIN_AFTER_EAGER = textwrap.dedent(
 )
 
 
-def _start(code: str, **env: str) -> subprocess.Popen:
-    e = {k: v for k, v in os.environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
-    e.update(env)
-    return subprocess.Popen(
-        [sys.executable, "-c", code],
-        env=e,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def test_import_order_does_not_matter():
-    # two fresh processes, run side by side: kiln imported after an eager backward pass (the
+    # three fresh processes, run side by side: kiln imported after an eager backward pass (the
     # engine then has no kiln queue: kiln's backward passes run on the calling thread) and before
     # it; both train with eager's numbers.  PyTorch's device-backend autoload switch changes
     # nothing (kiln registers nothing at import torch)
     procs = {
-        "late": _start(_TRAIN_AFTER_EAGER + _THREADING),
-        "late, autoload off": _start(_TRAIN_AFTER_EAGER, TORCH_DEVICE_BACKEND_AUTOLOAD="0"),
-        "early": _start("import kiln\n" + _TRAIN_AFTER_EAGER + _THREADING),
+        "late": start_python(_TRAIN_AFTER_EAGER + _THREADING),
+        "late, autoload off": start_python(_TRAIN_AFTER_EAGER, TORCH_DEVICE_BACKEND_AUTOLOAD="0"),
+        "early": start_python("import kiln\n" + _TRAIN_AFTER_EAGER + _THREADING),
     }
     res = {k: (p.communicate(timeout=300), p.returncode) for k, p in procs.items()}
     for k, ((out, err), rc) in res.items():
