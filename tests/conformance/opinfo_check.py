@@ -9,8 +9,10 @@ back, or when the op under test is one Kiln claims and no Kiln graph ran.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
+import torch
 from opinfo_expected import NO_GRAPH, NOT_RANDOM, RANDOM, allowed_fallbacks, crashes
 from opinfo_runner import (
     EagerFailed,
@@ -19,6 +21,7 @@ from opinfo_runner import (
     compare,
     kiln_results,
     max_samples,
+    rounding_only,
     run_eager,
     samples,
 )
@@ -62,6 +65,9 @@ def op_outcomes(name: str, mode: str) -> dict[str, Outcome]:
         out.setdefault("grad", out["fwd"])
         return out
     want_grad = "grad" not in out
+    # the samples' random values do not depend on what the process ran before (a worker's
+    # earlier ops): a failure reproduces with the op alone
+    torch.manual_seed(zlib.crc32(name.encode()))
     try:
         ss = samples(op, max_samples(mode), requires_grad=op.supports_autograd)
     except Exception as e:  # noqa: BLE001 - reported as the op's skip reason
@@ -86,29 +92,60 @@ def op_outcomes(name: str, mode: str) -> dict[str, Outcome]:
     mask = [g is not None for g in exp_grad]
     got_fwd, got_grad, ph = kiln_results(mode, op, [s for s, _ in exp_fwd], mask)
     rnd = is_random(name)
-    fwd = _judge(got_fwd, [e for _, e in exp_fwd], [True] * len(mask), rnd, eager_err["fwd"])
+    judged = [s for s, _ in exp_fwd]
+    fwd = _judge(
+        op,
+        judged,
+        "fwd",
+        got_fwd,
+        [e for _, e in exp_fwd],
+        [True] * len(mask),
+        rnd,
+        eager_err["fwd"],
+    )
     fwd.fallbacks, fwd.kiln_graphs = dict(ph.fwd), ph.fwd_graphs
     out["fwd"] = _claims(name, mode, "fwd", fwd)
     if want_grad:
-        grad = _judge(got_grad, exp_grad, mask, rnd, eager_err["grad"])
+        grad = _judge(op, judged, "grad", got_grad, exp_grad, mask, rnd, eager_err["grad"])
         grad.fallbacks, grad.kiln_graphs = dict(ph.all), ph.all_graphs
         out["grad"] = _claims(name, mode, "grad", grad)
     return out
 
 
-def _judge(got: list, expected: list, mask: list[bool], rnd: bool, why_none: str) -> Outcome:
-    """The first sample that differs from eager, or a pass (a skip when none was compared)."""
-    n = 0
-    for i, (a, e, m) in enumerate(zip(got, expected, mask)):
+def _judge(
+    op: Any,
+    ss: list,
+    check: str,
+    got: list,
+    expected: list,
+    mask: list[bool],
+    rnd: bool,
+    why_none: str,
+) -> Outcome:
+    """The first sample that differs from eager, or a pass (a skip when none was compared).
+
+    A sample beyond ``assert_close``'s tolerance of eager passes only when a float64 run of it
+    shows the difference is rounding: Kiln's error is at most ``ROUNDING_FACTOR`` times eager's
+    (:func:`opinfo_runner.rounding_only`; e.g. a sum with cancellation added in another order);
+    those samples are counted in the outcome's detail."""
+    n = rounded = 0
+    for i, (s, a, e, m) in enumerate(zip(ss, got, expected, mask)):
         if not m:
             continue
         n += 1
         problem = a.msg if isinstance(a, _Error) else compare(a, e, rnd)
+        rounding = problem is not None and not isinstance(a, _Error) and not rnd
+        if rounding and rounding_only(op, s, check, a, e):
+            rounded += 1
+            problem = None
         if problem is not None:
             return Outcome("fail", f"sample {i}: {problem}", samples=n)
     if n == 0:
         return Outcome("skip", why_none or "no sample ran in eager")
-    return Outcome("pass", samples=n)
+    detail = (
+        f"{rounded} samples differ from eager by rounding only (float64-judged)" if rounded else ""
+    )
+    return Outcome("pass", detail, samples=n)
 
 
 def _claims(name: str, mode: str, check: str, result: Outcome) -> Outcome:

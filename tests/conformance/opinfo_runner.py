@@ -292,6 +292,67 @@ def compare(actual: Any, expected: Any, random_op: bool) -> str | None:
     return None
 
 
+# How much larger than eager's a Kiln result's error may be, both measured against a float64 run
+# of the sample, for a difference from eager beyond assert_close's tolerance to count as rounding
+# (:func:`rounding_only`).
+ROUNDING_FACTOR = 4.0
+
+_DOWN = {torch.float64: torch.float32, torch.complex128: torch.complex64}
+
+
+def _float64_run(op: Any, sample: Any, check: str) -> Any:
+    """The sample run in float64: its forward output (``check == "fwd"``), or its gradients for
+    the float32 run's output gradients, cast to float64."""
+
+    def up(t: torch.Tensor) -> torch.Tensor:
+        return t.double() if t.dtype == torch.float32 else t
+
+    args, kwargs = call_args(sample, lambda t: up(t.clone()))
+    torch.default_generator.manual_seed(0)
+    out = op.op(*args, **kwargs)
+    if check == "fwd":
+        return out
+    ins, outs = grad_parts(args, kwargs, out)
+    g = torch.Generator().manual_seed(1234)  # grad_outputs' draws, in the float32 run's dtypes
+    gouts = [
+        torch.randn(o.shape, generator=g, dtype=_DOWN.get(o.dtype, o.dtype)).to(o.dtype)
+        for o in outs
+    ]
+    return torch.autograd.grad(outs, ins, gouts, allow_unused=True)
+
+
+def _error(x: torch.Tensor, exact: torch.Tensor) -> float:
+    """Largest |x - exact|; NaN where ``exact`` is NaN counts as exact, NaN elsewhere as inf."""
+    d = (x.to(exact.dtype) - exact).abs()
+    d = torch.where(torch.isnan(x) & torch.isnan(exact), 0, d)
+    return float(d.nan_to_num(float("inf")).max()) if d.numel() else 0.0
+
+
+def rounding_only(op: Any, sample: Any, check: str, actual: Any, expected: Any) -> bool:
+    """Whether Kiln's result ``actual``, beyond assert_close's tolerance of eager's ``expected``,
+    is as accurate as eager's: against a float64 run of the sample, each floating tensor's largest
+    error is at most ``ROUNDING_FACTOR`` times eager's (or within assert_close's tolerance of the
+    float64 value); every other part equal.  False when the float64 run is not possible."""
+    try:
+        exact = _float64_run(op, sample, check)
+    except Exception:  # noqa: BLE001 - no float64 judgement: the difference stays a failure
+        return False
+    fa, fe, fx = (tree_flatten(x)[0] for x in (actual, expected, exact))
+    if not len(fa) == len(fe) == len(fx):
+        return False
+    for a, e, x in zip(fa, fe, fx):
+        if not isinstance(a, torch.Tensor) or not (a.is_floating_point() or a.is_complex()):
+            if compare(a, e, False) is not None:
+                return False
+            continue
+        if not isinstance(x, torch.Tensor) or a.shape != e.shape or a.shape != x.shape:
+            return False
+        x = x.detach().to(torch.complex128 if x.is_complex() else torch.float64)
+        if _error(a, x) > ROUNDING_FACTOR * _error(e, x) and compare(a, x.to(a.dtype), False):
+            return False
+    return True
+
+
 def first_lines(msg: str) -> str:
     """The error's first line (and the next one when the first only introduces it)."""
     lines = [ln.strip() for ln in msg.strip().splitlines() if ln.strip()]

@@ -11,6 +11,13 @@ run batched (:mod:`opinfo_runner`): one Kiln run per chunk of samples serves bot
 - an op listed in :mod:`opinfo_expected` that fails is ``xfail`` with its recorded reason (an op
   listed there that passes simply passes; ``bench/opinfo_report.py`` lists those);
 - anything else that fails is a real failure: an error, or a wrong result (max abs diff reported);
+- a result beyond ``assert_close``'s default tolerance of eager passes only when it is rounding:
+  against a float64 run of the same sample (the same output gradients), its largest error is at
+  most 4x eager's (``opinfo_runner.rounding_only``, the fuzzer's rule); e.g. a gradient summed
+  over a broadcast dim with cancellation, added in another order.  Such samples are counted in the
+  outcome (``rounded`` junit property);
+- each op's samples are drawn after seeding the RNG from the op's name, so an op's inputs do not
+  depend on what its worker ran before and a failure reproduces with the op alone;
 - Kiln must have computed it: a pass fails when an ATen op that Kiln claims (lowered to a computing
   Kiln op: fused, kept whole or run by Kiln's executor; not a view, not in the fallback table) was
   counted as an ATen fallback, or when the op under test is such an op and no Kiln graph ran
@@ -66,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from opinfo_check import CHECKS, OPS  # noqa: E402
 from opinfo_expected import expected_failure  # noqa: E402
 from opinfo_pool import Sweep  # noqa: E402
-from opinfo_runner import STACK_EXTRACT_TEST_FN, extract_test_fn  # noqa: E402
+from opinfo_runner import STACK_EXTRACT_TEST_FN, compare, extract_test_fn, rounding_only  # noqa: E402
 
 
 def selected() -> list[str]:
@@ -108,6 +115,7 @@ def _run(sweep: Sweep, name: str, mode: str, check: str, record_property: Callab
     record_property("kiln_fallbacks", ",".join(sorted(out.fallbacks)) or "none")
     record_property("kiln_graphs", out.kiln_graphs)
     record_property("samples", out.samples)
+    record_property("rounded", out.detail if out.status == "pass" else "")
     if out.status == "skip":
         pytest.skip(out.detail)
     if out.status == "fail":
@@ -250,3 +258,32 @@ def test_sweep_finds_the_test_method_as_torch_does() -> None:
     case.test_probe()
     assert case.found == (_ProbeCase.test_probe, _ProbeCase.test_probe)
     assert case.tracked is _ProbeCase.test_probe  # what OpInfo's sample iterator saw
+
+
+def test_rounding_rule_tells_rounding_from_a_wrong_value() -> None:
+    """A result beyond assert_close's tolerance of eager passes as rounding only when a float64
+    run shows it at most ROUNDING_FACTOR times eager's error: here a sum with cancellation, where
+    eager's float32 sum is 0 and the exact sum 1000."""
+    from types import SimpleNamespace
+
+    from torch.testing._internal.opinfo.core import SampleInput
+
+    x = torch.cat([torch.full((100,), 1e8), torch.ones(1000), torch.full((100,), -1e8)])
+    op, sample = SimpleNamespace(op=torch.sum), SampleInput(x)
+    eager = torch.sum(x)
+    assert float(eager) != 1000.0  # the premise: eager's sum is off
+    exact, wrong = torch.tensor(1000.0), torch.tensor(float(eager) + 1e5)
+    assert compare(exact, eager, False) is not None  # both beyond tolerance of eager
+    assert compare(wrong, eager, False) is not None
+    assert rounding_only(op, sample, "fwd", exact, eager)
+    assert not rounding_only(op, sample, "fwd", wrong, eager)
+    nan = torch.tensor(float("nan"))
+    assert not rounding_only(op, sample, "fwd", nan, eager)
+    # gradients: the float64 run uses the float32 run's output gradients
+    w = torch.randn(5, 3, requires_grad=True)
+    gsample = SampleInput(w)
+    gop = SimpleNamespace(op=lambda t: t * 3.0)
+    g = torch.Generator().manual_seed(1234)
+    right = (torch.randn(5, 3, generator=g) * 3.0,)
+    assert rounding_only(gop, gsample, "grad", right, right)
+    assert not rounding_only(gop, gsample, "grad", (right[0] + 1.0,), right)
