@@ -6,8 +6,8 @@ forward and backward, see :mod:`kiln.codegen.cpp.layer_norm`, and each last-dim 
 backward, :mod:`kiln.codegen.cpp.softmax_backward`); identical kernels are shared.
 A kernel built before (by an earlier graph, in this process or another sharing the cache) is
 loaded from the unit that holds it; the graph's new kernels go into one translation unit (two,
-compiled in parallel, when there are many), built with g++ through the kernel cache
-(:mod:`kiln.codegen.cpp.build`) in build threads: ``build`` returns before g++ ends (a
+compiled in parallel, when there are many or they are long), built with g++ through the kernel
+cache (:mod:`kiln.codegen.cpp.build`) in build threads: ``build`` returns before g++ ends (a
 :class:`~kiln.codegen.cpp.deferred.Deferred` executor), so PyTorch traces and lowers the next
 graph meanwhile, and the graph's first run waits for its units.  Everything else
 runs through ATen (:mod:`kiln.codegen.cpp.executor`).  ``info["kernels"]`` lists each kernel's
@@ -49,6 +49,9 @@ _DIRECT = {
     "_log_softmax_backward_data.default": (softmax_backward_ok, emit_softmax_backward),
 }
 SPLIT_AT = 8  # more new kernels than this: two units, compiled by two g++ in parallel
+# or more new kernel source than this (characters; g++ -O2 takes ~0.1 s per 10,000 of them):
+# two units of about equal source (a transformer's backward graph: 8 kernels, ~90,000)
+SPLIT_CHARS = 32_000
 _SR_CASTS = "kiln_sr_casts"  # the stochastic-rounding cast kernels, as one kernel id
 
 
@@ -89,7 +92,7 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
             print(f"[kiln] generated kernel {name} ({len(src)} chars):\n{src}")
     # kernels built before (in any unit) are loaded from there; the new ones form new units,
     # compiled by g++ in build threads while the caller goes on (the graph's first run waits)
-    pending = start_kernels(kernels, PRELUDE, SPLIT_AT)
+    pending = start_kernels(kernels, PRELUDE, SPLIT_AT, SPLIT_CHARS)
     metrics.incr("fused_kernels", len(specs))
     info = {
         "backend": "cpp",

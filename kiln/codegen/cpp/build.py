@@ -115,7 +115,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def _compile(source: str, key: str, d: Path) -> bytes:
-    """Run g++ on one unit (in the caller's thread: the GIL is free while it runs); its .so bytes."""
+    """Run g++ on one unit in the caller's thread (the GIL is free while it runs); the .so bytes."""
     cpp = d / f".{key}.{os.getpid()}.{threading.get_ident()}.cpp"
     tmp_so = cpp.with_suffix(".so.tmp")
     try:
@@ -300,13 +300,17 @@ _inflight: dict[str, PendingUnit] = {}  # kernel key -> the unit being built tha
 
 
 def start_kernels(
-    kernels: dict[str, tuple[str, tuple[str, ...]]], prelude: str, split_at: int
+    kernels: dict[str, tuple[str, tuple[str, ...]]],
+    prelude: str,
+    split_at: int,
+    split_chars: int = 0,
 ) -> PendingKernels:
     """Where each kernel will come from: ``kernels`` maps an id to (C++ source, symbols it
     defines), each compiled after ``prelude``.  A kernel some unit already holds (this process,
     or the on-disk index) or is being built into (this process) comes from that unit; the others
-    go into new units, sorted by id (more than ``split_at``: two units, built in parallel), that
-    the build threads compile and list in the index as soon as each has landed."""
+    go into new units (more than ``split_at`` kernels, or more than ``split_chars`` characters of
+    source when that is not 0: two units of about equal source, built in parallel), that the build
+    threads compile and list in the index as soon as each has landed."""
     if not kernels:
         return PendingKernels({})
     d = kernel_dir()
@@ -327,8 +331,7 @@ def start_kernels(
             continue
         metrics.incr("kernels_reused")
     if new:
-        units = [new] if len(new) <= split_at else [new[: len(new) // 2], new[len(new) // 2 :]]
-        for u in units:
+        for u in _split(new, {k: len(kernels[k][0]) for k in new}, split_at, split_chars):
             src = prelude + "\n".join(kernels[k][0] for k in u)
             lib = _start(src, d, tuple(keys[k] for k in u))
             if isinstance(lib, PendingUnit):  # the build thread lists it in the index
@@ -338,6 +341,23 @@ def start_kernels(
             for k in u:
                 libs[k] = (lib, keys[k])
     return PendingKernels(libs)
+
+
+def _split(
+    new: list[str], size: dict[str, int], split_at: int, split_chars: int
+) -> list[list[str]]:
+    """The new kernels' units: one, or two of about equal source size (g++ time grows with it:
+    one long kernel would otherwise keep a whole unit waiting), each sorted by id."""
+    total = sum(size.values())
+    if len(new) <= split_at and not (split_chars and total > split_chars):
+        return [new]
+    units: list[list[str]] = [[], []]
+    sizes = [0, 0]
+    for k in sorted(new, key=lambda k: (-size[k], k)):  # longest first, to the smaller unit
+        i = 0 if sizes[0] <= sizes[1] else 1
+        units[i].append(k)
+        sizes[i] += size[k]
+    return [sorted(u) for u in units if u]
 
 
 def _list_in_index(ukey: str, kkeys: list[str]) -> None:
@@ -350,10 +370,13 @@ def _list_in_index(ukey: str, kkeys: list[str]) -> None:
 
 
 def build_kernels(
-    kernels: dict[str, tuple[str, tuple[str, ...]]], prelude: str, split_at: int
+    kernels: dict[str, tuple[str, tuple[str, ...]]],
+    prelude: str,
+    split_at: int,
+    split_chars: int = 0,
 ) -> dict[str, ctypes.CDLL]:
     """:func:`start_kernels`, waited for: the library holding each kernel."""
-    return start_kernels(kernels, prelude, split_at).wait()
+    return start_kernels(kernels, prelude, split_at, split_chars).wait()
 
 
 def forget_loaded() -> None:
