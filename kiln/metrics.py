@@ -17,6 +17,7 @@ runs).
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -57,6 +58,16 @@ class _Metrics:
 
 _m = _Metrics()
 _lock = threading.Lock()
+
+
+def _free_lock_in_child() -> None:
+    """A forked child has only the forking thread: another thread of the parent (a kernel build
+    thread counting its build) may have held the lock at the fork, so the child takes a new one."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_free_lock_in_child)
 
 
 def reset() -> None:

@@ -127,3 +127,23 @@ def test_many_new_kernels_split_into_two_units(tmp_path, monkeypatch):
     assert metrics.get("kernel_builds") == builds + 2
     assert len({id(lib) for lib in libs.values()}) == 2
     assert [libs[f"kiln_test_s{i}"][f"kiln_test_s{i}"](3) for i in range(5)] == [0, 3, 6, 9, 12]
+
+
+def test_long_kernel_source_splits_into_units_of_about_equal_size(tmp_path, monkeypatch):
+    """Few kernels but much source: two units, the longest kernel alone in one (g++ time grows
+    with the source), the short ones together; every kernel callable from its unit."""
+    monkeypatch.setattr(config, "cache_dir", str(tmp_path))
+    pad = "// " + "x" * 4000 + "\n"
+    kernels = _kernels(("l0", 2), ("l1", 3), ("l2", 4))
+    src, syms = kernels["kiln_test_l0"]
+    kernels["kiln_test_l0"] = (pad * 3 + src, syms)  # ~12,000 characters
+    kernels["kiln_test_l1"] = (pad + kernels["kiln_test_l1"][0], ("kiln_test_l1",))
+    builds = metrics.get("kernel_builds")
+    libs = cbuild.build_kernels(kernels, _PRELUDE, 8, 10_000)
+    assert metrics.get("kernel_builds") == builds + 2
+    assert libs["kiln_test_l1"] is libs["kiln_test_l2"] is not libs["kiln_test_l0"]
+    assert [libs[f"kiln_test_l{i}"][f"kiln_test_l{i}"](5) for i in range(3)] == [10, 15, 20]
+    cbuild.forget_loaded()
+    again = cbuild.build_kernels(kernels, _PRELUDE, 8)  # no size rule: found in the index
+    assert metrics.get("kernel_builds") == builds + 2
+    assert again["kiln_test_l0"].kiln_test_l0(1) == 2

@@ -6,8 +6,10 @@ forward and backward, see :mod:`kiln.codegen.cpp.layer_norm`, and each last-dim 
 backward, :mod:`kiln.codegen.cpp.softmax_backward`); identical kernels are shared.
 A kernel built before (by an earlier graph, in this process or another sharing the cache) is
 loaded from the unit that holds it; the graph's new kernels go into one translation unit (two,
-compiled in parallel, when there are many), built with g++ through the kernel cache
-(:mod:`kiln.codegen.cpp.build`).  Everything else
+compiled in parallel, when there are many or they are long), built with g++ through the kernel
+cache (:mod:`kiln.codegen.cpp.build`) in build threads: ``build`` returns before g++ ends (a
+:class:`~kiln.codegen.cpp.deferred.Deferred` executor), so PyTorch traces and lowers the next
+graph meanwhile, and the graph's first run waits for its units.  Everything else
 runs through ATen (:mod:`kiln.codegen.cpp.executor`).  ``info["kernels"]`` lists each kernel's
 name, the graph nodes fused into it and its C++ source, for ``kiln explain``; ``KILN_LOG=kernels``
 prints the sources.
@@ -22,7 +24,8 @@ from collections.abc import Callable, Sequence
 from kiln import metrics
 from kiln.codegen.base import Backend, Pass, register_backend
 from kiln.codegen.cpp.aten_call import prepare_aten_call
-from kiln.codegen.cpp.build import build_kernels
+from kiln.codegen.cpp.build import start_kernels
+from kiln.codegen.cpp.deferred import Deferred
 from kiln.codegen.cpp.emit import KernelSpec, emit_kernel
 from kiln.codegen.cpp.executor import Executor, make_fused_call
 from kiln.codegen.cpp.layer_norm import emit_layer_norm, layer_norm_ok
@@ -46,6 +49,9 @@ _DIRECT = {
     "_log_softmax_backward_data.default": (softmax_backward_ok, emit_softmax_backward),
 }
 SPLIT_AT = 8  # more new kernels than this: two units, compiled by two g++ in parallel
+# or more new kernel source than this (characters; g++ -O2 takes ~0.1 s per 10,000 of them):
+# two units of about equal source (a transformer's backward graph: 8 kernels, ~90,000)
+SPLIT_CHARS = 32_000
 _SR_CASTS = "kiln_sr_casts"  # the stochastic-rounding cast kernels, as one kernel id
 
 
@@ -84,8 +90,37 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
     if config.log_enabled("kernels"):
         for name, (src, _) in sorted(kernels.items()):
             print(f"[kiln] generated kernel {name} ({len(src)} chars):\n{src}")
-    # kernels built before (in any unit) are loaded from there; the new ones form new units
-    libs = build_kernels(kernels, PRELUDE, SPLIT_AT) if kernels else {}
+    # kernels built before (in any unit) are loaded from there; the new ones form new units,
+    # compiled by g++ in build threads while the caller goes on (the graph's first run waits)
+    pending = start_kernels(kernels, PRELUDE, SPLIT_AT, SPLIT_CHARS)
+    metrics.incr("fused_kernels", len(specs))
+    info = {
+        "backend": "cpp",
+        "units": pending.n_units,
+        "kernels": [
+            {
+                "name": s.name,
+                "node": i,
+                "kind": s.kind,
+                "members": list(s.members),
+                "source": s.source,
+            }
+            for i, s in specs.items()
+        ],
+    }
+    if pending.running:
+        return Deferred(lambda: _executor(g, specs, unique, sr_nodes, pending.wait())), info
+    return _executor(g, specs, unique, sr_nodes, pending.wait()), info
+
+
+def _executor(
+    g: Graph,
+    specs: dict[int, KernelSpec],
+    unique: dict[str, str],
+    sr_nodes: list[int],
+    libs: dict[str, ctypes.CDLL],
+) -> Executor:
+    """The graph's executor, once its kernels' libraries are loaded."""
     fns: dict[str, ctypes._CFuncPtr] = {}
     for name in unique:
         f = getattr(libs[name], name)
@@ -94,7 +129,6 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
         fns[name] = f
     plan = dict(_memory_plan(g))
     slots: dict = {}
-    metrics.incr("fused_kernels", len(specs))
     final = _final_slot_uses(plan)
     calls = {
         i: make_fused_call(s, fns[s.name], plan.get(i), slots, final.get(i, frozenset()))
@@ -110,21 +144,7 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
         for i in sr_nodes:
             calls[i] = sr_call(g.nodes[i], prepare_aten_call(in_float(g.nodes[i])), casts)
         metrics.incr("sr_aten_nodes", len(sr_nodes))
-    info = {
-        "backend": "cpp",
-        "units": len({id(lib) for lib in libs.values()}),
-        "kernels": [
-            {
-                "name": s.name,
-                "node": i,
-                "kind": s.kind,
-                "members": list(s.members),
-                "source": s.source,
-            }
-            for i, s in specs.items()
-        ],
-    }
-    return Executor(g, calls, slots), info
+    return Executor(g, calls, slots)
 
 
 def _memory_plan(g: Graph):
