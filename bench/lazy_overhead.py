@@ -5,7 +5,10 @@
 
 1. Recording: a chain of ``--ops`` small pointwise ops (add, mul, relu, sub, in turn, on a
    64-element tensor, a Python float as second operand) recorded on the kiln device, timed up to
-   (not including) ``mark_step``; the same chain run in eager on the CPU for comparison.
+   (not including) ``mark_step``; the same chain recorded by the native recorder (stage 1,
+   kiln/frontends/lazy/native: C++ op capture, not yet the kiln device's recorder; skipped with
+   the reason where it cannot be built) and run in eager on the CPU, for comparison.  The three
+   are interleaved within each repetition.
 2. mark_step on a steady graph: ``--graph-ops`` ops recorded, then ``mark_step`` timed; from the
    second repetition on the graph is a cache hit, so mark_step is cut + lookup + launch + the
    kernels themselves; the kernel time the runtime measured (``kiln.metrics`` execute time) is
@@ -29,6 +32,7 @@ import torch  # noqa: E402
 
 import kiln  # noqa: E402
 from kiln import metrics  # noqa: E402
+from kiln.frontends.lazy import native  # noqa: E402
 
 
 def chain(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -46,27 +50,34 @@ def chain(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def record_cost(n: int, reps: int) -> dict[str, float]:
-    """Medians, us/op: kiln recording and eager CPU, by wall clock and by this thread's CPU time
-    (less sensitive to other processes on a shared machine)."""
+    """Medians, us/op: kiln recording (Python recorder), the native recorder and eager CPU, by
+    wall clock and by this thread's CPU time (less sensitive to other processes on a shared
+    machine).  ``native`` keys are missing where the native recorder is unavailable."""
     dev = kiln.device()
     base = torch.randn(64)
-    out: dict[str, list[float]] = {"lazy": [], "eager": [], "lazy_cpu": [], "eager_cpu": []}
-    for r in range(reps + 1):
-        x = base.to(dev)
-        kiln.mark_step()
+    has_native = native.available()
+    out: dict[str, list[float]] = {}
+
+    def timed(key: str, x: torch.Tensor, keep: bool) -> torch.Tensor:
         c0, t0 = time.thread_time(), time.perf_counter()
         y = chain(x, n)
         c1, t1 = time.thread_time(), time.perf_counter()
+        if keep:
+            out.setdefault(key, []).append((t1 - t0) / n * 1e6)
+            out.setdefault(key + "_cpu", []).append((c1 - c0) / n * 1e6)
+        return y
+
+    for r in range(reps + 1):
+        x = base.to(dev)
+        kiln.mark_step()
+        y = timed("lazy", x, r > 0)
         kiln.mark_step()
         del y
-        c2, t2 = time.thread_time(), time.perf_counter()
-        chain(base, n)
-        c3, t3 = time.thread_time(), time.perf_counter()
-        if r:
-            out["lazy"].append((t1 - t0) / n * 1e6)
-            out["eager"].append((t3 - t2) / n * 1e6)
-            out["lazy_cpu"].append((c1 - c0) / n * 1e6)
-            out["eager_cpu"].append((c3 - c2) / n * 1e6)
+        if has_native:
+            y = timed("native", native.tensor(base), r > 0)
+            native.mark_step()
+            del y
+        timed("eager", base, r > 0)
     return {k: statistics.median(v) for k, v in out.items()}
 
 
@@ -110,6 +121,14 @@ def main(argv: list[str] | None = None) -> None:
         f"(eager CPU runs the op in {rc['eager']:.2f} us); "
         f"thread CPU time: {rc['lazy_cpu']:.2f} vs {rc['eager_cpu']:.2f} us/op"
     )
+    if "native" in rc:
+        print(
+            f"native recorder (stage 1): {rc['native']:.2f} us/op, thread CPU time "
+            f"{rc['native_cpu']:.2f} us/op (Python recorder {rc['lazy_cpu']:.2f}, "
+            f"eager {rc['eager_cpu']:.2f})"
+        )
+    else:
+        print("native recorder: unavailable here (no C++ compiler or a failed build)")
     ms = mark_step_cost(a.graph_ops, a.reps)
     print(
         f"mark_step, steady {a.graph_ops}-op graph: {ms['step']:.3f} ms "
