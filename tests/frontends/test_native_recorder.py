@@ -291,3 +291,25 @@ def test_kiln_device_unaffected_by_the_native_recorder():
         kiln.mark_step()
     for p, q in zip(ref.parameters(), lazy.parameters()):
         torch.testing.assert_close(q.cpu(), p, rtol=1e-5, atol=1e-6)
+
+
+def test_without_a_compiler_load_raises_a_clear_error(monkeypatch, tmp_path):
+    """No working g++: NativeUnavailable naming the reason, remembered (no second build), and
+    ``available()`` False; the kiln device's Python recorder is not involved."""
+    from kiln.codegen.cpp.build import BuildError
+    from kiln.codegen.cpp.extension import Extension
+
+    def no_compiler(*a):
+        raise BuildError("no working C++ compiler (g++): not found")
+
+    ext = Extension("kiln_native_recorder", native._EXT.source, ["-O2", "-w"], "recorder")
+    monkeypatch.setattr(ext, "build", no_compiler)
+    monkeypatch.setattr(kiln.config, "launcher_dir", str(tmp_path))
+    monkeypatch.setattr(native, "_EXT", ext)
+    monkeypatch.setattr(native, "_configured", [])
+    with pytest.raises(native.NativeUnavailable, match=r"no working C\+\+ compiler"):
+        native.load()
+    monkeypatch.setattr(ext, "build", lambda *a: pytest.fail("built twice"))
+    with pytest.raises(native.NativeUnavailable, match=r"no working C\+\+ compiler"):
+        native.load()
+    assert not native.available()
