@@ -12,7 +12,9 @@
 2. mark_step on a steady graph: ``--graph-ops`` ops recorded, then ``mark_step`` timed; from the
    second repetition on the graph is a cache hit, so mark_step is cut + lookup + launch + the
    kernels themselves; the kernel time the runtime measured (``kiln.metrics`` execute time) is
-   printed beside it, and the difference is the overhead.
+   printed beside it, and the difference is the overhead.  The native recorder's
+   ``native.mark_step`` on the same chain (cut, recognised graph, values, launch, kernels) is
+   timed in each repetition too.
 
 Medians over ``--reps`` repetitions (after one warm-up); the machine is shared, so numbers vary.
 """
@@ -85,8 +87,10 @@ def mark_step_cost(n: int, reps: int) -> dict[str, float]:
     """Medians on a steady ``n``-op graph, ms: mark_step (wall and thread CPU time), the kernel
     execution inside it (kiln.metrics), and recording the graph."""
     dev = kiln.device()
-    x = torch.randn(64).to(dev)
+    base = torch.randn(64)
+    x = base.to(dev)
     kiln.mark_step()
+    has_native = native.available()
     out: dict[str, list[float]] = {"step": [], "step_cpu": [], "exec": [], "record": []}
     for r in range(reps + 1):
         t0 = time.perf_counter()
@@ -104,6 +108,14 @@ def mark_step_cost(n: int, reps: int) -> dict[str, float]:
             out["step_cpu"].append((c2 - c1) * 1e3)
             out["exec"].append((e1 - e0) * 1e3)
             out["record"].append((t1 - t0) * 1e3)
+        if has_native:  # the same graph recorded natively, interleaved
+            y = chain(native.tensor(base), n)
+            c1 = time.thread_time()
+            native.mark_step()
+            c2 = time.thread_time()
+            del y
+            if r:
+                out.setdefault("native_step_cpu", []).append((c2 - c1) * 1e3)
     return {k: statistics.median(v) for k, v in out.items()}
 
 
@@ -135,6 +147,10 @@ def main(argv: list[str] | None = None) -> None:
         f"(kernels {ms['exec']:.3f} ms, overhead {ms['step'] - ms['exec']:.3f} ms; "
         f"thread CPU time {ms['step_cpu']:.3f} ms); recording it took {ms['record']:.1f} ms"
     )
+    if "native_step_cpu" in ms:
+        print(
+            f"native recorder mark_step, same graph: thread CPU time {ms['native_step_cpu']:.3f} ms"
+        )
     c = metrics.counters()
     print(
         f"graphs compiled: {c.get('graphs_compiled', 0)}, forced syncs: {c.get('forced_syncs', 0)}"
