@@ -156,23 +156,35 @@ struct NativeImpl final : c10::TensorImpl {
   std::vector<int32_t> chain;  // view recipes from the storage's base to this tensor
   int32_t geo;
 
-  NativeImpl(std::shared_ptr<Storage> s, std::vector<int32_t> c, int32_t g)
+  // `G` is geos[g], passed by the caller (who holds the recorder's lock: `geos` may grow).
+  NativeImpl(std::shared_ptr<Storage> s, std::vector<int32_t> c, int32_t g, const Geo& G)
+      : NativeImpl(std::move(s), std::move(c), g, G.dtype, G.sizes, G.strides, G.offset) {}
+
+  NativeImpl(std::shared_ptr<Storage> s, std::vector<int32_t> c, int32_t g,
+             c10::ScalarType dtype, c10::IntArrayRef sizes, c10::IntArrayRef strides,
+             int64_t offset)
       // (TensorImpl adds AutogradPrivateUse2 and ADInplaceOrView, as for any backend)
       : c10::TensorImpl(c10::DispatchKeySet(c10::DispatchKey::PrivateUse2),
-                        c10::scalarTypeToTypeMeta(geos[g].dtype),
+                        c10::scalarTypeToTypeMeta(dtype),
                         c10::Device(c10::DeviceType::PrivateUse1, 0)),
         st(std::move(s)),
         chain(std::move(c)),
         geo(g) {
-    const Geo& G = geos[g];
     set_storage_access_should_throw();
-    set_sizes_and_strides(G.sizes, G.strides, G.offset);
+    set_sizes_and_strides(sizes, strides, offset);
+  }
+
+  // A copy of this tensor's metadata (its own sizes and strides: no lock needed).
+  c10::intrusive_ptr<NativeImpl> copy() const {
+    return c10::make_intrusive<NativeImpl>(st, chain, geo, c10::typeMetaToScalarType(dtype()),
+                                           sizes(), strides(),
+                                           storage_offset());
   }
 
   c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
       const c10::VariableVersion& version_counter,
       bool allow_tensor_metadata_change) const override {
-    auto r = c10::make_intrusive<NativeImpl>(st, chain, geo);
+    auto r = copy();
     r->set_version_counter(version_counter);
     r->set_allow_tensor_metadata_change(allow_tensor_metadata_change);
     return r;
@@ -180,7 +192,7 @@ struct NativeImpl final : c10::TensorImpl {
   c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
       c10::VariableVersion&& version_counter,
       bool allow_tensor_metadata_change) const override {
-    auto r = c10::make_intrusive<NativeImpl>(st, chain, geo);
+    auto r = copy();
     r->set_version_counter(std::move(version_counter));
     r->set_allow_tensor_metadata_change(allow_tensor_metadata_change);
     return r;
@@ -195,7 +207,8 @@ NativeImpl* native_of(const at::Tensor& t) {
 }
 
 at::Tensor make_tensor(std::shared_ptr<Storage> st, std::vector<int32_t> chain, int32_t geo) {
-  return at::Tensor(c10::make_intrusive<NativeImpl>(std::move(st), std::move(chain), geo));
+  return at::Tensor(
+      c10::make_intrusive<NativeImpl>(std::move(st), std::move(chain), geo, geos[geo]));
 }
 
 int32_t add_node(int64_t head, const int64_t* inputs, int32_t n) {
@@ -510,9 +523,7 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
   at::Tensor out;
   if (r->view) {
     NativeImpl* x = native_of((*stack)[first + r->slots[0].stack_index].toTensor());
-    std::vector<int32_t> chain;
-    chain.reserve(x->chain.size() + 1);
-    chain = x->chain;
+    std::vector<int32_t> chain(x->chain);
     chain.push_back(r->id);
     out = make_tensor(x->st, std::move(chain), r->out_geo);
   } else {
@@ -602,6 +613,7 @@ struct Cut {
   }
 
   void assign(const std::vector<at::Tensor>& results) {
+    std::lock_guard<std::mutex> lock(mu);
     TORCH_CHECK(results.size() == live.size(), "kiln native recorder: ", live.size(),
                 " results expected, got ", results.size());
     for (size_t i = 0; i < live.size(); ++i) {
@@ -726,9 +738,16 @@ at::Tensor value(const at::Tensor& t) {
 }
 
 py::tuple recipe_info(int64_t id) {
-  std::lock_guard<std::mutex> lock(mu);
-  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(recipes.size()), "no recipe ", id);
-  const Recipe& r = *recipes[id];
+  const Recipe* rp = nullptr;  // recipes never change once made; `recipes` and `geos` may grow
+  Geo g;
+  {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu);
+    TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(recipes.size()), "no recipe ", id);
+    rp = recipes[id].get();
+    g = geos[rp->out_geo];
+  }
+  const Recipe& r = *rp;
   py::list args, kwargs;
   int32_t k = 0;
   for (const Slot& s : r.slots) {
@@ -751,7 +770,6 @@ py::tuple recipe_info(int64_t id) {
     else
       kwargs.append(py::make_tuple(s.name, item));
   }
-  const Geo& g = geos[r.out_geo];
   py::object dtype = py::reinterpret_borrow<py::object>(
       reinterpret_cast<PyObject*>(torch::getTHPDtype(g.dtype)));
   return py::make_tuple(r.op->schema().name(), r.op->schema().overload_name(), args, kwargs,
@@ -768,21 +786,31 @@ py::tuple input_info(const at::Tensor& t) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Kiln native lazy recorder (stage 1)";
-  m.def("configure", &configure, py::arg("ops"), py::arg("structural"));
-  m.def("from_cpu", &from_cpu);
-  m.def("value", &value);
+  // Functions that take the recorder's lock release the GIL first: `record` runs without the GIL
+  // (PyTorch's bindings release it) and may need it while holding the lock (a meta kernel
+  // written in Python).
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  m.def("configure", &configure, py::arg("ops"), py::arg("structural"), nogil());
+  m.def("from_cpu", &from_cpu, nogil());
+  m.def("value", &value, nogil());
   m.def("is_native", [](const at::Tensor& t) { return native_of(t) != nullptr; });
   m.def("recipe_info", &recipe_info);
   m.def("tensor_info", &input_info);
-  m.def("trace_hash", [] {
-    std::lock_guard<std::mutex> lock(mu);
-    return trace.hash;
-  });
-  m.def("trace_len", [] {
-    std::lock_guard<std::mutex> lock(mu);
-    return trace.size();
-  });
-  m.def("cut", &cut, py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "trace_hash",
+      [] {
+        std::lock_guard<std::mutex> lock(mu);
+        return trace.hash;
+      },
+      nogil());
+  m.def(
+      "trace_len",
+      [] {
+        std::lock_guard<std::mutex> lock(mu);
+        return trace.size();
+      },
+      nogil());
+  m.def("cut", &cut, nogil());
   py::class_<Cut, std::shared_ptr<Cut>>(m, "Cut", py::module_local())
       .def_readonly("graph_id", &Cut::graph_id)
       .def_readonly("is_new", &Cut::is_new)
@@ -790,5 +818,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("outputs", &Cut::outs)
       .def("nodes", &Cut::nodes)
       .def("values", &Cut::values)
-      .def("assign", &Cut::assign);
+      .def("assign", &Cut::assign, nogil());
 }
