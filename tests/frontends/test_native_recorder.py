@@ -313,3 +313,16 @@ def test_without_a_compiler_load_raises_a_clear_error(monkeypatch, tmp_path):
     with pytest.raises(native.NativeUnavailable, match=r"no working C\+\+ compiler"):
         native.load()
     assert not native.available()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.int32])
+def test_other_dtypes(dtype):
+    """Geometry includes the dtype: each dtype its own recipe, results as eager's (bf16 rounded
+    per op, int32 promoted by a float scalar)."""
+
+    def f(x, y):
+        return (x * y + x) - 3, (x + 0.5).sum(0), x @ y.t()
+
+    x = (torch.randn(4, 5) * 4).to(dtype)
+    y = (torch.randn(4, 5) * 4).to(dtype)
+    check(f, x, y)
