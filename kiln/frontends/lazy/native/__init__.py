@@ -1,8 +1,9 @@
 """The native lazy recorder, stage 1: op capture in C++ (``recorder.cpp``), opt-in.
 
     from kiln.frontends.lazy import native
-    x = native.tensor(torch.randn(64))        # a native kiln tensor holding this value
-    y = (x + 0.5).relu() @ w                  # recorded in C++: no Python runs per op
+    x = native.tensor(torch.randn(4, 64))     # a native kiln tensor holding this value
+    w = native.tensor(torch.randn(64, 8))
+    y = (x + 0.5).relu() @ w                  # recorded in C++: no Kiln Python runs per op
     native.mark_step()                        # cut, convert to Kiln IR (new graphs only), run
     native.cpu(y)                             # the value
 
@@ -35,6 +36,7 @@ __all__ = [
     "NativeUnavailable",
     "available",
     "cpu",
+    "graph_of",
     "load",
     "mark_step",
     "tensor",
