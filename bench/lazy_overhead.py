@@ -16,6 +16,10 @@
    ``native.mark_step`` on the same chain (cut, recognised graph, values, launch, kernels) is
    timed in each repetition too.
 
+3. Other ops, per op: pairs of views of one 8x8 tensor (``x.t().unsqueeze(0)``: no node, a view
+   link each) and ``relu(x @ w)`` chains on 8x8 tensors, on the kiln device, the native recorder
+   and eager, interleaved.
+
 Medians over ``--reps`` repetitions (after one warm-up); the machine is shared, so numbers vary.
 """
 
@@ -119,6 +123,43 @@ def mark_step_cost(n: int, reps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def _views(x: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n // 2):
+        y = x.t().unsqueeze(0)
+    return y
+
+
+def _mm_relu(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n // 2):
+        x = torch.relu(x @ w)
+    return x
+
+
+def mix_cost(n: int, reps: int) -> dict[tuple[str, str], float]:
+    """Medians, us/op of thread CPU time, per (ops, recorder): views and mm + relu."""
+    dev = kiln.device()
+    base, wb = torch.randn(8, 8), torch.randn(8, 8)
+    makers = {"lazy": lambda t: t.to(dev), "eager": lambda t: t}
+    if native.available():
+        makers["native"] = native.tensor
+    out: dict[tuple[str, str], list[float]] = {}
+    for r in range(reps + 1):
+        for name, make in makers.items():
+            x, w = make(base), make(wb)
+            for what in ("views", "mm+relu"):
+                c0 = time.thread_time()
+                y = _views(x, n) if what == "views" else _mm_relu(x, w, n)
+                c1 = time.thread_time()
+                del y
+                if r:
+                    out.setdefault((what, name), []).append((c1 - c0) / n * 1e6)
+            if name == "native":
+                native.mark_step()
+            elif name == "lazy":
+                kiln.mark_step()
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", type=int, default=4000, help="ops in the recording chain")
@@ -151,6 +192,14 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"native recorder mark_step, same graph: thread CPU time {ms['native_step_cpu']:.3f} ms"
         )
+    mc = mix_cost(a.ops, a.reps)
+    for what in ("views", "mm+relu"):
+        line = ", ".join(
+            f"{name} {mc[(what, name)]:.2f}"
+            for name in ("native", "lazy", "eager")
+            if (what, name) in mc
+        )
+        print(f"{what}: thread CPU us/op: {line}")
     c = metrics.counters()
     print(
         f"graphs compiled: {c.get('graphs_compiled', 0)}, forced syncs: {c.get('forced_syncs', 0)}"
