@@ -5,7 +5,7 @@
 
 1. Recording: a chain of ``--ops`` small pointwise ops (add, mul, relu, sub, in turn, on a
    64-element tensor, a Python float as second operand) recorded on the kiln device, timed up to
-   (not including) ``mark_step``; the same chain recorded by the native recorder (stage 1,
+   (not including) ``mark_step``; the same chain recorded by the native recorder (stage 2,
    kiln/frontends/lazy/native: C++ op capture, not yet the kiln device's recorder; skipped with
    the reason where it cannot be built) and run in eager on the CPU, for comparison.  The three
    are interleaved within each repetition.
@@ -17,8 +17,9 @@
    timed in each repetition too.
 
 3. Other ops, per op: pairs of views of one 8x8 tensor (``x.t().unsqueeze(0)``: no node, a view
-   link each) and ``relu(x @ w)`` chains on 8x8 tensors, on the kiln device, the native recorder
-   and eager, interleaved.
+   link each), ``relu(x @ w)`` chains on 8x8 tensors, and ``softmax(x.cumsum(1), 1)`` chains (a
+   quarter as long: ops outside the native recorder's table, recorded by its Python fallback), on
+   the kiln device, the native recorder and eager, interleaved.
 
 Medians over ``--reps`` repetitions (after one warm-up); the machine is shared, so numbers vary.
 """
@@ -34,11 +35,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
 
-import kiln  # noqa: E402
-from kiln import metrics  # noqa: E402
-from kiln.frontends.lazy import native  # noqa: E402
+import kiln
+from kiln import metrics
+from kiln.frontends.lazy import native
 
 
 def chain(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -135,8 +136,18 @@ def _mm_relu(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
     return x
 
 
+def _fallback_ops(x: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n // 2):
+        x = torch.softmax(x.cumsum(1), 1)
+    return x
+
+
+MIXES = {"views": 1, "mm+relu": 1, "python-fallback": 4}  # ops / this = the chain's length
+
+
 def mix_cost(n: int, reps: int) -> dict[tuple[str, str], float]:
-    """Medians, us/op of thread CPU time, per (ops, recorder): views and mm + relu."""
+    """Medians, us/op of thread CPU time, per (ops, recorder): views, mm + relu, and ops outside
+    the native table (cumsum, softmax: the native recorder's Python fallback)."""
     dev = kiln.device()
     base, wb = torch.randn(8, 8), torch.randn(8, 8)
     makers = {"lazy": lambda t: t.to(dev), "eager": lambda t: t}
@@ -146,13 +157,19 @@ def mix_cost(n: int, reps: int) -> dict[tuple[str, str], float]:
     for r in range(reps + 1):
         for name, make in makers.items():
             x, w = make(base), make(wb)
-            for what in ("views", "mm+relu"):
+            for what, div in MIXES.items():
+                m = n // div
                 c0 = time.thread_time()
-                y = _views(x, n) if what == "views" else _mm_relu(x, w, n)
+                if what == "views":
+                    y = _views(x, m)
+                elif what == "mm+relu":
+                    y = _mm_relu(x, w, m)
+                else:
+                    y = _fallback_ops(x, m)
                 c1 = time.thread_time()
                 del y
                 if r:
-                    out.setdefault((what, name), []).append((c1 - c0) / n * 1e6)
+                    out.setdefault((what, name), []).append((c1 - c0) / m * 1e6)
             if name == "native":
                 native.mark_step()
             elif name == "lazy":
@@ -176,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if "native" in rc:
         print(
-            f"native recorder (stage 1): {rc['native']:.2f} us/op, thread CPU time "
+            f"native recorder (stage 2): {rc['native']:.2f} us/op, thread CPU time "
             f"{rc['native_cpu']:.2f} us/op (Python recorder {rc['lazy_cpu']:.2f}, "
             f"eager {rc['eager_cpu']:.2f})"
         )
@@ -193,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
             f"native recorder mark_step, same graph: thread CPU time {ms['native_step_cpu']:.3f} ms"
         )
     mc = mix_cost(a.ops, a.reps)
-    for what in ("views", "mm+relu"):
+    for what in MIXES:
         line = ", ".join(
             f"{name} {mc[(what, name)]:.2f}"
             for name in ("native", "lazy", "eager")

@@ -1,4 +1,5 @@
-"""The native lazy recorder, stage 1: op capture in C++ (``recorder.cpp``), opt-in.
+"""The native lazy recorder, stage 2: op capture in C++ (``recorder.cpp``), opt-in; ops outside
+its C++ table go through a boxed fallback to Python (``fallback.py``, counted), so none is lost.
 
     from kiln.frontends.lazy import native
     x = native.tensor(torch.randn(4, 64))     # a native kiln tensor holding this value
@@ -28,7 +29,7 @@ import torch
 from kiln import metrics
 from kiln.codegen.cpp.build import BuildError
 from kiln.codegen.cpp.extension import Extension, Unavailable
-from kiln.frontends.lazy.native import table
+from kiln.frontends.lazy.native import fallback, table
 from kiln.frontends.lazy.native.convert import Converted, convert
 from kiln.runtime.compiler import compile_graph
 
@@ -39,6 +40,7 @@ __all__ = [
     "graph_of",
     "load",
     "mark_step",
+    "python_ops",
     "tensor",
     "trace_hash",
     "trace_len",
@@ -79,6 +81,7 @@ def load() -> ModuleType:
                 "unaffected."
             ) from None
         mod.configure(table.OPS, table.STRUCTURAL)
+        mod.set_fallback(fallback.Handler(mod, mark_step))
         _configured.append(mod)
         return mod
 
@@ -135,6 +138,11 @@ def mark_step() -> Any:
         outs.append(val)
     c.assign(outs)
     return c
+
+
+def python_ops() -> dict[str, int]:
+    """Calls handed to the Python fallback since the process started, per ATen overload."""
+    return fallback.python_ops()
 
 
 def graph_of(graph_id: int) -> Any:

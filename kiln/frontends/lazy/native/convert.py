@@ -65,6 +65,13 @@ def _arg(item: tuple) -> Any:
     return In(v) if kind == 1 else _const(kind, v)
 
 
+def register(
+    rid: int, op: str, args: tuple, kwargs: tuple, types: tuple, fallback: str | None
+) -> None:
+    """The node template of a recipe the Python fallback made (``fallback.py``)."""
+    _templates[rid] = _Template(op, args, kwargs, types, fallback)
+
+
 def template(mod: Any, rid: int) -> _Template:
     t = _templates.get(rid)
     if t is None:

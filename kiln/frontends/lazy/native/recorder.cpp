@@ -1,10 +1,13 @@
-// Kiln's native lazy recorder (stage 1): op capture in C++.
+// Kiln's native lazy recorder (stage 2): op capture in C++, a boxed fallback to Python.
 //
 // A recorded tensor is a storage-less TensorImpl (NativeImpl) on the kiln device whose dispatch
 // key is PrivateUse2: the Python lazy device (PrivateUse1 + the Python key) never sees it, and
 // nothing registered here is reachable from that device.  The ops of the table Python hands to
-// `configure` get a boxed kernel on PrivateUse2 (`record`); every other op reaching the key raises
-// NotImplementedError naming it.
+// `configure` get a boxed kernel on PrivateUse2 (`record`); every other op reaching the key, and a
+// table op with an argument `record` does not take (a CPU tensor, a tensor list), goes to the
+// Python handler installed by `set_fallback` (native/fallback.py; counted by `python_calls`),
+// which records it through `add_recipe` / `record_node` or runs it on the values.  With no
+// handler it raises NotImplementedError naming the op.
 //
 // `record` works like the Python recorder's recipe path (kiln/frontends/lazy/recipes.py): the
 // call's signature (the op, each tensor's interned geometry, the constant arguments, a marker
@@ -35,6 +38,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -49,6 +53,8 @@ using c10::IValue;
 
 namespace torch::jit {
 TORCH_PYTHON_API py::object toPyObject(IValue ivalue);
+TORCH_PYTHON_API IValue toIValue(py::handle obj, const c10::TypePtr& type,
+                                 std::optional<int32_t> N);
 }  // namespace torch::jit
 
 namespace {
@@ -127,6 +133,7 @@ struct Recipe {
   int32_t n_inputs;         // TENSOR and LIFTED slots
   int32_t out_geo;
   bool view;                // a view op: the result is a link of its input's chain
+  bool python = false;      // made by the Python fallback (its template lives in Python)
   uint64_t hash;            // content hash (op name, constants, geometries): stable per process
 };
 
@@ -283,25 +290,21 @@ enum Tag : int64_t {
   T_WRAPPED_DOUBLE,
 };
 
-[[noreturn]] void unsupported_arg(const c10::OperatorHandle& op, const char* what) {
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "kiln native recorder: ", op.schema().operator_name(),
-                              " with ", what, " is not supported yet (stage 1)");
-}
-
 int64_t double_bits(double d) {
   int64_t b;
   std::memcpy(&b, &d, sizeof b);
   return b;
 }
 
-// Append one argument's part of the call signature.
-void sig_of(const c10::OperatorHandle& op, const IValue& v, bool lift, std::vector<int64_t>& sig) {
+// Append one argument's part of the call signature; false for an argument the native path does
+// not record (a CPU tensor, a tensor list, ...): the call goes to the Python fallback.
+bool sig_of(const IValue& v, bool lift, std::vector<int64_t>& sig) {
   if (v.isTensor()) {
     const at::Tensor& t = v.toTensor();
     if (NativeImpl* n = native_of(t)) {
       sig.push_back(T_TENSOR);
       sig.push_back(n->geo);
-      return;
+      return true;
     }
     if (t.defined() && t.unsafeGetTensorImpl()->is_wrapped_number() && t.device().is_cpu()) {
       switch (t.scalar_type()) {
@@ -309,21 +312,21 @@ void sig_of(const c10::OperatorHandle& op, const IValue& v, bool lift, std::vect
           double d = *static_cast<const double*>(t.unsafeGetTensorImpl()->data());
           sig.push_back(lift ? T_LIFTED : T_WRAPPED_DOUBLE);
           if (!lift) sig.push_back(double_bits(d));
-          return;
+          return true;
         }
         case at::kLong:
           sig.push_back(T_WRAPPED_INT);
           sig.push_back(*static_cast<const int64_t*>(t.unsafeGetTensorImpl()->data()));
-          return;
+          return true;
         case at::kBool:
           sig.push_back(T_WRAPPED_BOOL);
           sig.push_back(*static_cast<const bool*>(t.unsafeGetTensorImpl()->data()));
-          return;
+          return true;
         default:
           break;
       }
     }
-    unsupported_arg(op, t.defined() ? "a tensor that is not a native kiln tensor" : "undefined");
+    return false;
   }
   if (v.isDouble()) {
     sig.push_back(lift ? T_LIFTED : T_DOUBLE);
@@ -351,8 +354,9 @@ void sig_of(const c10::OperatorHandle& op, const IValue& v, bool lift, std::vect
     sig.push_back(static_cast<int64_t>(v.toDevice().type()));
     sig.push_back(v.toDevice().index());
   } else {
-    unsupported_arg(op, v.tagKind().c_str());
+    return false;
   }
+  return true;
 }
 
 // The value of an argument as a node-template constant (wrapped numbers as Python numbers).
@@ -487,11 +491,13 @@ Recipe* make_recipe(const c10::OperatorHandle& op, const torch::jit::Stack& stac
 
 thread_local std::vector<int64_t> sig_buf;
 
+void to_python(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
 void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
   const size_t first = stack->size() - n;
-  std::lock_guard<std::mutex> lock(mu);
+  std::unique_lock<std::mutex> lock(mu);
   auto facts = table.find(op_key(op));
   TORCH_CHECK_NOT_IMPLEMENTED(facts != table.end(), "kiln native recorder: ",
                               schema.operator_name(), " is not in its op table");
@@ -501,7 +507,13 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
   sig.clear();
   sig.push_back(reinterpret_cast<int64_t>(op_key(op)));
   sig.push_back(static_cast<int64_t>(c10::typeMetaToScalarType(c10::get_default_dtype())));
-  for (size_t i = 0; i < n; ++i) sig_of(op, (*stack)[first + i], lift, sig);
+  for (size_t i = 0; i < n; ++i) {
+    if (!sig_of((*stack)[first + i], lift, sig)) {
+      lock.unlock();
+      to_python(op, stack);
+      return;
+    }
+  }
   Recipe* r;
   auto it = recipe_of.find(sig);
   if (it != recipe_of.end()) {
@@ -558,10 +570,54 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
   stack->emplace_back(std::move(out));
 }
 
-void unsupported(const c10::OperatorHandle& op, torch::jit::Stack*) {
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "kiln native recorder: ", op.schema().operator_name(),
-                              " is not in its op table (stage 1 records pointwise, matmul, "
-                              "reduction and view ops only)");
+// ---------------------------------------------------------------------------------------------
+// the boxed fallback to Python: ops outside the table, and table ops with arguments the native
+// path does not record, go to the handler Python installs (native/fallback.py), counted
+
+py::object* py_handler = nullptr;  // leaked on purpose: never destroyed after the interpreter
+std::atomic<int64_t> n_python{0};
+
+void to_python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  TORCH_CHECK_NOT_IMPLEMENTED(py_handler != nullptr, "kiln native recorder: ",
+                              schema.operator_name(),
+                              " is not in its op table and no Python fallback is installed");
+  n_python.fetch_add(1, std::memory_order_relaxed);
+  const auto& args = schema.arguments();
+  const size_t n = args.size();
+  const size_t first = stack->size() - n;
+  py::gil_scoped_acquire gil;
+  py::list vals(n);
+  for (size_t i = 0; i < n; ++i) {
+    const IValue& v = (*stack)[first + i];
+    py::object o;
+    if (v.isTensor() && v.toTensor().defined() &&
+        v.toTensor().unsafeGetTensorImpl()->is_wrapped_number()) {
+      o = torch::jit::toPyObject(const_of(v));  // a Python number, as Python passed it
+    } else if (v.isInt() && enum_kind(args[i].real_type()) == 1) {
+      o = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(
+          torch::getTHPDtype(static_cast<c10::ScalarType>(v.toInt()))));
+    } else {
+      o = torch::jit::toPyObject(v);
+    }
+    vals[i] = std::move(o);
+  }
+  py::object out = (*py_handler)(schema.name(), schema.overload_name(), vals);
+  stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
+  const auto& rets = schema.returns();
+  if (rets.size() == 1) {
+    stack->push_back(torch::jit::toIValue(out, rets[0].real_type(), std::nullopt));
+  } else {
+    py::sequence seq = out.cast<py::sequence>();
+    TORCH_CHECK(seq.size() == rets.size(), "kiln native recorder: the Python fallback for ",
+                schema.operator_name(), " returned ", seq.size(), " values, not ", rets.size());
+    for (size_t i = 0; i < rets.size(); ++i)
+      stack->push_back(torch::jit::toIValue(seq[i], rets[i].real_type(), std::nullopt));
+  }
+}
+
+void unsupported(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  to_python(op, stack);
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse2, m) {
@@ -745,6 +801,7 @@ py::tuple recipe_info(int64_t id) {
     std::lock_guard<std::mutex> lock(mu);
     TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(recipes.size()), "no recipe ", id);
     rp = recipes[id].get();
+    TORCH_CHECK(!rp->python, "kiln native recorder: recipe ", id, " was made in Python");
     g = geos[rp->out_geo];
   }
   const Recipe& r = *rp;
@@ -776,6 +833,105 @@ py::tuple recipe_info(int64_t id) {
                         py::tuple(py::cast(g.sizes)), dtype, r.view);
 }
 
+// A recipe the Python fallback made (its node template stays in Python: native/fallback.py):
+// one output geometry per tensor output, given as (sizes, strides, offset, dtype).
+int64_t add_recipe(const std::vector<std::tuple<std::vector<int64_t>, std::vector<int64_t>,
+                                                int64_t, py::object>>& outs,
+                   uint64_t hash) {
+  std::vector<c10::ScalarType> dtypes;
+  for (const auto& o : outs) {
+    PyObject* d = std::get<3>(o).ptr();
+    TORCH_CHECK(THPDtype_Check(d), "kiln native recorder: add_recipe wants torch dtypes");
+    dtypes.push_back(reinterpret_cast<THPDtype*>(d)->scalar_type);
+  }
+  py::gil_scoped_release nogil;
+  std::lock_guard<std::mutex> lock(mu);
+  auto r = std::make_unique<Recipe>();
+  r->id = static_cast<int32_t>(recipes.size());
+  r->out_geo = -1;
+  if (outs.size() == 1)
+    r->out_geo = intern_geo(std::get<0>(outs[0]), std::get<1>(outs[0]), std::get<2>(outs[0]),
+                            dtypes[0]);
+  r->n_inputs = -1;
+  r->view = false;
+  r->python = true;
+  r->hash = mix(hash, 0x707974686f6eULL);
+  return recipes.emplace_back(std::move(r))->id;
+}
+
+// Record one node of a Python-made recipe: `inputs` are native tensors (read as `record` reads
+// them), CPU tensors (graph inputs) and Python floats (scalar inputs), in template order.  With
+// `getitems` (recipes of one output each), the node's outputs are those getitem nodes.
+std::vector<at::Tensor> record_node(int64_t rid, const std::vector<int64_t>& getitems,
+                                    const py::list& inputs) {
+  std::vector<IValue> ins;
+  ins.reserve(inputs.size());
+  for (const py::handle& h : inputs) {
+    if (THPVariable_Check(h.ptr()))
+      ins.emplace_back(THPVariable_Unpack(h.ptr()));
+    else
+      ins.emplace_back(h.cast<double>());
+  }
+  py::gil_scoped_release nogil;
+  std::lock_guard<std::mutex> lock(mu);
+  TORCH_CHECK(rid >= 0 && rid < static_cast<int64_t>(recipes.size()) && recipes[rid]->python,
+              "kiln native recorder: no Python recipe ", rid);
+  std::vector<int64_t> ids;
+  ids.reserve(ins.size());
+  for (IValue& v : ins) {
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      if (NativeImpl* x = native_of(t)) {
+        ids.push_back(read(x));
+      } else {
+        TORCH_CHECK(t.device().is_cpu(), "kiln native recorder: a tensor on ", t.device(),
+                    " is not a graph input");
+        int32_t g = intern_geo(t.sizes(), t.strides(), t.storage_offset(), t.scalar_type());
+        ids.push_back(add_input(std::move(v), g));
+      }
+    } else {
+      ids.push_back(add_input(std::move(v), 0));
+    }
+  }
+  int32_t node = add_node(rid, ids.data(), static_cast<int32_t>(ids.size()));
+  std::vector<at::Tensor> out;
+  auto pending = [&](int32_t nd, int32_t geo) {
+    auto st = std::make_shared<Storage>();
+    st->gen = trace.gen;
+    st->node = nd;
+    st->pending = true;
+    st->geo = geo;
+    trace.pending.emplace_back(st);
+    out.push_back(make_tensor(std::move(st), {}, geo));
+  };
+  if (getitems.empty()) {
+    TORCH_CHECK(recipes[rid]->out_geo >= 0, "kiln native recorder: recipe ", rid,
+                " has several outputs");
+    pending(node, recipes[rid]->out_geo);
+  } else {
+    for (int64_t g : getitems) {
+      TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(recipes.size()) && recipes[g]->python,
+                  "kiln native recorder: no Python recipe ", g);
+      int64_t in[1] = {node};
+      pending(add_node(g, in, 1), recipes[g]->out_geo);
+    }
+  }
+  return out;
+}
+
+// A new tensor on the same storage and view chain (detach, alias: no node).
+at::Tensor alias_of(const at::Tensor& t) {
+  NativeImpl* x = native_of(t);
+  TORCH_CHECK(x, "kiln native recorder: not a native kiln tensor");
+  auto r = x->copy();
+  return at::Tensor(std::move(r));
+}
+
+void set_fallback(py::object handler) {
+  // leaked on purpose: the dispatcher may call it until the process ends
+  py_handler = handler.is_none() ? nullptr : new py::object(std::move(handler));
+}
+
 py::tuple input_info(const at::Tensor& t) {
   NativeImpl* x = native_of(t);
   TORCH_CHECK(x, "kiln native recorder: not a native kiln tensor");
@@ -785,7 +941,7 @@ py::tuple input_info(const at::Tensor& t) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Kiln native lazy recorder (stage 1)";
+  m.doc() = "Kiln native lazy recorder (stage 2)";
   // Functions that take the recorder's lock release the GIL first: `record` runs without the GIL
   // (PyTorch's bindings release it) and may need it while holding the lock (a meta kernel
   // written in Python).
@@ -795,6 +951,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("value", &value, nogil());
   m.def("is_native", [](const at::Tensor& t) { return native_of(t) != nullptr; });
   m.def("recipe_info", &recipe_info);
+  m.def("add_recipe", &add_recipe);
+  m.def("record_node", &record_node);
+  m.def("set_fallback", &set_fallback);
+  m.def("alias_of", &alias_of);
+  m.def("python_calls", [] { return n_python.load(); });
+  m.def("geo_of", [](const at::Tensor& t) -> int64_t {
+    NativeImpl* x = native_of(t);
+    return x ? x->geo : -1;
+  });
   m.def("tensor_info", &input_info);
   m.def(
       "trace_hash",

@@ -49,6 +49,10 @@ VIEWS = [
     "unsqueeze.default",
     "squeeze.dim",
     "squeeze.dims",
+    "select.int",
+    "slice.Tensor",
+    "diagonal.default",
+    "unfold.default",
 ]
 OTHER = ["_unsafe_view.default"]
 
