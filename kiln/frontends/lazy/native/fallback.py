@@ -59,29 +59,91 @@ class _Recipe:
     as_list: bool
 
 
+class _Op:
+    """One ATen overload as the handler sees it, worked out once."""
+
+    __slots__ = ("counter", "facts", "func", "plain", "schema")
+
+    def __init__(self, func: Any) -> None:
+        self.func = func
+        f = self.facts = _facts(func)
+        self.counter = f"{func._schema.name}.{func._overloadname}"
+        # per schema argument: (keyword-only, enum table or None, has a default, the default)
+        self.schema = []
+        for a in func._schema.arguments:
+            t = str(a.type)
+            enum = (
+                convert._MEMORY_FORMATS
+                if "MemoryFormat" in t
+                else convert._LAYOUTS
+                if "Layout" in t
+                else None
+            )
+            has = a.has_default_value()
+            self.schema.append((a.kwarg_only, enum, has, a.default_value if has else None))
+        # recorded as one node with nothing special before it (``Handler.record``)
+        self.plain = not (
+            func is aten._to_copy.default
+            or f.inplace_view
+            or func in _RESHAPING
+            or f.mutated
+            or f.identity
+            or func in _SPLIT_VIEWS
+            or f.view
+            or torch.Tag.nondeterministic_seeded in func.tags
+            or f.composite
+            or f.decomp is not None
+        )
+
+    def split(self, vals: list) -> tuple[tuple, dict]:
+        """The call's (args, kwargs) as ``__torch_dispatch__`` would get them: trailing
+        positional defaults and defaulted keyword-only arguments left out, enums as Python
+        objects."""
+        args: list = []
+        kwargs: dict = {}
+        names = None
+        for i, (v, (kw_only, enum, has, d)) in enumerate(zip(vals, self.schema)):
+            if enum is not None and type(v) is int:
+                v = enum[v]
+            if kw_only:
+                if not (has and _same(v, d)):
+                    if names is None:
+                        names = self.func._schema.arguments
+                    kwargs[names[i].name] = v
+            else:
+                args.append(v)
+        n = len(args)
+        while n > 0 and self.schema[n - 1][2] and _same(args[n - 1], self.schema[n - 1][3]):
+            n -= 1
+        return tuple(args[:n]), kwargs
+
+
 class Handler:
     """The callable the recorder calls for an op it hands to Python."""
 
     def __init__(self, mod: Any, mark_step: Callable[[], Any]) -> None:
         self.mod = mod
         self.mark_step = mark_step
-        self.funcs: dict[tuple[str, str], Any] = {}
+        self.ops: dict[tuple[str, str], _Op] = {}
         self.recipes: dict[tuple, _Recipe] = {}
 
     def __call__(self, qual: str, overload: str, vals: list) -> Any:
-        func = self.funcs.get((qual, overload))
-        if func is None:
+        op = self.ops.get((qual, overload))
+        if op is None:
             packet = getattr(aten, qual.split("::")[1])
-            func = self.funcs[(qual, overload)] = getattr(packet, overload or "default")
-        counts[f"{qual}.{overload or 'default'}"] += 1
+            op = self.ops[(qual, overload)] = _Op(getattr(packet, overload or "default"))
+        counts[op.counter] += 1
         metrics.incr("native_python_ops")
-        args, kwargs = _split(func, vals)
-        return self.dispatch(func, args, kwargs)
+        args, kwargs = op.split(vals)
+        if op.plain:
+            return self.record(op, args, kwargs)
+        return self.dispatch(op, args, kwargs)
 
     # -- what to do with one call ----------------------------------------------------------------
 
-    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        f = _facts(func)
+    def dispatch(self, op: _Op, args: tuple, kwargs: dict) -> Any:
+        func = op.func
+        f = op.facts
         name = f.name
         if func is aten._to_copy.default and _is_cpu(kwargs.get("device")):
             return aten._to_copy.default(self.materialize(args[0], "to_cpu"), **kwargs)
@@ -108,21 +170,23 @@ class Handler:
             out = f.decomp(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        return self.record(func, args, kwargs, f.lift)
+        return self.record(op, args, kwargs)
 
-    def record(self, func: Any, args: tuple, kwargs: dict, lift: bool) -> Any:
+    def record(self, op: _Op, args: tuple, kwargs: dict) -> Any:
+        func = op.func
+        lift = op.facts.lift
         inputs: list = []
         key_parts: list = []
         for a in args:
             key_parts.append(self.walk(a, lift, inputs))
         for k, v in kwargs.items():
             key_parts.append((k, self.walk(v, lift, inputs)))
-        key = (func, torch.get_default_dtype(), tuple(key_parts))
+        key = (op, torch.get_default_dtype(), tuple(key_parts))
         r = self.recipes.get(key)
         if r is None:
             r = self.make_recipe(func, args, kwargs, lift)
             if r is None:
-                return self.eager(func, args, kwargs, f"op:{_facts(func).name}")
+                return self.eager(func, args, kwargs, f"op:{op.facts.name}")
             self.recipes[key] = r
         outs = self.mod.record_node(r.rid, r.getitems, inputs)
         if r.shape is None:
@@ -139,6 +203,8 @@ class Handler:
             g = self.mod.geo_of(x)
             if g >= 0:
                 return ("n", g)
+            if x.device.type != "cpu":
+                self.check_devices(None, (x,), {})
             return ("c", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype)
         if lift and type(x) is float:
             inputs.append(x)
@@ -241,7 +307,9 @@ class Handler:
     def check_devices(self, func: Any, args: tuple, kwargs: dict) -> None:
         """A tensor on another device than the CPU or a native tensor: eager's mixed-device
         error, naming both."""
-        for a in tree_flatten((args, kwargs))[0]:
+        flat = [*args, *kwargs.values()]
+        flat += [y for a in flat if isinstance(a, (list, tuple)) for y in a]
+        for a in flat:
             if isinstance(a, torch.Tensor) and not self.mod.is_native(a) and a.device != _CPU:
                 raise RuntimeError(
                     f"Kiln native recorder: {func} got a native kiln tensor and a tensor on "
@@ -281,34 +349,8 @@ def _is_out(func: Any, kwargs: dict) -> bool:
     return "out" in kwargs or func._overloadname.endswith("out")
 
 
-def _split(func: Any, vals: list) -> tuple[tuple, dict]:
-    """The call's (args, kwargs) as ``__torch_dispatch__`` would get them: trailing positional
-    defaults and defaulted keyword-only arguments left out, enums as Python objects."""
-    schema = func._schema.arguments
-    args: list = []
-    kwargs: dict = {}
-    for a, v in zip(schema, vals):
-        if isinstance(v, int) and not isinstance(v, bool):
-            t = str(a.type)
-            if "MemoryFormat" in t:
-                v = convert._MEMORY_FORMATS[v]
-            elif "Layout" in t:
-                v = convert._LAYOUTS[v]
-        if a.kwarg_only:
-            if not _is_default(a, v):
-                kwargs[a.name] = v
-        else:
-            args.append(v)
-    n = len(args)
-    while n > 0 and _is_default(schema[n - 1], args[n - 1]):
-        n -= 1
-    return tuple(args[:n]), kwargs
-
-
-def _is_default(a: Any, v: Any) -> bool:
-    if not a.has_default_value():
-        return False
-    d = a.default_value
+def _same(v: Any, d: Any) -> bool:
+    """``v`` is the schema default ``d`` (as the IValue comparison PyTorch uses)."""
     if d is None or v is None:
         return d is None and v is None
     if isinstance(v, torch.Tensor) or isinstance(d, torch.Tensor):
