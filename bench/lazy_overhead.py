@@ -20,6 +20,9 @@
    link each), ``relu(x @ w)`` chains on 8x8 tensors, and ``softmax(x.cumsum(1), 1)`` chains (a
    quarter as long: ops outside the native recorder's table, recorded by its Python fallback), on
    the kiln device, the native recorder and eager, interleaved.
+4. A training step recorded (an MLP with layer norm: forward, backward, a functional SGD
+   update), thread CPU ms per step up to ``mark_step``, on the kiln device and the native
+   recorder (whose Python fallback takes the ops outside its table), and eager running it.
 
 Medians over ``--reps`` repetitions (after one warm-up); the machine is shared, so numbers vary.
 """
@@ -177,6 +180,57 @@ def mix_cost(n: int, reps: int) -> dict[tuple[str, str], float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 128),
+        torch.nn.GELU(),
+        torch.nn.LayerNorm(128),
+        torch.nn.Linear(128, 10),
+    )
+
+
+def _train_step(m: torch.nn.Module, state: dict, x: torch.Tensor, y: torch.Tensor) -> dict:
+    ps = {k: v.detach().requires_grad_() for k, v in state.items()}
+    out = torch.func.functional_call(m, ps, (x,))
+    torch.nn.functional.cross_entropy(out, y).backward()
+    with torch.no_grad():
+        return {k: p - 0.01 * p.grad for k, p in ps.items()}
+
+
+def train_step_cost(reps: int) -> dict[str, float]:
+    """Medians, ms of thread CPU time per training step recorded (an MLP 64-128-10 with GELU and
+    layer norm, batch 32: forward, backward, a functional SGD update), up to mark_step: the kiln
+    device, the native recorder (its table and its Python fallback: layer norm, log-softmax, the
+    loss and the backward ops), and eager running it; interleaved."""
+    dev = kiln.device()
+    m = _mlp()
+    cpu_state = {k: v.detach().clone() for k, v in m.named_parameters()}
+    xs, ys = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    makers = {"lazy": lambda t: t.to(dev), "eager": lambda t: t}
+    if native.available():
+        makers["native"] = native.tensor
+    states = {name: {k: make(v) for k, v in cpu_state.items()} for name, make in makers.items()}
+    out: dict[str, list[float]] = {}
+    for r in range(reps + 1):
+        for name, make in makers.items():
+            x, y = make(xs), make(ys)
+            f0 = sum(native.python_ops().values()) if name == "native" else 0
+            c0 = time.thread_time()
+            states[name] = _train_step(m, states[name], x, y)
+            c1 = time.thread_time()
+            if name == "native":
+                native.mark_step()
+                out.setdefault("native_python_ops", []).append(
+                    sum(native.python_ops().values()) - f0
+                )
+            elif name == "lazy":
+                kiln.mark_step()
+            if r:
+                out.setdefault(name, []).append((c1 - c0) * 1e3)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", type=int, default=4000, help="ops in the recording chain")
@@ -217,6 +271,14 @@ def main(argv: list[str] | None = None) -> None:
             if (what, name) in mc
         )
         print(f"{what}: thread CPU us/op: {line}")
+    ts = train_step_cost(a.reps)
+    line = ", ".join(f"{k} {ts[k]:.3f}" for k in ("native", "lazy", "eager") if k in ts)
+    extra = (
+        f" ({ts['native_python_ops']:.0f} ops per step through the native Python fallback)"
+        if "native_python_ops" in ts
+        else ""
+    )
+    print(f"training step recorded (MLP, forward+backward+SGD): thread CPU ms/step: {line}{extra}")
     c = metrics.counters()
     print(
         f"graphs compiled: {c.get('graphs_compiled', 0)}, forced syncs: {c.get('forced_syncs', 0)}"
