@@ -329,3 +329,22 @@ def test_a_training_step_matches_eager_and_the_second_step_is_recognised():
             torch.testing.assert_close(native.cpu(new[k]), state[k] - 0.1 * refs[k])
         state = {k: native.cpu(v).clone() for k, v in new.items()}
     assert cuts[1].graph_id == cuts[0].graph_id and not cuts[1].is_new
+
+
+def test_an_error_in_the_fallback_during_backward_is_raised_and_recording_goes_on():
+    class Bad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2.0
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.t_()  # an in-place view: not supported yet
+
+    base = torch.randn(3, 3)
+    x = native.tensor(base).requires_grad_()
+    with pytest.raises(NotImplementedError, match="stage 3"):
+        Bad.apply(x).sum().backward()
+    z = x.detach() * 3.0
+    native.mark_step()
+    torch.testing.assert_close(native.cpu(z), base * 3.0)
