@@ -348,3 +348,34 @@ def test_an_error_in_the_fallback_during_backward_is_raised_and_recording_goes_o
     z = x.detach() * 3.0
     native.mark_step()
     torch.testing.assert_close(native.cpu(z), base * 3.0)
+
+
+def test_copy_from_the_cpu_into_a_whole_tensor_is_an_upload_without_a_sync():
+    """``dst.copy_(cpu)`` over a whole native storage takes the value with no node and no sync;
+    work recorded before it reads the old value, aliases and views see the new one (as eager)."""
+    old, new = torch.randn(4, 5), torch.randn(4, 5)
+    x = native.tensor(old.clone())
+    y = (x + 1.0) * 2.0  # pending, reads the old value
+    alias = x.detach()
+    view = x.t()
+    pending = x * 3.0
+    pending.copy_(new)  # over a pending computed value
+    syncs = _syncs()
+    calls = dict(fallback.counts)
+    x.copy_(new)
+    assert _syncs() == syncs  # nothing ran
+    assert fallback.counts["aten::copy_.default"] == calls.get("aten::copy_.default", 0) + 1
+    z = x * 0.5 + alias + view.t()
+    native.mark_step()
+    torch.testing.assert_close(native.cpu(y), (old + 1.0) * 2.0)
+    torch.testing.assert_close(native.cpu(z), new * 0.5 + new + new)
+    torch.testing.assert_close(native.cpu(pending), new)
+    torch.testing.assert_close(native.cpu(view), new.t())
+    # not a whole storage (a view), another shape (broadcast), another dtype: run on the values
+    view.copy_(torch.ones(5, 4))
+    x[1].copy_(torch.zeros(5))
+    alias.copy_(torch.full((5,), 2.0))
+    want = torch.full((4, 5), 2.0)
+    torch.testing.assert_close(native.cpu(x), want)
+    x.copy_(torch.arange(20, dtype=torch.int64).view(4, 5))
+    torch.testing.assert_close(native.cpu(x), torch.arange(20.0).view(4, 5))

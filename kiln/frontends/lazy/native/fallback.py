@@ -153,6 +153,8 @@ class Handler:
                 f"Kiln native recorder: {func} changes a tensor's shape or storage in place; "
                 "not supported yet (stage 3: views and in-place ops)"
             )
+        if func is aten.copy_.default and self.mod.upload(args[0], args[1]):
+            return args[0]  # a CPU value into a whole native storage: no node, no sync
         if f.identity and len(args) == 1 and not kwargs and self.mod.is_native(args[0]):
             return self.mod.alias_of(args[0])  # detach / alias: no node, same storage
         split = _SPLIT_VIEWS.get(func)

@@ -927,6 +927,28 @@ at::Tensor alias_of(const at::Tensor& t) {
   return at::Tensor(std::move(r));
 }
 
+// `dst.copy_(src)` from a CPU tensor over a whole native storage (no view chain, the storage's
+// geometry, offset 0, same sizes and dtype): the storage takes a copy of `src` laid out in its
+// geometry, with no node and no sync; every tensor on the storage (aliases, views) sees it, nodes
+// already recorded keep what they read.  False (nothing done) for any other copy.
+bool upload(const at::Tensor& dst, const at::Tensor& src) {
+  std::lock_guard<std::mutex> lock(mu);
+  NativeImpl* x = native_of(dst);
+  if (!x || !x->chain.empty() || x->geo != x->st->geo || native_of(src) || !src.device().is_cpu())
+    return false;
+  const Geo& g = geos[x->geo];
+  if (g.offset != 0 || src.sizes() != c10::IntArrayRef(g.sizes) || src.scalar_type() != g.dtype)
+    return false;
+  at::Tensor data = at::empty_strided(g.sizes, g.strides, at::TensorOptions().dtype(g.dtype));
+  data.copy_(src);
+  Storage& st = *x->st;
+  st.data = std::move(data);
+  st.pending = false;
+  st.node = -1;
+  st.gen = -1;
+  return true;
+}
+
 void set_fallback(py::object handler) {
   // leaked on purpose: the dispatcher may call it until the process ends
   py_handler = handler.is_none() ? nullptr : new py::object(std::move(handler));
@@ -955,6 +977,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("record_node", &record_node);
   m.def("set_fallback", &set_fallback);
   m.def("alias_of", &alias_of);
+  m.def("upload", &upload, nogil());
   m.def("python_calls", [] { return n_python.load(); });
   m.def("geo_of", [](const at::Tensor& t) -> int64_t {
     NativeImpl* x = native_of(t);
