@@ -379,3 +379,21 @@ def test_copy_from_the_cpu_into_a_whole_tensor_is_an_upload_without_a_sync():
     torch.testing.assert_close(native.cpu(x), want)
     x.copy_(torch.arange(20, dtype=torch.int64).view(4, 5))
     torch.testing.assert_close(native.cpu(x), torch.arange(20.0).view(4, 5))
+
+
+def test_ops_asked_for_a_cpu_result_return_cpu_tensors():
+    base = torch.randn(3, 4)
+    x = native.tensor(base)
+    y = x * 2.0
+    for make in (
+        lambda t: torch.zeros_like(t, device="cpu"),
+        lambda t: torch.full_like(t, 7.0, device="cpu"),
+        lambda t: t.to("cpu", torch.float64),
+        lambda t: t.cpu().t(),
+    ):
+        got, want = make(y), make(base * 2.0)
+        assert got.device.type == "cpu" and got.dtype == want.dtype
+        torch.testing.assert_close(got, want)
+    z = torch.zeros_like(y) + y  # no device: a native tensor
+    native.mark_step()
+    torch.testing.assert_close(native.cpu(z), base * 2.0)

@@ -8,7 +8,8 @@ Python objects and takes back what this returns.  Each call is counted
 (``metrics`` ``native_python_ops``, per op in :data:`counts`).  What happens to it mirrors the
 Python recorder (``lazy/tensor.py``'s ``_dispatch``), reusing its per-op facts:
 
-- ``_to_copy`` to the CPU: the step is run (a counted forced sync) and the value copied out.
+- ``_to_copy`` to the CPU, and any op with ``device="cpu"``: the step is run (a counted forced
+  sync) and the op runs on the values, its result a CPU tensor.
 - Ops that write their arguments (in-place, ``out=``), random ops, ops whose result is not a
   tensor (``.item()``), ops with no meta kernel or a data-dependent shape: run eagerly on the
   materialized CPU values after running everything pending (a forced sync, counted with the op
@@ -135,7 +136,7 @@ class Handler:
         counts[op.counter] += 1
         metrics.incr("native_python_ops")
         args, kwargs = op.split(vals)
-        if op.plain:
+        if op.plain and "device" not in kwargs:
             return self.record(op, args, kwargs)
         return self.dispatch(op, args, kwargs)
 
@@ -145,8 +146,12 @@ class Handler:
         func = op.func
         f = op.facts
         name = f.name
-        if func is aten._to_copy.default and _is_cpu(kwargs.get("device")):
-            return aten._to_copy.default(self.materialize(args[0], "to_cpu"), **kwargs)
+        if _is_cpu(kwargs.get("device")):
+            # a CPU result (``.cpu()``, ``zeros_like(x, device="cpu")``): made from the values
+            self.sync("to_cpu")
+            is_native = self.mod.is_native
+            cargs = [self.mod.value(a) if _is_tensor(a) and is_native(a) else a for a in args]
+            return func(*cargs, **kwargs)
         self.check_devices(func, args, kwargs)
         if f.inplace_view or func in _RESHAPING or (f.mutated and _is_out(func, kwargs)):
             raise NotImplementedError(
@@ -255,11 +260,6 @@ class Handler:
         return _Recipe(rid, getitems, shape, isinstance(out_meta, list))
 
     # -- running for real ------------------------------------------------------------------------
-
-    def materialize(self, x: torch.Tensor, reason: str) -> torch.Tensor:
-        """The CPU value of a native tensor, running the pending step first (a forced sync)."""
-        self.sync(reason)
-        return self.mod.value(x)
 
     def sync(self, reason: str) -> None:
         if self.mod.trace_len() > 0:
@@ -372,6 +372,10 @@ def _meta_like(x: torch.Tensor) -> torch.Tensor:
     need = 0 if 0 in size else off + 1 + sum((s - 1) * st for s, st in zip(size, stride))
     base = torch.empty(max(need, off), dtype=x.dtype, device="meta")
     return base.as_strided(size, stride, off)
+
+
+def _is_tensor(a: Any) -> bool:
+    return isinstance(a, torch.Tensor)
 
 
 def _is_cpu(d: Any) -> bool:
