@@ -234,7 +234,7 @@ def test_random_ops_match_eager_under_the_same_seed():
 def test_unsupported_in_place_reshape_and_other_devices_raise_and_recording_goes_on():
     x = native.tensor(torch.randn(3, 4))
     with pytest.raises(NotImplementedError, match="stage 3"):
-        x.t_()
+        x.resize_(2, 6)
     with pytest.raises(NotImplementedError, match="stage 3"):
         torch.add(x, 1.0, out=native.tensor(torch.empty(3, 4)))
     dev = kiln.device()
@@ -339,7 +339,7 @@ def test_an_error_in_the_fallback_during_backward_is_raised_and_recording_goes_o
 
         @staticmethod
         def backward(ctx, g):
-            return g.t_()  # an in-place view: not supported yet
+            return g.resize_(9)  # in-place resize: not supported yet
 
     base = torch.randn(3, 3)
     x = native.tensor(base).requires_grad_()
@@ -397,3 +397,20 @@ def test_ops_asked_for_a_cpu_result_return_cpu_tensors():
     z = torch.zeros_like(y) + y  # no device: a native tensor
     native.mark_step()
     torch.testing.assert_close(native.cpu(z), base * 2.0)
+
+
+def test_in_place_views_and_matmul_with_vectors():
+    """``squeeze_``/``t_``/... (matmul of a vector uses ``squeeze_`` on its result): the tensor
+    takes the out-of-place view's geometry; other tensors on its storage keep theirs."""
+
+    def f(x, m, v):
+        y = x * 2.0
+        keep = y.detach()  # same storage, its own geometry
+        y.squeeze_(0)
+        y.t_()
+        z = y + 1.0
+        y.unsqueeze_(0)
+        y.transpose_(1, 2)
+        return y, z, keep, m @ v, v @ m.t(), v @ v
+
+    check(f, torch.randn(1, 4, 3), torch.randn(5, 3), torch.randn(3), exact=True)

@@ -10,6 +10,8 @@ Python recorder (``lazy/tensor.py``'s ``_dispatch``), reusing its per-op facts:
 
 - ``_to_copy`` to the CPU, and any op with ``device="cpu"``: the step is run (a counted forced
   sync) and the op runs on the values, its result a CPU tensor.
+- In-place views (``squeeze_``, ``t_``, ``transpose_``, ...): recorded as the out-of-place view,
+  whose geometry, storage and view chain the tensor then takes (``become``).
 - Ops that write their arguments (in-place, ``out=``), random ops, ops whose result is not a
   tensor (``.item()``), ops with no meta kernel or a data-dependent shape: run eagerly on the
   materialized CPU values after running everything pending (a forced sync, counted with the op
@@ -153,6 +155,13 @@ class Handler:
             cargs = [self.mod.value(a) if _is_tensor(a) and is_native(a) else a for a in args]
             return func(*cargs, **kwargs)
         self.check_devices(func, args, kwargs)
+        if f.inplace_view and func not in _RESHAPING:
+            view = _out_of_place(func)
+            if view is not None and self.mod.is_native(args[0]):
+                # recorded as its out-of-place view (a table view: a chain link), then the
+                # tensor itself takes that view's geometry, storage and chain
+                self.mod.become(args[0], view(*args, **kwargs))
+                return args[0]
         if f.inplace_view or func in _RESHAPING or (f.mutated and _is_out(func, kwargs)):
             raise NotImplementedError(
                 f"Kiln native recorder: {func} changes a tensor's shape or storage in place; "
@@ -225,7 +234,12 @@ class Handler:
             out_meta, out_types = infer_typed(func, args, kwargs, self.to_meta)
         except Exception:  # noqa: BLE001 - no meta kernel or a data-dependent shape: run it
             return None
-        metas = [out_meta] if isinstance(out_meta, torch.Tensor) else list(out_meta)
+        if isinstance(out_meta, torch.Tensor):
+            metas = [out_meta]
+        elif isinstance(out_meta, (list, tuple)):
+            metas = list(out_meta)
+        else:
+            return None  # no tensor result (a check on values): eager
         if not any(isinstance(m, torch.Tensor) for m in metas):
             return None  # a number, a bool: computed from values (eager)
         count = [0]
@@ -345,6 +359,25 @@ _SPLIT_VIEWS: dict[Any, Callable[..., Any]] = {
     aten.unbind.int: _unbind,
 }
 _RESHAPING = {aten.resize_.default, aten.set_.source_Tensor, aten.set_.default}
+
+
+def _out_of_place(func: Any) -> Any | None:
+    """``aten.squeeze_.dim`` -> ``aten.squeeze.dim`` (None where there is no such overload)."""
+    name = func._schema.name.split("::")[1]
+    if not name.endswith("_"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    if packet is None:
+        return None
+    same = getattr(packet, func._overloadname, None)
+    if same is not None:
+        return same
+    want = [(a.name, str(a.type)) for a in func._schema.arguments[1:]]
+    for ov in packet.overloads():  # transpose_.default -> transpose.int: the same arguments
+        cand = getattr(packet, ov)
+        if [(a.name, str(a.type)) for a in cand._schema.arguments[1:]] == want:
+            return cand
+    return None
 
 
 def _is_out(func: Any, kwargs: dict) -> bool:

@@ -605,7 +605,9 @@ void to_python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   py::object out = (*py_handler)(schema.name(), schema.overload_name(), vals);
   stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
   const auto& rets = schema.returns();
-  if (rets.size() == 1) {
+  if (rets.empty()) {
+    return;  // (a check such as _linalg_check_errors)
+  } else if (rets.size() == 1) {
     stack->push_back(torch::jit::toIValue(out, rets[0].real_type(), std::nullopt));
   } else {
     py::sequence seq = out.cast<py::sequence>();
@@ -949,6 +951,20 @@ bool upload(const at::Tensor& dst, const at::Tensor& src) {
   return true;
 }
 
+// An in-place view (`squeeze_`, `t_`, ...): `dst` becomes the view `src` recorded out of place
+// (same storage and chain, its geometry); other tensors on the storage keep theirs.
+void become(const at::Tensor& dst, const at::Tensor& src) {
+  std::lock_guard<std::mutex> lock(mu);
+  NativeImpl* d = native_of(dst);
+  NativeImpl* s = native_of(src);
+  TORCH_CHECK(d && s && d->dtype() == s->dtype(),
+              "kiln native recorder: become() takes two native tensors of one dtype");
+  d->st = s->st;
+  d->chain = s->chain;
+  d->geo = s->geo;
+  d->set_sizes_and_strides(s->sizes(), s->strides(), s->storage_offset());
+}
+
 void set_fallback(py::object handler) {
   // leaked on purpose: the dispatcher may call it until the process ends
   py_handler = handler.is_none() ? nullptr : new py::object(std::move(handler));
@@ -978,6 +994,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_fallback", &set_fallback);
   m.def("alias_of", &alias_of);
   m.def("upload", &upload, nogil());
+  m.def("become", &become, nogil());
   m.def("python_calls", [] { return n_python.load(); });
   m.def("geo_of", [](const at::Tensor& t) -> int64_t {
     NativeImpl* x = native_of(t);
