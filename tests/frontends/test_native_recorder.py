@@ -287,7 +287,13 @@ def test_without_a_compiler_load_raises_a_clear_error(monkeypatch, tmp_path):
     def no_compiler(*a):
         raise BuildError("no working C++ compiler (g++): not found")
 
-    ext = Extension("kiln_native_recorder", native._EXT.source, ["-O2", "-w"], "recorder")
+    ext = Extension(
+        "kiln_native_recorder",
+        native._EXT.source,
+        ["-O2", "-w"],
+        "recorder",
+        headers=native._EXT.headers,
+    )
     monkeypatch.setattr(ext, "build", no_compiler)
     monkeypatch.setattr(kiln.config, "launcher_dir", str(tmp_path))
     monkeypatch.setattr(native, "_EXT", ext)
@@ -298,6 +304,40 @@ def test_without_a_compiler_load_raises_a_clear_error(monkeypatch, tmp_path):
     with pytest.raises(native.NativeUnavailable, match=r"no working C\+\+ compiler"):
         native.load()
     assert not native.available()
+
+
+def test_every_recorder_file_is_built_and_keyed(monkeypatch, tmp_path):
+    """The recorder's source includes each listed header (all of them exist), and the build's
+    cache key covers each: editing any one of them gives a new extension name (a rebuild), and
+    the build is handed every header beside the source."""
+    from kiln.codegen.cpp.extension import Extension
+
+    source = native._EXT.source.read_text()
+    here = native._EXT.source.parent
+    assert sorted(p.name for p in here.glob("*.h")) == sorted(native.HEADERS)
+    for h in native.HEADERS:
+        assert f'#include "{h}"' in source
+
+    copies = []
+    for p in [native._EXT.source, *native._EXT.headers]:
+        (tmp_path / p.name).write_text(p.read_text())
+        copies.append(tmp_path / p.name)
+    ext = Extension("kiln_rec_key", copies[0], ["-O2"], "recorder", headers=tuple(copies[1:]))
+    built: list[str] = []
+
+    def fake_build(name, src, so):
+        built.append(name)
+        raise OSError("not built in this test")
+
+    monkeypatch.setattr(kiln.config, "launcher_dir", str(tmp_path / "cache"))
+    monkeypatch.setattr(ext, "build", fake_build)
+    for path in copies:
+        ext.forget()
+        path.write_text(path.read_text() + "\n// edited\n")
+        with pytest.raises(OSError):
+            ext.load()
+    assert len(built) == len(copies) == len(set(built)) == 1 + len(native.HEADERS)
+    assert set(ext.header_texts()) == set(native.HEADERS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.int32])

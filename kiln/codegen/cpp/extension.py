@@ -1,8 +1,8 @@
 """PyTorch C++ extensions Kiln builds once per machine and caches: the machinery they share.
 
-An :class:`Extension` is one C++ source built with ``torch.utils.cpp_extension`` the first time it
+An :class:`Extension` is one C++ source (with the local headers it includes, if any) built with ``torch.utils.cpp_extension`` the first time it
 is needed, into ``config.launcher_dir/<prefix>_<key>.so`` (default ``~/.cache/kiln/launcher``,
-``KILN_LAUNCHER_DIR``); the key covers the source, the torch and Python versions, the flags and
+``KILN_LAUNCHER_DIR``); the key covers the source and its headers, the torch and Python versions, the flags and
 the compiler (``g++ --version``).  As for the kernel cache, the build runs under a per-key file
 lock, lands by ``os.replace`` and has a ``.sha256`` sidecar that a later load checks.  A failure
 (no compiler, a failed build, a bad file) is remembered for the process: ``load`` raises the
@@ -55,16 +55,24 @@ def import_so(name: str, path: Path) -> ModuleType:
 
 
 def build_so(
-    name: str, source: str, so: Path, cflags: list[str], what: str
+    name: str,
+    source: str,
+    so: Path,
+    cflags: list[str],
+    what: str,
+    headers: dict[str, str] | None = None,
 ) -> tuple[ModuleType, float]:
     """Compile the extension in a scratch directory, then copy it into place: (the module as
-    loaded from the scratch build, seconds taken)."""
+    loaded from the scratch build, seconds taken).  ``headers`` (file name -> text) are written
+    beside the source, where its ``#include "name"`` lines find them."""
     from torch.utils import cpp_extension
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=so.parent, prefix=".build-") as tmp:
         src = Path(tmp) / f"{name}.cpp"
         src.write_text(source)
+        for header, text in (headers or {}).items():
+            (Path(tmp) / header).write_text(text)
         try:
             mod = cpp_extension.load(
                 name,
@@ -85,18 +93,38 @@ def build_so(
 
 class Extension:
     """One cached C++ extension: ``prefix`` names its files and metrics (``<prefix>_builds``,
-    ``<prefix>_build_ms``), ``what`` names it in messages."""
+    ``<prefix>_build_ms``), ``what`` names it in messages.  ``headers`` are local headers the
+    source includes by file name (``#include "tensor.h"``): copied beside it for the build, and
+    part of the cache key, so a change to any of them rebuilds."""
 
-    def __init__(self, prefix: str, source: Path, cflags: list[str], what: str) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        source: Path,
+        cflags: list[str],
+        what: str,
+        headers: tuple[Path, ...] = (),
+    ) -> None:
         self.prefix = prefix
         self.source = source
+        self.headers = headers
         self.cflags = cflags
         self.what = what
         self.module: ModuleType | None = None
         self.error: str | None = None  # why the extension is unavailable in this process
 
     def build(self, name: str, source: str, so: Path) -> tuple[ModuleType, float]:
-        return build_so(name, source, so, self.cflags, self.what)
+        return build_so(name, source, so, self.cflags, self.what, self.header_texts())
+
+    def header_texts(self) -> dict[str, str]:
+        return {h.name: h.read_text() for h in self.headers}
+
+    def key_source(self) -> str:
+        """The text the cache key covers: the source, then each header's name and text."""
+        parts = [self.source.read_text()]
+        for name, text in self.header_texts().items():
+            parts += [f"// --- header {name}", text]
+        return "\n".join(parts)
 
     def load(self, builder: Builder | None = None) -> ModuleType:
         """The module, built on first use; raises :class:`BuildError`, ``OSError`` or
@@ -107,7 +135,8 @@ class Extension:
             raise Unavailable(self.error)
         try:
             source = self.source.read_text()
-            name = f"{self.prefix}_{key_of(source, self.cflags)}"
+            key_text = self.key_source() if self.headers else source
+            name = f"{self.prefix}_{key_of(key_text, self.cflags)}"
             d = extension_dir()
             d.mkdir(parents=True, exist_ok=True)
             so = d / f"{name}.so"

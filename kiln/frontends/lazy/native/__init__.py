@@ -1,5 +1,6 @@
-"""The native lazy recorder, stage 2: op capture in C++ (``recorder.cpp``), opt-in; ops outside
-its C++ table go through a boxed fallback to Python (``fallback.py``, counted), so none is lost.
+"""The native lazy recorder, stage 2: op capture in C++ (``recorder.cpp`` and the headers it
+includes), opt-in; ops outside its C++ table go through a boxed fallback to Python
+(``fallback.py``, counted), so none is lost.
 
     from kiln.frontends.lazy import native
     x = native.tensor(torch.randn(4, 64))     # a native kiln tensor holding this value
@@ -46,11 +47,15 @@ __all__ = [
     "trace_len",
 ]
 
+_HERE = Path(__file__).parent
+# recorder.cpp includes these (one translation unit); all of them are in the build's cache key
+HEADERS = ("tensor.h", "trace.h", "op_table.h", "record.h", "cut.h", "api.h")
 _EXT = Extension(
     "kiln_native_recorder",
-    Path(__file__).with_name("recorder.cpp"),
+    _HERE / "recorder.cpp",
     ["-O2", "-w"],
     "native lazy recorder",
+    headers=tuple(_HERE / h for h in HEADERS),
 )
 _lock = threading.Lock()
 _configured: list[ModuleType] = []
