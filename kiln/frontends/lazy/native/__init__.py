@@ -1,0 +1,155 @@
+"""The native lazy recorder, stage 2: op capture in C++ (``recorder.cpp`` and the headers it
+includes), opt-in; ops outside its C++ table go through a boxed fallback to Python
+(``fallback.py``, counted), so none is lost.
+
+    from kiln.frontends.lazy import native
+    x = native.tensor(torch.randn(4, 64))     # a native kiln tensor holding this value
+    w = native.tensor(torch.randn(64, 8))
+    y = (x + 0.5).relu() @ w                  # recorded in C++: no Kiln Python runs per op
+    native.mark_step()                        # cut, convert to Kiln IR (new graphs only), run
+    native.cpu(y)                             # the value
+
+This is not yet the kiln device's recorder (that is still :mod:`kiln.frontends.lazy.tensor`):
+native tensors use the PrivateUse2 dispatch key, so nothing the kiln device registers (on
+PrivateUse1 and the Python key) sees them, and nothing registered here sees the device's tensors.
+The recorder is a PyTorch C++ extension built once per machine and cached with the native graph
+launcher (:mod:`kiln.codegen.cpp.extension`).  Where it cannot be built, :func:`load` raises
+:class:`NativeUnavailable` with the reason, and the Python recorder is what there is.
+See docs/native_recorder.md for the design and the staged plan.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kiln import metrics
+from kiln.codegen.cpp.build import BuildError
+from kiln.codegen.cpp.extension import Extension, Unavailable
+from kiln.frontends.lazy.native import fallback, table
+from kiln.frontends.lazy.native.convert import Converted, convert
+from kiln.runtime.compiler import compile_graph
+
+__all__ = [
+    "NativeUnavailable",
+    "available",
+    "cpu",
+    "graph_of",
+    "load",
+    "mark_step",
+    "python_ops",
+    "tensor",
+    "trace_hash",
+    "trace_len",
+]
+
+_HERE = Path(__file__).parent
+# recorder.cpp includes these (one translation unit); all of them are in the build's cache key
+HEADERS = ("tensor.h", "trace.h", "op_table.h", "record.h", "cut.h", "api.h")
+_EXT = Extension(
+    "kiln_native_recorder",
+    _HERE / "recorder.cpp",
+    ["-O2", "-w"],
+    "native lazy recorder",
+    headers=tuple(_HERE / h for h in HEADERS),
+)
+_lock = threading.Lock()
+_configured: list[ModuleType] = []
+_graphs: dict[int, Converted] = {}  # native graph id -> its Kiln graph
+
+
+class NativeUnavailable(RuntimeError):
+    """The native recorder cannot be built or loaded here (no C++ compiler, a failed build)."""
+
+
+def load() -> ModuleType:
+    """The recorder extension, built on first use and its op table registered (raises
+    :class:`NativeUnavailable` naming the reason; the Python recorder still works)."""
+    if _configured:
+        return _configured[0]
+    with _lock:
+        if _configured:
+            return _configured[0]
+        try:
+            mod = _EXT.load()
+        except Unavailable as e:
+            raise NativeUnavailable(str(e)) from None
+        except (BuildError, OSError, ImportError) as e:
+            metrics.incr("native_recorder_unavailable")
+            raise NativeUnavailable(
+                f"Kiln's native lazy recorder is unavailable ({e}); it needs a working C++ "
+                "compiler (g++) and PyTorch's headers. The kiln device's Python recorder is "
+                "unaffected."
+            ) from None
+        mod.configure(table.OPS, table.STRUCTURAL)
+        mod.set_fallback(fallback.Handler(mod, mark_step))
+        _configured.append(mod)
+        return mod
+
+
+def available() -> bool:
+    try:
+        load()
+    except NativeUnavailable:
+        return False
+    return True
+
+
+def tensor(value: torch.Tensor) -> torch.Tensor:
+    """A native kiln tensor holding ``value`` (a CPU tensor; used as a graph input, not copied:
+    do not change it in place before the step that reads it has run)."""
+    return load().from_cpu(value.detach())
+
+
+def cpu(x: torch.Tensor) -> torch.Tensor:
+    """The CPU value of a native tensor whose step has run (``mark_step``)."""
+    return load().value(x)
+
+
+def trace_hash() -> int:
+    """The pending trace's structural hash (updated as each op is recorded)."""
+    return load().trace_hash()
+
+
+def trace_len() -> int:
+    return load().trace_len()
+
+
+def mark_step() -> Any:
+    """Cut the pending trace and run it: every native tensor still alive that holds a value
+    computed in this step gets it.  A graph seen before is recognised by the recorder (hash, then
+    node keys) and not converted again.  Returns the cut (``graph_id``, ``is_new``, ``hash``), or
+    None when nothing was pending."""
+    mod = load()
+    c = mod.cut()
+    if c.graph_id < 0:
+        return None
+    conv = _graphs.get(c.graph_id)
+    if conv is None:
+        conv = _graphs[c.graph_id] = convert(mod, c)
+    values = c.values()
+    exe = compile_graph(conv.graph)
+    results = exe([values[k] for k in conv.picks])
+    seen: set[int] = {id(v) for v in values if isinstance(v, torch.Tensor)}
+    outs = []
+    for val in results:
+        if id(val) in seen:  # never let two storages share a buffer (as lazy/trace.py)
+            val = val.clone()
+        seen.add(id(val))
+        outs.append(val)
+    c.assign(outs)
+    return c
+
+
+def python_ops() -> dict[str, int]:
+    """Calls handed to the Python fallback since the process started, per ATen overload."""
+    return fallback.python_ops()
+
+
+def graph_of(graph_id: int) -> Any:
+    """The Kiln IR graph a native graph id was converted to (tests, tools)."""
+    return _graphs[graph_id].graph

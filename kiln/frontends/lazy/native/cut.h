@@ -1,0 +1,104 @@
+// Cutting the trace: graphs seen before (recognised by hash, confirmed key by key), the Cut
+// handed to Python (nodes, input values, results assigned back to the live storages), cut().
+// Part of recorder.cpp's single translation unit: included by it, in order, after the
+// headers the earlier parts need (see recorder.cpp).
+#pragma once
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// graphs seen before: recognised by hash, confirmed key by key
+
+struct Seen {
+  std::vector<int64_t> keys;
+  std::vector<int64_t> outs;
+  int64_t id;
+  int32_t n_nodes;
+};
+std::unordered_map<uint64_t, std::vector<Seen>> seen;
+int64_t n_graphs = 0;
+
+struct Cut {
+  int64_t graph_id = -1;
+  bool is_new = false;
+  uint64_t hash = 0;
+  Trace trace;                               // the cut trace (nodes kept only when new)
+  std::vector<std::shared_ptr<Storage>> live;  // storages whose values the graph computes
+  std::vector<int64_t> outs;                 // their nodes, in node order
+
+  py::list nodes() const {
+    py::list out;
+    const Trace& t = trace;
+    for (int32_t i = 0; i < t.size(); ++i) {
+      int64_t a = t.key_start[i];
+      int64_t b = i + 1 < t.size() ? t.key_start[i + 1] : static_cast<int64_t>(t.keys.size());
+      py::tuple ins(b - a - 1);
+      for (int64_t j = a + 1; j < b; ++j) ins[j - a - 1] = py::int_(t.keys[j]);
+      out.append(py::make_tuple(t.keys[a], ins));
+    }
+    return out;
+  }
+
+  py::list values() const {
+    py::list out;
+    for (const IValue& v : trace.values) {
+      if (v.isTensor())
+        out.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(v.toTensor())));
+      else
+        out.append(py::float_(v.toDouble()));
+    }
+    return out;
+  }
+
+  void assign(const std::vector<at::Tensor>& results) {
+    std::lock_guard<std::mutex> lock(mu);
+    TORCH_CHECK(results.size() == live.size(), "kiln native recorder: ", live.size(),
+                " results expected, got ", results.size());
+    for (size_t i = 0; i < live.size(); ++i) {
+      Storage& st = *live[i];
+      st.data = results[i];
+      st.pending = false;
+      st.node = -1;
+      st.gen = -1;
+    }
+    live.clear();
+  }
+};
+
+std::shared_ptr<Cut> cut() {
+  std::lock_guard<std::mutex> lock(mu);
+  auto c = std::make_shared<Cut>();
+  std::unordered_set<Storage*> listed;
+  for (auto& w : trace.pending) {
+    auto st = w.lock();
+    if (st && st->gen == trace.gen && st->pending && listed.insert(st.get()).second)
+      c->live.push_back(std::move(st));
+  }
+  std::sort(c->live.begin(), c->live.end(),
+            [](const auto& a, const auto& b) { return a->node < b->node; });
+  uint64_t h = trace.hash;
+  for (auto& st : c->live) {
+    c->outs.push_back(st->node);
+    h = mix(h, static_cast<uint64_t>(st->node) ^ 0x6f7574ULL);
+  }
+  c->hash = h;
+  auto& bucket = seen[h];
+  for (const Seen& s : bucket) {
+    if (s.n_nodes == trace.size() && s.keys == trace.keys && s.outs == c->outs) {
+      c->graph_id = s.id;
+      break;
+    }
+  }
+  if (c->graph_id < 0 && !c->live.empty()) {
+    c->graph_id = n_graphs++;
+    c->is_new = true;
+    bucket.push_back(Seen{trace.keys, c->outs, c->graph_id, trace.size()});
+  }
+  int64_t gen = trace.gen;
+  c->trace = std::move(trace);
+  trace = Trace();
+  trace.gen = gen + 1;
+  return c;
+}
+
+}  // namespace

@@ -1,0 +1,426 @@
+"""The native recorder's boxed fallback to Python: no op is lost (stage 2's hybrid core).
+
+``recorder.cpp`` records the ops of its table in C++.  Every other op reaching a native tensor
+(the PrivateUse2 fallback and the CompositeExplicitAutograd ops it blocks), and a table op with an
+argument the C++ path does not record (a CPU tensor, a tensor list), comes here through the
+handler :func:`install` gives the recorder: the C++ side hands over the call's arguments as
+Python objects and takes back what this returns.  Each call is counted
+(``metrics`` ``native_python_ops``, per op in :data:`counts`).  What happens to it mirrors the
+Python recorder (``lazy/tensor.py``'s ``_dispatch``), reusing its per-op facts:
+
+- ``_to_copy`` to the CPU, and any op with ``device="cpu"``: the step is run (a counted forced
+  sync) and the op runs on the values, its result a CPU tensor.
+- In-place views (``squeeze_``, ``t_``, ``transpose_``, ...): recorded as the out-of-place view,
+  whose geometry, storage and view chain the tensor then takes (``become``).
+- Ops that write their arguments (in-place, ``out=``), random ops, ops whose result is not a
+  tensor (``.item()``), ops with no meta kernel or a data-dependent shape: run eagerly on the
+  materialized CPU values after running everything pending (a forced sync, counted with the op
+  as a fallback, as the Python recorder's ``_eager``); results become native tensors holding the
+  CPU values, and an op's written argument keeps its identity (the write lands in its storage).
+- Ops with a Kiln decomposition: decomposed (the parts come back to the recorder: table ops in
+  C++, the rest here).
+- Everything else is recorded as one node (several outputs: one ``getitem`` node each), built
+  exactly as the Python recorder's ``lower_call`` builds it (an opaque node, counted as a
+  fallback when Kiln has no rule for the op).  Its recipe -- node template, output types and
+  geometries, from the meta kernel -- is made once per call signature and kept in C++
+  (``add_recipe``) and here; later calls with the same signature only collect their inputs and
+  append the node (``record_node``).
+
+Needs: the recorder extension loaded (``native.load``), Kiln's lowering and the lazy device's op
+facts.  Guarantees: the values are eager PyTorch's; every call is counted; an op that cannot be
+recorded or run raises a Python exception (the process lives on).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from kiln import metrics
+from kiln.frontends.lazy.native import convert
+from kiln.frontends.lazy.shapes import infer_typed
+from kiln.frontends.lazy.tensor import _facts
+from kiln.ir.graph import In
+from kiln.lowering.aten import Ref, op_name, template
+
+aten = torch.ops.aten
+_CPU = torch.device("cpu")
+
+counts: Counter[str] = Counter()  # Python-fallback calls per op (``aten::name.overload``)
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    rid: int
+    getitems: list[int]  # per tensor output of a multi-output op; empty for one output
+    shape: Any  # None: a single tensor; else the output tuple/list with None at tensor slots
+    as_list: bool
+
+
+class _Op:
+    """One ATen overload as the handler sees it, worked out once."""
+
+    __slots__ = ("counter", "facts", "func", "plain", "schema")
+
+    def __init__(self, func: Any) -> None:
+        self.func = func
+        f = self.facts = _facts(func)
+        self.counter = f"{func._schema.name}.{func._overloadname}"
+        # per schema argument: (keyword-only, enum table or None, has a default, the default)
+        self.schema = []
+        for a in func._schema.arguments:
+            t = str(a.type)
+            enum = (
+                convert._MEMORY_FORMATS
+                if "MemoryFormat" in t
+                else convert._LAYOUTS
+                if "Layout" in t
+                else None
+            )
+            has = a.has_default_value()
+            self.schema.append((a.kwarg_only, enum, has, a.default_value if has else None))
+        # recorded as one node with nothing special before it (``Handler.record``)
+        self.plain = not (
+            func is aten._to_copy.default
+            or f.inplace_view
+            or func in _RESHAPING
+            or f.mutated
+            or f.identity
+            or func in _SPLIT_VIEWS
+            or f.view
+            or torch.Tag.nondeterministic_seeded in func.tags
+            or f.composite
+            or f.decomp is not None
+        )
+
+    def split(self, vals: list) -> tuple[tuple, dict]:
+        """The call's (args, kwargs) as ``__torch_dispatch__`` would get them: trailing
+        positional defaults and defaulted keyword-only arguments left out, enums as Python
+        objects."""
+        args: list = []
+        kwargs: dict = {}
+        names = None
+        for i, (v, (kw_only, enum, has, d)) in enumerate(zip(vals, self.schema)):
+            if enum is not None and type(v) is int:
+                v = enum[v]
+            if kw_only:
+                if not (has and _same(v, d)):
+                    if names is None:
+                        names = self.func._schema.arguments
+                    kwargs[names[i].name] = v
+            else:
+                args.append(v)
+        n = len(args)
+        while n > 0 and self.schema[n - 1][2] and _same(args[n - 1], self.schema[n - 1][3]):
+            n -= 1
+        return tuple(args[:n]), kwargs
+
+
+class Handler:
+    """The callable the recorder calls for an op it hands to Python."""
+
+    def __init__(self, mod: Any, mark_step: Callable[[], Any]) -> None:
+        self.mod = mod
+        self.mark_step = mark_step
+        self.ops: dict[tuple[str, str], _Op] = {}
+        self.recipes: dict[tuple, _Recipe] = {}
+
+    def __call__(self, qual: str, overload: str, vals: list) -> Any:
+        op = self.ops.get((qual, overload))
+        if op is None:
+            packet = getattr(aten, qual.split("::")[1])
+            op = self.ops[(qual, overload)] = _Op(getattr(packet, overload or "default"))
+        counts[op.counter] += 1
+        metrics.incr("native_python_ops")
+        args, kwargs = op.split(vals)
+        if op.plain and "device" not in kwargs:
+            return self.record(op, args, kwargs)
+        return self.dispatch(op, args, kwargs)
+
+    # -- what to do with one call ----------------------------------------------------------------
+
+    def dispatch(self, op: _Op, args: tuple, kwargs: dict) -> Any:
+        func = op.func
+        f = op.facts
+        name = f.name
+        if _is_cpu(kwargs.get("device")):
+            # a CPU result (``.cpu()``, ``zeros_like(x, device="cpu")``): made from the values
+            self.sync("to_cpu")
+            is_native = self.mod.is_native
+            cargs = [self.mod.value(a) if _is_tensor(a) and is_native(a) else a for a in args]
+            return func(*cargs, **kwargs)
+        self.check_devices(func, args, kwargs)
+        if f.inplace_view and func not in _RESHAPING:
+            view = _out_of_place(func)
+            if view is not None and self.mod.is_native(args[0]):
+                # recorded as its out-of-place view (a table view: a chain link), then the
+                # tensor itself takes that view's geometry, storage and chain
+                self.mod.become(args[0], view(*args, **kwargs))
+                return args[0]
+        if f.inplace_view or func in _RESHAPING or (f.mutated and _is_out(func, kwargs)):
+            raise NotImplementedError(
+                f"Kiln native recorder: {func} changes a tensor's shape or storage in place; "
+                "not supported yet (stage 3: views and in-place ops)"
+            )
+        if func is aten.copy_.default and self.mod.upload(args[0], args[1]):
+            return args[0]  # a CPU value into a whole native storage: no node, no sync
+        if f.identity and len(args) == 1 and not kwargs and self.mod.is_native(args[0]):
+            return self.mod.alias_of(args[0])  # detach / alias: no node, same storage
+        split = _SPLIT_VIEWS.get(func)
+        if split is not None:  # one view per piece: table views (chain links), aliasing kept
+            return split(*args, **kwargs)
+        if f.mutated or f.view or torch.Tag.nondeterministic_seeded in func.tags:
+            # written arguments, views outside the table (they alias the value's memory) and
+            # random draws (the CPU generator, as eager) run on the values
+            return self.eager(func, args, kwargs, f"op:{name}")
+        if f.composite:
+            out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        if f.decomp is not None:
+            out = f.decomp(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return self.record(op, args, kwargs)
+
+    def record(self, op: _Op, args: tuple, kwargs: dict) -> Any:
+        func = op.func
+        lift = op.facts.lift
+        inputs: list = []
+        key_parts: list = []
+        for a in args:
+            key_parts.append(self.walk(a, lift, inputs))
+        for k, v in kwargs.items():
+            key_parts.append((k, self.walk(v, lift, inputs)))
+        key = (op, torch.get_default_dtype(), tuple(key_parts))
+        r = self.recipes.get(key)
+        if r is None:
+            r = self.make_recipe(func, args, kwargs, lift)
+            if r is None:
+                return self.eager(func, args, kwargs, f"op:{op.facts.name}")
+            self.recipes[key] = r
+        outs = self.mod.record_node(r.rid, r.getitems, inputs)
+        if r.shape is None:
+            return outs[0]
+        it = iter(outs)
+        res = [next(it) if s is None else s for s in r.shape]
+        return res if r.as_list else tuple(res)
+
+    def walk(self, x: Any, lift: bool, inputs: list) -> Any:
+        """The signature part of one argument; graph values appended to ``inputs`` in the order
+        ``lowering.aten.template`` numbers them."""
+        if isinstance(x, torch.Tensor):
+            inputs.append(x)
+            g = self.mod.geo_of(x)
+            if g >= 0:
+                return ("n", g)
+            if x.device.type != "cpu":
+                self.check_devices(None, (x,), {})
+            return ("c", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype)
+        if lift and type(x) is float:
+            inputs.append(x)
+            return ("f",)
+        if isinstance(x, (list, tuple)):
+            return (type(x), tuple(self.walk(y, lift, inputs) for y in x))
+        return (type(x), x)
+
+    def make_recipe(self, func: Any, args: tuple, kwargs: dict, lift: bool) -> _Recipe | None:
+        try:
+            out_meta, out_types = infer_typed(func, args, kwargs, self.to_meta)
+        except Exception:  # noqa: BLE001 - no meta kernel or a data-dependent shape: run it
+            return None
+        if isinstance(out_meta, torch.Tensor):
+            metas = [out_meta]
+        elif isinstance(out_meta, (list, tuple)):
+            metas = list(out_meta)
+        else:
+            return None  # no tensor result (a check on values): eager
+        if not any(isinstance(m, torch.Tensor) for m in metas):
+            return None  # a number, a bool: computed from values (eager)
+        count = [0]
+
+        def ref_of(a: Any) -> Ref | None:
+            if isinstance(a, torch.Tensor) or (lift and type(a) is float):
+                count[0] += 1
+                return Ref(count[0] - 1)
+            return None
+
+        kw = {k: _cpu_device(v) for k, v in kwargs.items()}
+        targs, tkwargs, _ = template(args, kw, ref_of)
+        name, real = op_name(func)
+        qual = func._schema.name.split("::")[1]
+        fallback = None if real else qual
+        types = tuple(out_types) if isinstance(out_types, (tuple, list)) else (out_types,)
+        geos = [_geo(m) for m in metas if isinstance(m, torch.Tensor)]
+        h = hash((name, repr(targs), repr(tkwargs), repr(types))) & (2**64 - 1)
+        if isinstance(out_meta, torch.Tensor):
+            rid = self.mod.add_recipe(geos, h)
+            convert.register(rid, name, targs, tkwargs, types, fallback)
+            return _Recipe(rid, [], None, False)
+        rid = self.mod.add_recipe(geos, h)
+        convert.register(rid, name, targs, tkwargs, types, fallback)
+        getitems = []
+        for k, m in enumerate(metas):
+            if isinstance(m, torch.Tensor):
+                g = self.mod.add_recipe([_geo(m)], hash(("getitem", h, k)) & (2**64 - 1))
+                convert.register(g, "getitem", (In(0), k), (), (types[k],), None)
+                getitems.append(g)
+        shape = tuple(None if isinstance(m, torch.Tensor) else m for m in metas)
+        return _Recipe(rid, getitems, shape, isinstance(out_meta, list))
+
+    # -- running for real ------------------------------------------------------------------------
+
+    def sync(self, reason: str) -> None:
+        if self.mod.trace_len() > 0:
+            metrics.forced_sync(reason)
+            self.mark_step()
+
+    def eager(self, func: Any, args: tuple, kwargs: dict, reason: str) -> Any:
+        """Run one op on materialized CPU values after everything pending (as the Python
+        recorder's ``_eager``): written arguments keep their identity, new results become native
+        tensors."""
+        metrics.fallback(func._schema.name.split("::")[1])
+        self.sync(reason)
+        is_native = self.mod.is_native
+
+        def conc(a: Any) -> Any:
+            if isinstance(a, torch.Tensor) and is_native(a):
+                return self.mod.value(a)
+            return _cpu_device(a)
+
+        cargs = tree_map(conc, args)
+        ckwargs = tree_map(conc, kwargs)
+        out = func(*cargs, **ckwargs)
+        flat_c = tree_flatten((cargs, ckwargs))[0]
+        flat_a = tree_flatten((args, kwargs))[0]
+
+        def wrap(o: Any) -> Any:
+            if not isinstance(o, torch.Tensor):
+                return o
+            for a, c in zip(flat_a, flat_c):
+                if o is c:  # a written argument returned: the caller's tensor
+                    return a
+            return self.mod.from_cpu(o.detach())
+
+        return tree_map(wrap, out)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def to_meta(self, a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            if self.mod.is_native(a):
+                return _meta_like(a)
+            return a.to("meta")
+        if isinstance(a, torch.device) and a.type == "kiln":
+            return torch.device("meta")
+        return a
+
+    def check_devices(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """A tensor on another device than the CPU or a native tensor: eager's mixed-device
+        error, naming both."""
+        flat = [*args, *kwargs.values()]
+        flat += [y for a in flat if isinstance(a, (list, tuple)) for y in a]
+        for a in flat:
+            if isinstance(a, torch.Tensor) and not self.mod.is_native(a) and a.device != _CPU:
+                raise RuntimeError(
+                    f"Kiln native recorder: {func} got a native kiln tensor and a tensor on "
+                    f"{a.device} (of type {type(a).__name__}); expected all tensors on one "
+                    "device (a CPU tensor is taken as a graph input)"
+                )
+
+
+def _split_tensor(x: torch.Tensor, size: int, dim: int = 0) -> list[torch.Tensor]:
+    n = x.shape[dim]
+    if n == 0:
+        return [x.narrow(dim, 0, 0)]
+    return [x.narrow(dim, i, min(size, n - i)) for i in range(0, n, size)]
+
+
+def _split_with_sizes(x: torch.Tensor, sizes: list[int], dim: int = 0) -> list[torch.Tensor]:
+    out, start = [], 0
+    for k in sizes:
+        out.append(x.narrow(dim, start, k))
+        start += k
+    return out
+
+
+def _unbind(x: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, ...]:
+    return tuple(x.select(dim, i) for i in range(x.shape[dim]))
+
+
+_SPLIT_VIEWS: dict[Any, Callable[..., Any]] = {
+    aten.split.Tensor: _split_tensor,
+    aten.split_with_sizes.default: _split_with_sizes,
+    aten.unbind.int: _unbind,
+}
+_RESHAPING = {aten.resize_.default, aten.set_.source_Tensor, aten.set_.default}
+
+
+def _out_of_place(func: Any) -> Any | None:
+    """``aten.squeeze_.dim`` -> ``aten.squeeze.dim`` (None where there is no such overload)."""
+    name = func._schema.name.split("::")[1]
+    if not name.endswith("_"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    if packet is None:
+        return None
+    same = getattr(packet, func._overloadname, None)
+    if same is not None:
+        return same
+    want = [(a.name, str(a.type)) for a in func._schema.arguments[1:]]
+    for ov in packet.overloads():  # transpose_.default -> transpose.int: the same arguments
+        cand = getattr(packet, ov)
+        if [(a.name, str(a.type)) for a in cand._schema.arguments[1:]] == want:
+            return cand
+    return None
+
+
+def _is_out(func: Any, kwargs: dict) -> bool:
+    return "out" in kwargs or func._overloadname.endswith("out")
+
+
+def _same(v: Any, d: Any) -> bool:
+    """``v`` is the schema default ``d`` (as the IValue comparison PyTorch uses)."""
+    if d is None or v is None:
+        return d is None and v is None
+    if isinstance(v, torch.Tensor) or isinstance(d, torch.Tensor):
+        return False
+    try:
+        return bool(type(v) is type(d) and v == d)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _geo(m: torch.Tensor) -> tuple:
+    return (list(m.shape), list(m.stride()), m.storage_offset(), m.dtype)
+
+
+def _meta_like(x: torch.Tensor) -> torch.Tensor:
+    size, stride, off = tuple(x.shape), x.stride(), x.storage_offset()
+    need = 0 if 0 in size else off + 1 + sum((s - 1) * st for s, st in zip(size, stride))
+    base = torch.empty(max(need, off), dtype=x.dtype, device="meta")
+    return base.as_strided(size, stride, off)
+
+
+def _is_tensor(a: Any) -> bool:
+    return isinstance(a, torch.Tensor)
+
+
+def _is_cpu(d: Any) -> bool:
+    return d is not None and torch.device(d).type == "cpu"
+
+
+def _cpu_device(a: Any) -> Any:
+    if isinstance(a, torch.device) and a.type == "kiln":
+        return _CPU
+    return a
+
+
+def python_ops() -> dict[str, int]:
+    """Python-fallback calls per op since the process started."""
+    return dict(counts)

@@ -1,0 +1,236 @@
+// The op table and making recipes: ops recorded in C++ (OpFacts by operator handle), the call
+// signature of a boxed call's arguments (sig_of), node-template constants, and make_recipe
+// (a call seen for the first time, run once on meta tensors for its output geometry).
+// Part of recorder.cpp's single translation unit: included by it, in order, after the
+// headers the earlier parts need (see recorder.cpp).
+#pragma once
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// the op table
+
+struct OpFacts {
+  bool lift = true;  // Python floats become scalar graph inputs
+};
+std::unordered_map<const void*, OpFacts> table;  // by operator handle identity (schema address)
+std::unique_ptr<torch::Library> table_lib;
+
+const void* op_key(const c10::OperatorHandle& op) { return &op.schema(); }
+
+// signature tags
+enum Tag : int64_t {
+  T_TENSOR = 1,
+  T_LIFTED,
+  T_DOUBLE,
+  T_INT,
+  T_BOOL,
+  T_NONE,
+  T_LIST,
+  T_STR,
+  T_DEVICE,
+  T_WRAPPED_INT,
+  T_WRAPPED_BOOL,
+  T_WRAPPED_DOUBLE,
+};
+
+int64_t double_bits(double d) {
+  int64_t b;
+  std::memcpy(&b, &d, sizeof b);
+  return b;
+}
+
+// Append one argument's part of the call signature; false for an argument the native path does
+// not record (a CPU tensor, a tensor list, ...): the call goes to the Python fallback.
+bool sig_of(const IValue& v, bool lift, std::vector<int64_t>& sig) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (NativeImpl* n = native_of(t)) {
+      sig.push_back(T_TENSOR);
+      sig.push_back(n->geo);
+      return true;
+    }
+    if (t.defined() && t.unsafeGetTensorImpl()->is_wrapped_number() && t.device().is_cpu()) {
+      switch (t.scalar_type()) {
+        case at::kDouble: {
+          double d = *static_cast<const double*>(t.unsafeGetTensorImpl()->data());
+          sig.push_back(lift ? T_LIFTED : T_WRAPPED_DOUBLE);
+          if (!lift) sig.push_back(double_bits(d));
+          return true;
+        }
+        case at::kLong:
+          sig.push_back(T_WRAPPED_INT);
+          sig.push_back(*static_cast<const int64_t*>(t.unsafeGetTensorImpl()->data()));
+          return true;
+        case at::kBool:
+          sig.push_back(T_WRAPPED_BOOL);
+          sig.push_back(*static_cast<const bool*>(t.unsafeGetTensorImpl()->data()));
+          return true;
+        default:
+          break;
+      }
+    }
+    return false;
+  }
+  if (v.isDouble()) {
+    sig.push_back(lift ? T_LIFTED : T_DOUBLE);
+    if (!lift) sig.push_back(double_bits(v.toDouble()));
+  } else if (v.isInt()) {
+    sig.push_back(T_INT);
+    sig.push_back(v.toInt());
+  } else if (v.isBool()) {
+    sig.push_back(T_BOOL);
+    sig.push_back(v.toBool());
+  } else if (v.isNone()) {
+    sig.push_back(T_NONE);
+  } else if (v.isIntList()) {
+    auto l = v.toIntList();
+    sig.push_back(T_LIST);
+    sig.push_back(static_cast<int64_t>(l.size()));
+    for (int64_t x : l) sig.push_back(x);
+  } else if (v.isString()) {
+    const std::string& s = v.toStringRef();
+    sig.push_back(T_STR);
+    sig.push_back(static_cast<int64_t>(s.size()));
+    for (char c : s) sig.push_back(c);
+  } else if (v.isDevice()) {
+    sig.push_back(T_DEVICE);
+    sig.push_back(static_cast<int64_t>(v.toDevice().type()));
+    sig.push_back(v.toDevice().index());
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// The value of an argument as a node-template constant (wrapped numbers as Python numbers).
+IValue const_of(const IValue& v) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    auto* impl = t.unsafeGetTensorImpl();
+    switch (t.scalar_type()) {
+      case at::kDouble:
+        return IValue(*static_cast<const double*>(impl->data()));
+      case at::kLong:
+        return IValue(*static_cast<const int64_t*>(impl->data()));
+      case at::kBool:
+        return IValue(*static_cast<const bool*>(impl->data()));
+      default:
+        TORCH_CHECK(false, "kiln native recorder: unexpected wrapped number");
+    }
+  }
+  return v;
+}
+
+bool is_lifted(const IValue& v, bool lift) {
+  if (!lift) return false;
+  if (v.isDouble()) return true;
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    return native_of(t) == nullptr && t.scalar_type() == at::kDouble;
+  }
+  return false;
+}
+
+// Enum arguments (dtype, memory_format, layout) travel as ints: which one a schema type is.
+uint8_t enum_kind(const c10::TypePtr& type) {
+  c10::TypePtr t = type;
+  if (t->kind() == c10::TypeKind::OptionalType) t = t->expectRef<c10::OptionalType>().getElementType();
+  switch (t->kind()) {
+    case c10::TypeKind::ScalarTypeType:
+      return 1;
+    case c10::TypeKind::MemoryFormatType:
+      return 2;
+    case c10::TypeKind::LayoutType:
+      return 3;
+    default:
+      return 0;
+  }
+}
+
+at::Tensor meta_of(NativeImpl* n) {
+  const Geo& g = geos[n->geo];
+  int64_t need = g.offset + 1;
+  for (size_t i = 0; i < g.sizes.size(); ++i) {
+    if (g.sizes[i] == 0) {
+      need = 0;
+      break;
+    }
+    need += (g.sizes[i] - 1) * g.strides[i];
+  }
+  auto opts = at::TensorOptions().dtype(g.dtype).device(at::kMeta);
+  at::Tensor base = at::empty({std::max<int64_t>(need, g.offset)}, opts);
+  return base.as_strided(g.sizes, g.strides, g.offset);
+}
+
+// A call seen for the first time: its output geometry from the meta kernel, its node template.
+Recipe* make_recipe(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first,
+                    bool lift) {
+  const auto& schema = op.schema();
+  const auto& args = schema.arguments();
+  const size_t n = args.size();
+  TORCH_CHECK_NOT_IMPLEMENTED(schema.returns().size() == 1 && !schema.is_mutable(),
+                              "kiln native recorder: ", schema.operator_name(),
+                              " (in-place or multi-output) is not supported yet (stage 1)");
+  torch::jit::Stack meta;
+  meta.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const IValue& v = stack[first + i];
+    NativeImpl* nt = v.isTensor() ? native_of(v.toTensor()) : nullptr;
+    meta.push_back(nt ? IValue(meta_of(nt)) : v);
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.callBoxed(meta);
+  }
+  TORCH_CHECK(meta.size() == 1 && meta[0].isTensor(),
+              "kiln native recorder: ", schema.operator_name(), " does not return one tensor");
+  const at::Tensor& out = meta[0].toTensor();
+  auto r = std::make_unique<Recipe>();
+  r->id = static_cast<int32_t>(recipes.size());
+  r->op = op;
+  r->out_geo = intern_geo(out.sizes(), out.strides(), out.storage_offset(), out.scalar_type());
+  const auto& ret_alias = schema.returns()[0].alias_info();
+  r->view = ret_alias != nullptr && !ret_alias->isWrite();
+  // which arguments __torch_dispatch__ would pass: trailing positional defaults and defaulted
+  // keyword-only arguments are left out (torch::jit::parseIValuesToPyArgsKwargs)
+  size_t kw_start = n;
+  while (kw_start > 0 && args[kw_start - 1].kwarg_only()) --kw_start;
+  auto is_default = [&](size_t i) {
+    const auto& d = args[i].default_value();
+    return d.has_value() && *d == stack[first + i];
+  };
+  size_t pos_end = kw_start;
+  while (pos_end > 0 && is_default(pos_end - 1)) --pos_end;
+  uint64_t h = std::hash<std::string>()(schema.name() + "." + schema.overload_name());
+  int32_t n_in = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (i >= pos_end && i < kw_start) continue;
+    if (i >= kw_start && is_default(i)) continue;
+    const IValue& v = stack[first + i];
+    Slot s;
+    s.stack_index = static_cast<int32_t>(i);
+    if (i >= kw_start) s.name = args[i].name();
+    if (v.isTensor() && native_of(v.toTensor())) {
+      s.kind = Slot::TENSOR;
+      ++n_in;
+    } else if (is_lifted(v, lift)) {
+      s.kind = Slot::LIFTED;
+      ++n_in;
+    } else {
+      s.kind = Slot::CONST;
+      s.value = const_of(v);
+      s.pykind = v.isInt() ? enum_kind(args[i].real_type()) : 0;
+    }
+    h = mix(h, static_cast<uint64_t>(s.kind) * 1000003 + i);
+    if (!s.name.empty()) h = mix(h, std::hash<std::string>()(s.name));
+    r->slots.push_back(std::move(s));
+  }
+  TORCH_CHECK_NOT_IMPLEMENTED(!r->view || n_in == 1, "kiln native recorder: view op ",
+                              schema.operator_name(), " with more than one input");
+  r->n_inputs = n_in;
+  r->hash = h;
+  return recipes.emplace_back(std::move(r)).get();
+}
+
+}  // namespace

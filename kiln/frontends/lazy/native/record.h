@@ -1,0 +1,147 @@
+// Recording one call: `record`, the boxed kernel of every table op on PrivateUse2 (signature,
+// recipe lookup, nodes appended), and the boxed fallback to Python (`to_python`, counted) for
+// every other op and for arguments `record` does not take.
+// Part of recorder.cpp's single translation unit: included by it, in order, after the
+// headers the earlier parts need (see recorder.cpp).
+#pragma once
+
+namespace {
+
+thread_local std::vector<int64_t> sig_buf;
+
+void to_python(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
+void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  const size_t first = stack->size() - n;
+  std::unique_lock<std::mutex> lock(mu);
+  auto facts = table.find(op_key(op));
+  TORCH_CHECK_NOT_IMPLEMENTED(facts != table.end(), "kiln native recorder: ",
+                              schema.operator_name(), " is not in its op table");
+  const bool lift = facts->second.lift;
+  // the call's signature: the op, the default dtype, each argument
+  std::vector<int64_t>& sig = sig_buf;
+  sig.clear();
+  sig.push_back(reinterpret_cast<int64_t>(op_key(op)));
+  sig.push_back(static_cast<int64_t>(c10::typeMetaToScalarType(c10::get_default_dtype())));
+  for (size_t i = 0; i < n; ++i) {
+    if (!sig_of((*stack)[first + i], lift, sig)) {
+      lock.unlock();
+      to_python(op, stack);
+      return;
+    }
+  }
+  Recipe* r;
+  auto it = recipe_of.find(sig);
+  if (it != recipe_of.end()) {
+    r = it->second;
+  } else {
+    r = make_recipe(op, *stack, first, lift);
+    // geometries of the inputs take part in the content hash (ids are per process)
+    uint64_t h = r->hash;
+    for (size_t i = 0; i < n; ++i) {
+      const IValue& v = (*stack)[first + i];
+      if (v.isTensor()) {
+        if (NativeImpl* nt = native_of(v.toTensor())) h = mix(h, geos[nt->geo].hash);
+      }
+    }
+    for (size_t k = 2; k < sig.size(); ++k) h = mix(h, static_cast<uint64_t>(sig[k]) * 31);
+    r->hash = mix(h, geos[r->out_geo].hash);
+    recipe_of.emplace(sig, r);
+  }
+  at::Tensor out;
+  if (r->view) {
+    NativeImpl* x = native_of((*stack)[first + r->slots[0].stack_index].toTensor());
+    std::vector<int32_t> chain(x->chain);
+    chain.push_back(r->id);
+    out = make_tensor(x->st, std::move(chain), r->out_geo);
+  } else {
+    int64_t ins[16];
+    std::vector<int64_t> more;
+    int64_t* in = ins;
+    if (r->n_inputs > 16) {
+      more.resize(r->n_inputs);
+      in = more.data();
+    }
+    int32_t k = 0;
+    for (const Slot& s : r->slots) {
+      if (s.kind == Slot::TENSOR) {
+        in[k++] = read(native_of((*stack)[first + s.stack_index].toTensor()));
+      } else if (s.kind == Slot::LIFTED) {
+        const IValue& v = (*stack)[first + s.stack_index];
+        double d = v.isDouble() ? v.toDouble()
+                                : *static_cast<const double*>(v.toTensor().unsafeGetTensorImpl()->data());
+        in[k++] = add_input(IValue(d), 0);
+      }
+    }
+    int32_t node = add_node(r->id, in, r->n_inputs);
+    auto st = std::make_shared<Storage>();
+    st->gen = trace.gen;
+    st->node = node;
+    st->pending = true;
+    st->geo = r->out_geo;
+    trace.pending.emplace_back(st);
+    out = make_tensor(std::move(st), {}, r->out_geo);
+  }
+  stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
+  stack->emplace_back(std::move(out));
+}
+
+// ---------------------------------------------------------------------------------------------
+// the boxed fallback to Python: ops outside the table, and table ops with arguments the native
+// path does not record, go to the handler Python installs (native/fallback.py), counted
+
+py::object* py_handler = nullptr;  // leaked on purpose: never destroyed after the interpreter
+std::atomic<int64_t> n_python{0};
+
+void to_python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  TORCH_CHECK_NOT_IMPLEMENTED(py_handler != nullptr, "kiln native recorder: ",
+                              schema.operator_name(),
+                              " is not in its op table and no Python fallback is installed");
+  n_python.fetch_add(1, std::memory_order_relaxed);
+  const auto& args = schema.arguments();
+  const size_t n = args.size();
+  const size_t first = stack->size() - n;
+  py::gil_scoped_acquire gil;
+  py::list vals(n);
+  for (size_t i = 0; i < n; ++i) {
+    const IValue& v = (*stack)[first + i];
+    py::object o;
+    if (v.isTensor() && v.toTensor().defined() &&
+        v.toTensor().unsafeGetTensorImpl()->is_wrapped_number()) {
+      o = torch::jit::toPyObject(const_of(v));  // a Python number, as Python passed it
+    } else if (v.isInt() && enum_kind(args[i].real_type()) == 1) {
+      o = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(
+          torch::getTHPDtype(static_cast<c10::ScalarType>(v.toInt()))));
+    } else {
+      o = torch::jit::toPyObject(v);
+    }
+    vals[i] = std::move(o);
+  }
+  py::object out = (*py_handler)(schema.name(), schema.overload_name(), vals);
+  stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
+  const auto& rets = schema.returns();
+  if (rets.empty()) {
+    return;  // (a check such as _linalg_check_errors)
+  } else if (rets.size() == 1) {
+    stack->push_back(torch::jit::toIValue(out, rets[0].real_type(), std::nullopt));
+  } else {
+    py::sequence seq = out.cast<py::sequence>();
+    TORCH_CHECK(seq.size() == rets.size(), "kiln native recorder: the Python fallback for ",
+                schema.operator_name(), " returned ", seq.size(), " values, not ", rets.size());
+    for (size_t i = 0; i < rets.size(); ++i)
+      stack->push_back(torch::jit::toIValue(seq[i], rets[i].real_type(), std::nullopt));
+  }
+}
+
+void unsupported(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  to_python(op, stack);
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse2, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&unsupported>());
+}
+
+}  // namespace

@@ -1,0 +1,60 @@
+"""The native recorder's op table (stage 1): the ATen overloads it records.
+
+Each entry gets the recorder's boxed kernel on the PrivateUse2 dispatch key.  Ops with a
+CompositeImplicitAutograd kernel (``reshape``, ``matmul``) are not listed: PyTorch decomposes them
+before they reach a backend key, into ops listed here (``view``, ``clone``, ``_unsafe_view``,
+``mm``, ``bmm``, ``expand``).  ``STRUCTURAL`` ops keep their Python floats in the node (as the
+Python recorder's ``_STRUCTURAL_FLOATS``: ``pow(x, 2.0)`` stays visible to passes); every other
+Python float is lifted into a scalar graph input.
+"""
+
+from __future__ import annotations
+
+UNARY = [
+    "abs.default",
+    "neg.default",
+    "exp.default",
+    "log.default",
+    "sqrt.default",
+    "rsqrt.default",
+    "relu.default",
+    "sigmoid.default",
+    "tanh.default",
+    "sin.default",
+    "cos.default",
+    "reciprocal.default",
+    "gelu.default",
+    "silu.default",
+    "clone.default",
+]
+BINARY = [f"{op}.{ov}" for op in ("add", "sub", "mul", "div") for ov in ("Tensor", "Scalar")] + [
+    "div.Tensor_mode",
+    "maximum.default",
+    "minimum.default",
+    "pow.Tensor_Scalar",
+    "pow.Tensor_Tensor",
+    *(f"{op}.{ov}" for op in ("gt", "lt", "ge", "le", "eq", "ne") for ov in ("Tensor", "Scalar")),
+    "where.self",
+]
+MATMUL = ["mm.default", "addmm.default", "bmm.default", "mv.default"]
+REDUCTIONS = ["sum.default", "sum.dim_IntList", "mean.default", "mean.dim", "amax.default"]
+# view ops (aliasing results): recorded as view links; _unsafe_view is a plain node (no alias)
+VIEWS = [
+    "view.default",
+    "_reshape_alias.default",
+    "transpose.int",
+    "t.default",
+    "permute.default",
+    "expand.default",
+    "unsqueeze.default",
+    "squeeze.dim",
+    "squeeze.dims",
+    "select.int",
+    "slice.Tensor",
+    "diagonal.default",
+    "unfold.default",
+]
+OTHER = ["_unsafe_view.default"]
+
+OPS = UNARY + BINARY + MATMUL + REDUCTIONS + VIEWS + OTHER
+STRUCTURAL = ["pow", "gelu", "clamp", "clamp_min", "clamp_max"]

@@ -1,0 +1,128 @@
+// The native tensor and its geometry: the hash mixer, interned geometries (sizes, strides,
+// offset, dtype; compared by id), a storage, and NativeImpl (the storage-less TensorImpl on the
+// PrivateUse2 key) with native_of / make_tensor.
+// Part of recorder.cpp's single translation unit: included by it, in order, after the
+// headers the earlier parts need (see recorder.cpp).
+#pragma once
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// hashing
+
+inline uint64_t mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  h *= 0xff51afd7ed558ccdULL;
+  return h ^ (h >> 33);
+}
+
+struct VecHash {
+  size_t operator()(const std::vector<int64_t>& v) const {
+    uint64_t h = v.size();
+    for (int64_t x : v) h = mix(h, static_cast<uint64_t>(x));
+    return h;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// geometries: interned (sizes, strides, offset, dtype), compared by id
+
+struct Geo {
+  std::vector<int64_t> sizes, strides;
+  int64_t offset;
+  c10::ScalarType dtype;
+  uint64_t hash;
+};
+
+std::vector<Geo> geos;
+std::unordered_map<std::vector<int64_t>, int32_t, VecHash> geo_ids;
+
+int32_t intern_geo(c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t offset,
+                   c10::ScalarType dtype) {
+  std::vector<int64_t> key;
+  key.reserve(sizes.size() * 2 + 3);
+  key.push_back(static_cast<int64_t>(dtype));
+  key.push_back(offset);
+  key.push_back(static_cast<int64_t>(sizes.size()));
+  key.insert(key.end(), sizes.begin(), sizes.end());
+  key.insert(key.end(), strides.begin(), strides.end());
+  auto it = geo_ids.find(key);
+  if (it != geo_ids.end()) return it->second;
+  int32_t id = static_cast<int32_t>(geos.size());
+  geos.push_back(Geo{sizes.vec(), strides.vec(), offset, dtype, VecHash()(key)});
+  geo_ids.emplace(std::move(key), id);
+  return id;
+}
+
+// ---------------------------------------------------------------------------------------------
+// storages, traces, tensors
+
+struct Storage {
+  int64_t gen = -1;      // trace generation `node` belongs to
+  int32_t node = -1;     // the node holding this storage's value in trace `gen`
+  bool pending = false;  // `node` is computed and `data` does not hold it yet
+  at::Tensor data;       // concrete CPU value, when materialized
+  int32_t geo = -1;      // the base's geometry
+};
+
+struct NativeImpl final : c10::TensorImpl {
+  std::shared_ptr<Storage> st;
+  std::vector<int32_t> chain;  // view recipes from the storage's base to this tensor
+  int32_t geo;
+
+  // `G` is geos[g], passed by the caller (who holds the recorder's lock: `geos` may grow).
+  NativeImpl(std::shared_ptr<Storage> s, std::vector<int32_t> c, int32_t g, const Geo& G)
+      : NativeImpl(std::move(s), std::move(c), g, G.dtype, G.sizes, G.strides, G.offset) {}
+
+  NativeImpl(std::shared_ptr<Storage> s, std::vector<int32_t> c, int32_t g,
+             c10::ScalarType dtype, c10::IntArrayRef sizes, c10::IntArrayRef strides,
+             int64_t offset)
+      // (TensorImpl adds AutogradPrivateUse2 and ADInplaceOrView, as for any backend)
+      : c10::TensorImpl(c10::DispatchKeySet(c10::DispatchKey::PrivateUse2),
+                        c10::scalarTypeToTypeMeta(dtype),
+                        c10::Device(c10::DeviceType::PrivateUse1, 0)),
+        st(std::move(s)),
+        chain(std::move(c)),
+        geo(g) {
+    set_storage_access_should_throw();
+    set_sizes_and_strides(sizes, strides, offset);
+  }
+
+  // A copy of this tensor's metadata (its own sizes and strides: no lock needed).
+  c10::intrusive_ptr<NativeImpl> copy() const {
+    return c10::make_intrusive<NativeImpl>(st, chain, geo, c10::typeMetaToScalarType(dtype()),
+                                           sizes(), strides(),
+                                           storage_offset());
+  }
+
+  c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
+      const c10::VariableVersion& version_counter,
+      bool allow_tensor_metadata_change) const override {
+    auto r = copy();
+    r->set_version_counter(version_counter);
+    r->set_allow_tensor_metadata_change(allow_tensor_metadata_change);
+    return r;
+  }
+  c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
+      c10::VariableVersion&& version_counter,
+      bool allow_tensor_metadata_change) const override {
+    auto r = copy();
+    r->set_version_counter(std::move(version_counter));
+    r->set_allow_tensor_metadata_change(allow_tensor_metadata_change);
+    return r;
+  }
+  void shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>&) override {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "kiln native recorder: shallow_copy_from");
+  }
+};
+
+NativeImpl* native_of(const at::Tensor& t) {
+  return dynamic_cast<NativeImpl*>(t.unsafeGetTensorImpl());
+}
+
+at::Tensor make_tensor(std::shared_ptr<Storage> st, std::vector<int32_t> chain, int32_t geo) {
+  return at::Tensor(
+      c10::make_intrusive<NativeImpl>(std::move(st), std::move(chain), geo, geos[geo]));
+}
+
+}  // namespace
