@@ -21,6 +21,10 @@ Example (x: f32[8,16], b: f32[16])::
     %3 = relu.default(%2)                     body: add.Tensor(In(0), In(1)); relu(Val(0))
     %4 = mm.default(%3, %w)             %3 = mm.default(%2, %w)
 
+A ``roll`` along the last dim (:mod:`kiln.passes.rotate`) joins a pointwise group as a read of a
+kernel input at a rotated index: never a group that computes its input, one shift per group,
+and no reduction joins a group holding one (the kernel splits its last-dim loop at the shift).
+
 Groups may also join independent nodes of the same shape (horizontal fusion), which turns e.g.
 the per-parameter AdamW updates of equal-shaped tensors into one kernel.  A group never becomes
 part of a cycle: a node joins a group only if none of its other inputs depends on that group.
@@ -111,6 +115,24 @@ def _pointwise_ok(g: Graph, n: Node, claims: Claims) -> bool:
     return True
 
 
+def roll_shift(g: Graph, n: Node) -> int | None:
+    """The shift of a ``roll`` along the last dim of a rank >= 1 tensor the fuser may take (its
+    input must then be a kernel input: see :func:`_place`), else None."""
+    if n.op != "roll.default" or n.kwargs or len(n.args) != 3 or n.args[0] != In(0):
+        return None
+    t = _tensor_type(n)
+    shifts, dims = n.args[1], n.args[2]
+    if t is None or not t.shape or not isinstance(shifts, (list, tuple)):
+        return None
+    if not isinstance(dims, (list, tuple)) or len(shifts) != 1 or len(dims) != 1:
+        return None
+    if not isinstance(shifts[0], int) or dims[0] not in (-1, len(t.shape) - 1):
+        return None
+    if isinstance(shifts[0], bool) or _tensor_type(g.nodes[n.inputs[0]]) != t:
+        return None
+    return shifts[0]
+
+
 def _row_reduction(g: Graph, n: Node) -> tuple | None:
     """(input shape) when ``n`` reduces the last dim of a float32 tensor in a way we generate."""
     if n.op not in _ROW_OPS or len(n.inputs) != 1:
@@ -158,6 +180,7 @@ class _Group:
     shape: tuple
     members: list[int]
     closed: bool = False  # a reduction was added: no more pointwise members after it
+    roll: int | None = None  # the shift of its roll members (one per kernel)
     # groups this group's members read from (directly or through ungrouped nodes); kept current
     # as members join, so that cycle checks see dependencies that appeared after a snapshot
     deps: set = field(default_factory=set)
@@ -246,6 +269,7 @@ def _place(g, i, n, groups, group_of, deps, lits, claims: Claims) -> int | None:
             if (
                 gr.kind in (LoopKind.POINTWISE, kind)
                 and gr.shape == shape
+                and gr.roll is None
                 and not (gr.kind is LoopKind.ROWS and n.op not in _ROW_REDUCE)
                 and len(gr.members) < MAX_GROUP
                 and _can_join(gid, n, group_of, deps, groups)
@@ -258,16 +282,29 @@ def _place(g, i, n, groups, group_of, deps, lits, claims: Claims) -> int | None:
     if not _pointwise_ok(g, n, claims):
         return None
     shape = t.shape
-    cands = [group_of[j] for j in n.inputs if j in group_of]
-    for gid in cands:
+    shift = roll_shift(g, n)
+    if n.op == "roll.default" and shift is None:
+        return None
+    # a roll reads its input at another index: that input must come from outside the kernel
+    banned = {group_of.get(n.inputs[0])} if shift is not None else set()
+
+    def fits(gid: int) -> bool:
         gr = groups[gid]
-        if (
+        return (
             gr.kind is LoopKind.POINTWISE
             and gr.shape == shape
-            and len(gr.members) < MAX_GROUP
+            and gid not in banned
+            and (shift is None or gr.roll in (None, shift))
+        )
+
+    cands = [group_of[j] for j in n.inputs if j in group_of]
+    for gid in cands:
+        if (
+            fits(gid)
+            and len(groups[gid].members) < MAX_GROUP
             and _can_join(gid, n, group_of, deps, groups)
         ):
-            return gid
+            return _joined(groups[gid], gid, shift)
     seen = 0
     for gid in range(len(groups) - 1, -1, -1):
         gr = groups[gid]
@@ -276,10 +313,16 @@ def _place(g, i, n, groups, group_of, deps, lits, claims: Claims) -> int | None:
         seen += 1
         if seen > HORIZONTAL_WINDOW:
             break
-        if len(gr.members) < MAX_GROUP and _can_join(gid, n, group_of, deps, groups):
-            return gid
-    groups.append(_Group(LoopKind.POINTWISE, shape, []))
+        if fits(gid) and len(gr.members) < MAX_GROUP and _can_join(gid, n, group_of, deps, groups):
+            return _joined(gr, gid, shift)
+    groups.append(_Group(LoopKind.POINTWISE, shape, [], roll=shift))
     return len(groups) - 1
+
+
+def _joined(gr: _Group, gid: int, shift: int | None) -> int:
+    if shift is not None:
+        gr.roll = shift
+    return gid
 
 
 def _has_special(g: Graph, gr: _Group) -> bool:
