@@ -28,6 +28,11 @@ and no reduction joins a group holding one (the kernel splits its last-dim loop 
 Groups may also join independent nodes of the same shape (horizontal fusion), which turns e.g.
 the per-parameter AdamW updates of equal-shaped tensors into one kernel.  A group never becomes
 part of a cycle: a node joins a group only if none of its other inputs depends on that group.
+A node does not join a group horizontally when one of its readers also reads a value computed
+from that group: the reader could not join it, so the node's value would be written out for it
+(the backward graph's recomputed SiLU of one layer, placed beside the previous layer's gradient
+kernel, wrote three 4x64x512 tensors the next kernel read back); it starts a group of its own,
+which its readers then join.
 """
 
 from __future__ import annotations
@@ -193,6 +198,7 @@ def fuse(g: Graph, claims: Claims) -> Graph:
     group_of: dict[int, int] = {}
     deps: list[frozenset[int]] = []
     lits: dict[int, Lit] = {}
+    ancestors = _ancestor_sets(g)
     for i, n in enumerate(g.nodes):
         lit = inline_literal(n, claims)
         if lit is not None:
@@ -203,7 +209,7 @@ def fuse(g: Graph, claims: Claims) -> Graph:
             if j in group_of:
                 d.add(group_of[j])
         deps.append(frozenset(d))
-        gid = _place(g, i, n, groups, group_of, deps, lits, claims)
+        gid = _place(g, i, n, groups, group_of, deps, lits, claims, ancestors)
         if gid is not None:
             group_of[i] = gid
             groups[gid].members.append(i)
@@ -254,7 +260,36 @@ def _reaches(start: set[int], target: int, groups: list[_Group]) -> bool:
     return False
 
 
-def _place(g, i, n, groups, group_of, deps, lits, claims: Claims) -> int | None:
+def _ancestor_sets(g: Graph) -> list[int]:
+    """Per node, the set of nodes it depends on (itself included), as a bit set."""
+    anc: list[int] = []
+    for i, n in enumerate(g.nodes):
+        a = 1 << i
+        for j in n.inputs:
+            a |= anc[j]
+        anc.append(a)
+    return anc
+
+
+def _reader_blocked(g: Graph, i: int, gr: _Group, ancestors: list[int], claims: Claims) -> bool:
+    """Whether a reader of node ``i`` that could share its kernel (one the fuser takes) also reads
+    (through other inputs) a value that depends on a member of ``gr``: joining ``gr`` would then
+    make ``i``'s value a kernel output."""
+    members = 0
+    for m in gr.members:
+        members |= 1 << m
+    for u in g.users[i]:
+        un = g.nodes[u]
+        if not _pointwise_ok(g, un, claims) and _row_reduction(g, un) is None:
+            if _col_reduction(g, un) is None:
+                continue  # not fused with anything: the value is written out for it anyway
+        for j in un.inputs:
+            if j != i and not (members >> j) & 1 and ancestors[j] & members:
+                return True
+    return False
+
+
+def _place(g, i, n, groups, group_of, deps, lits, claims: Claims, ancestors) -> int | None:
     if i in lits:
         return None  # inlined where used
     t = _tensor_type(n)
@@ -313,7 +348,12 @@ def _place(g, i, n, groups, group_of, deps, lits, claims: Claims) -> int | None:
         seen += 1
         if seen > HORIZONTAL_WINDOW:
             break
-        if fits(gid) and len(gr.members) < MAX_GROUP and _can_join(gid, n, group_of, deps, groups):
+        if (
+            fits(gid)
+            and len(gr.members) < MAX_GROUP
+            and _can_join(gid, n, group_of, deps, groups)
+            and not _reader_blocked(g, i, gr, ancestors, claims)
+        ):
             return _joined(gr, gid, shift)
     groups.append(_Group(LoopKind.POINTWISE, shape, [], roll=shift))
     return len(groups) - 1
