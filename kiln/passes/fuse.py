@@ -21,9 +21,18 @@ Example (x: f32[8,16], b: f32[16])::
     %3 = relu.default(%2)                     body: add.Tensor(In(0), In(1)); relu(Val(0))
     %4 = mm.default(%3, %w)             %3 = mm.default(%2, %w)
 
+A ``roll`` along the last dim (:mod:`kiln.passes.rotate`) joins a pointwise group as a read of a
+kernel input at a rotated index: never a group that computes its input, one shift per group,
+and no reduction joins a group holding one (the kernel splits its last-dim loop at the shift).
+
 Groups may also join independent nodes of the same shape (horizontal fusion), which turns e.g.
 the per-parameter AdamW updates of equal-shaped tensors into one kernel.  A group never becomes
 part of a cycle: a node joins a group only if none of its other inputs depends on that group.
+A node does not join a group horizontally when one of its readers also reads a value computed
+from that group: the reader could not join it, so the node's value would be written out for it
+(the backward graph's recomputed SiLU of one layer, placed beside the previous layer's gradient
+kernel, wrote three 4x64x512 tensors the next kernel read back); it starts a group of its own,
+which its readers then join.
 """
 
 from __future__ import annotations
@@ -111,6 +120,24 @@ def _pointwise_ok(g: Graph, n: Node, claims: Claims) -> bool:
     return True
 
 
+def roll_shift(g: Graph, n: Node) -> int | None:
+    """The shift of a ``roll`` along the last dim of a rank >= 1 tensor the fuser may take (its
+    input must then be a kernel input: see :func:`_place`), else None."""
+    if n.op != "roll.default" or n.kwargs or len(n.args) != 3 or n.args[0] != In(0):
+        return None
+    t = _tensor_type(n)
+    shifts, dims = n.args[1], n.args[2]
+    if t is None or not t.shape or not isinstance(shifts, (list, tuple)):
+        return None
+    if not isinstance(dims, (list, tuple)) or len(shifts) != 1 or len(dims) != 1:
+        return None
+    if not isinstance(shifts[0], int) or dims[0] not in (-1, len(t.shape) - 1):
+        return None
+    if isinstance(shifts[0], bool) or _tensor_type(g.nodes[n.inputs[0]]) != t:
+        return None
+    return shifts[0]
+
+
 def _row_reduction(g: Graph, n: Node) -> tuple | None:
     """(input shape) when ``n`` reduces the last dim of a float32 tensor in a way we generate."""
     if n.op not in _ROW_OPS or len(n.inputs) != 1:
@@ -158,6 +185,7 @@ class _Group:
     shape: tuple
     members: list[int]
     closed: bool = False  # a reduction was added: no more pointwise members after it
+    roll: int | None = None  # the shift of its roll members (one per kernel)
     # groups this group's members read from (directly or through ungrouped nodes); kept current
     # as members join, so that cycle checks see dependencies that appeared after a snapshot
     deps: set = field(default_factory=set)
@@ -170,6 +198,7 @@ def fuse(g: Graph, claims: Claims) -> Graph:
     group_of: dict[int, int] = {}
     deps: list[frozenset[int]] = []
     lits: dict[int, Lit] = {}
+    ancestors = _ancestor_sets(g)
     for i, n in enumerate(g.nodes):
         lit = inline_literal(n, claims)
         if lit is not None:
@@ -180,7 +209,7 @@ def fuse(g: Graph, claims: Claims) -> Graph:
             if j in group_of:
                 d.add(group_of[j])
         deps.append(frozenset(d))
-        gid = _place(g, i, n, groups, group_of, deps, lits, claims)
+        gid = _place(g, i, n, groups, group_of, deps, lits, claims, ancestors)
         if gid is not None:
             group_of[i] = gid
             groups[gid].members.append(i)
@@ -231,7 +260,36 @@ def _reaches(start: set[int], target: int, groups: list[_Group]) -> bool:
     return False
 
 
-def _place(g, i, n, groups, group_of, deps, lits, claims: Claims) -> int | None:
+def _ancestor_sets(g: Graph) -> list[int]:
+    """Per node, the set of nodes it depends on (itself included), as a bit set."""
+    anc: list[int] = []
+    for i, n in enumerate(g.nodes):
+        a = 1 << i
+        for j in n.inputs:
+            a |= anc[j]
+        anc.append(a)
+    return anc
+
+
+def _reader_blocked(g: Graph, i: int, gr: _Group, ancestors: list[int], claims: Claims) -> bool:
+    """Whether a reader of node ``i`` that could share its kernel (one the fuser takes) also reads
+    (through other inputs) a value that depends on a member of ``gr``: joining ``gr`` would then
+    make ``i``'s value a kernel output."""
+    members = 0
+    for m in gr.members:
+        members |= 1 << m
+    for u in g.users[i]:
+        un = g.nodes[u]
+        if not _pointwise_ok(g, un, claims) and _row_reduction(g, un) is None:
+            if _col_reduction(g, un) is None:
+                continue  # not fused with anything: the value is written out for it anyway
+        for j in un.inputs:
+            if j != i and not (members >> j) & 1 and ancestors[j] & members:
+                return True
+    return False
+
+
+def _place(g, i, n, groups, group_of, deps, lits, claims: Claims, ancestors) -> int | None:
     if i in lits:
         return None  # inlined where used
     t = _tensor_type(n)
@@ -246,6 +304,7 @@ def _place(g, i, n, groups, group_of, deps, lits, claims: Claims) -> int | None:
             if (
                 gr.kind in (LoopKind.POINTWISE, kind)
                 and gr.shape == shape
+                and gr.roll is None
                 and not (gr.kind is LoopKind.ROWS and n.op not in _ROW_REDUCE)
                 and len(gr.members) < MAX_GROUP
                 and _can_join(gid, n, group_of, deps, groups)
@@ -258,16 +317,29 @@ def _place(g, i, n, groups, group_of, deps, lits, claims: Claims) -> int | None:
     if not _pointwise_ok(g, n, claims):
         return None
     shape = t.shape
-    cands = [group_of[j] for j in n.inputs if j in group_of]
-    for gid in cands:
+    shift = roll_shift(g, n)
+    if n.op == "roll.default" and shift is None:
+        return None
+    # a roll reads its input at another index: that input must come from outside the kernel
+    banned = {group_of.get(n.inputs[0])} if shift is not None else set()
+
+    def fits(gid: int) -> bool:
         gr = groups[gid]
-        if (
+        return (
             gr.kind is LoopKind.POINTWISE
             and gr.shape == shape
-            and len(gr.members) < MAX_GROUP
+            and gid not in banned
+            and (shift is None or gr.roll in (None, shift))
+        )
+
+    cands = [group_of[j] for j in n.inputs if j in group_of]
+    for gid in cands:
+        if (
+            fits(gid)
+            and len(groups[gid].members) < MAX_GROUP
             and _can_join(gid, n, group_of, deps, groups)
         ):
-            return gid
+            return _joined(groups[gid], gid, shift)
     seen = 0
     for gid in range(len(groups) - 1, -1, -1):
         gr = groups[gid]
@@ -276,10 +348,21 @@ def _place(g, i, n, groups, group_of, deps, lits, claims: Claims) -> int | None:
         seen += 1
         if seen > HORIZONTAL_WINDOW:
             break
-        if len(gr.members) < MAX_GROUP and _can_join(gid, n, group_of, deps, groups):
-            return gid
-    groups.append(_Group(LoopKind.POINTWISE, shape, []))
+        if (
+            fits(gid)
+            and len(gr.members) < MAX_GROUP
+            and _can_join(gid, n, group_of, deps, groups)
+            and not _reader_blocked(g, i, gr, ancestors, claims)
+        ):
+            return _joined(gr, gid, shift)
+    groups.append(_Group(LoopKind.POINTWISE, shape, [], roll=shift))
     return len(groups) - 1
+
+
+def _joined(gr: _Group, gid: int, shift: int | None) -> int:
+    if shift is not None:
+        gr.roll = shift
+    return gid
 
 
 def _has_special(g: Graph, gr: _Group) -> bool:

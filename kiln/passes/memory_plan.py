@@ -6,7 +6,8 @@ allocates at their first use in a run; the last value placed in a slot takes its
 it is freed when that value dies (as eager frees it), and nothing is held between runs.  Two values
 share a slot only if their lifetimes do not overlap; a pointwise kernel may take the slot of an
 input that dies at that very kernel and has the output's shape and dtype (in-place update:
-element i is read before it is written).  Values that escape (graph outputs, or anything
+element i is read before it is written), unless the kernel reads that input through a ``roll``
+(element i is then read after others are written).  Values that escape (graph outputs, or anything
 aliasing them through views), graph inputs and constants never get a slot.  The computed values
 are unchanged.
 
@@ -31,7 +32,7 @@ of the output's shape and dtype, and allocates a fresh buffer (then the writebac
 
 from __future__ import annotations
 
-from kiln.ir.graph import Graph, GraphBuilder
+from kiln.ir.graph import Graph, GraphBuilder, In
 from kiln.ir.kernel import FusedKernel, LoopKind, in_place
 from kiln.ir.ops import fresh_buffer
 
@@ -148,6 +149,15 @@ def _output_ids(g: Graph) -> dict[int, tuple[int, ...]]:
     return {k: tuple(v) for k, v in res.items()}
 
 
+def _rolled_inputs(n) -> set[int]:
+    """Value ids a fused node reads through a ``roll`` (at another element's index)."""
+    return {
+        n.inputs[e.args[0].k]
+        for e in FusedKernel.of(n).body
+        if e.op == "roll.default" and isinstance(e.args[0], In)
+    }
+
+
 def _into_inputs(g, i, outs, writes, end, roots, escaping) -> dict[int, int]:
     """Outputs of pointwise node ``i`` that may be written into the graph input they update:
     output position -> position of that input among the node's inputs."""
@@ -163,8 +173,8 @@ def _into_inputs(g, i, outs, writes, end, roots, escaping) -> dict[int, int]:
             continue
         if end[k] > i or n.types[p] != g.nodes[k].types[0] or tuple(n.types[p].shape) != shape:
             continue  # the old value is read later, or the shapes differ
-        if any(k in roots[j] for j in n.inputs if j != k):
-            continue  # the kernel also reads the input through a view
+        if any(k in roots[j] for j in n.inputs if j != k) or k in _rolled_inputs(n):
+            continue  # the kernel also reads the input through a view, or at another index
         res[p] = n.inputs.index(k)
         used.add(k)
     return res
@@ -175,7 +185,12 @@ def _inplace_candidates(g, i, end, roots, slot_of) -> dict[tuple, list[tuple[int
     n = g.nodes[i]
     shape = tuple(n.kwarg("shape"))
     res: dict[tuple, list[int]] = {}
+    rolled: set[int] = set()
+    for v in _rolled_inputs(n):
+        rolled |= roots[v]
     for j in n.inputs:
+        if roots[j] & rolled:
+            continue  # read at other elements' indices: never overwritten in place
         t = g.nodes[j].types[0] if len(g.nodes[j].types) == 1 else None
         if t is None or t.dtype is None or tuple(t.shape) != shape:
             continue

@@ -17,6 +17,11 @@ Kernel shapes:
              (vectorized reductions), or one softmax / log_softmax computed in the output row
   cols       sums over all leading dims: per row, the pointwise prologue in float into a row
              buffer, then added to per-thread double partials over a row range, combined
+
+A pointwise kernel with ``roll`` members (one shift ``K`` along the last dim, of kernel inputs
+only: :mod:`kiln.passes.fuse`) runs rows x last-dim loops, the last-dim loop in two segments,
+``j < K`` reading element ``j - K + L`` of the rolled input and ``j >= K`` element ``j - K``, so
+both stay contiguous, vectorizable loads.
 """
 
 from __future__ import annotations
@@ -113,6 +118,13 @@ class _Emitter:
         self.pos = {k: p for p, k in enumerate(spec.tensor_inputs)}
         self.spos = {k: p for p, k in enumerate(spec.scalar_inputs)}
         self.lines: list[str] = []
+        # body entry -> rolled kernel input; their one shift; the loop segment being emitted
+        self.rolls = {b: e[1][0].k for b, e in enumerate(body) if e[0] == "roll.default"}
+        shifts = {body[b][1][1][0] for b in self.rolls}
+        if len(shifts) > 1 or (self.rolls and spec.kind != LoopKind.POINTWISE):
+            raise ValueError("rolls of one shift, in pointwise kernels only")
+        self.shift = shifts.pop() if shifts else None
+        self.segment = ""
 
     # ---- helpers -------------------------------------------------------------------------
     def w(self, s: str) -> None:
@@ -141,6 +153,17 @@ class _Emitter:
         else:
             ref = f"in{k}[off{k}]"
         return self.wrap_load(k, ref)
+
+    def rolled(self, k: int) -> str:
+        """Input ``k``'s element at the rotated index of the current loop segment."""
+        mode = self.spec.input_modes[self.pos[k]]
+        if mode == "one":
+            return f"one{k}"
+        if mode == "bcast":  # broadcast along the last dim: every index holds the same value
+            return self.wrap_load(k, f"in{k}[off{k}]")
+        src = "j - K_ + L" if self.segment == "lo" else "j - K_"
+        base = "r * L" if mode == "full" else f"off{k}"
+        return self.wrap_load(k, f"in{k}[{base} + {src}]")
 
     def wrap_load(self, k: int, ref: str) -> str:
         abbr = dtype_abbr(self.in_types[k].dtype)
@@ -179,6 +202,11 @@ class _Emitter:
             if self.spec.input_modes[p] != "one":
                 self.w(f"{indent}const {self.ctype_of_input(k)} x{k} = {self.element(k)};")
         for idx, (op, args, kwargs, dt) in enumerate(self.body):
+            if idx in self.rolls:
+                ct = _ABBR_CT[dt]
+                self.w(f"{indent}const {ct} v{idx} = ({ct})({self.rolled(self.rolls[idx])});")
+                vals[idx] = (f"v{idx}", ct)
+                continue
             if op not in FORMULAS:
                 continue
             ct = _ABBR_CT[dt]
@@ -229,6 +257,8 @@ class _Emitter:
         if self.R:
             self.w(f"  const int64_t L = s{self.R - 1};")
             self.w("  const int64_t rows = N / L;")
+        if self.shift is not None:  # N > 0 here, so L > 0
+            self.w(f"  const int64_t K_ = (({self.shift}LL % L) + L) % L;")
 
     def zero_size_exit(self) -> None:
         """No elements to iterate: a reduction output still has elements when only the reduced
@@ -295,7 +325,7 @@ class _Emitter:
 
     def store_full(self, vals, indent: str) -> None:
         for o, b in enumerate(self.outs):
-            if self.body[b][0] in FORMULAS:
+            if self.body[b][0] in FORMULAS or b in self.rolls:
                 v, abbr = vals[b][0], self.body[b][3]
                 self.w(
                     f"{indent}out{o}[i] = {lowp.store_expr(abbr, v) if abbr in lowp.LOWP else v};"
@@ -306,7 +336,7 @@ class _Emitter:
         kind = self.spec.kind
         for b in self.outs:
             op = self.body[b][0]
-            if op in FORMULAS or op in ("_softmax.default", "_log_softmax.default"):
+            if op in FORMULAS or op in ("_softmax.default", "_log_softmax.default", "roll.default"):
                 self.spec.out_kinds.append(OutKind.FULL)
             else:
                 keep = bool(dict(self.body[b][2]).get("keepdim", False)) or (
@@ -327,6 +357,19 @@ class _Emitter:
         return "\n".join(self.lines) + "\n"
 
     def k_pointwise(self) -> None:
+        if self.shift is not None:
+            self.rows_begin()
+            for seg, lo, hi in (("lo", "0", "K_"), ("hi", "K_", "L")):
+                self.segment = seg
+                self.w("    #pragma omp simd")
+                self.w(f"    for (int64_t j = {lo}; j < {hi}; ++j) {{")
+                self.w("      const int64_t i = r * L + j;")
+                vals: dict = {}
+                self.pointwise(vals, "      ")
+                self.store_full(vals, "      ")
+                self.w("    }")
+            self.rows_end()
+            return
         if not self.bcast:
             # "parallel:" matters: a bare if() on a combined construct also switches simd off,
             # which left every kernel below PARALLEL_MIN scalar (one libm call per element).

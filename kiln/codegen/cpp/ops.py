@@ -461,6 +461,9 @@ def _literal_ok(v: Any) -> bool:
 
 def supported(op: str, args: tuple, kwargs: dict) -> bool:
     """Whether the fuser may take this call (op known, no tensor-list or odd arguments)."""
+    if op == "roll.default":
+        # a read at a rotated index (kiln.codegen.cpp.emit); the fuser checks the roll's form
+        return not kwargs
     if op not in FORMULAS:
         return False
     if op == "_to_copy.default":

@@ -1,0 +1,146 @@
+"""Golden and numerical tests for the rotation pass (kiln/passes/rotate.py): RoPE's rotate_half
+and its gradient become ``roll`` (times a -1/1 constant), exactly eager's values."""
+
+from __future__ import annotations
+
+import torch
+from _passes_testlib import V, call, capture, check_pass, f32, same_results
+
+from kiln.ir import GraphBuilder
+from kiln.passes.rotate import rotate
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return q * cos + rotate_half(q) * sin
+
+
+def test_rotate_half_becomes_a_signed_roll():
+    g = capture(rope, torch.randn(2, 3, 5, 8), torch.randn(5, 8), torch.randn(5, 8))
+    out = check_pass(
+        rotate,
+        g,
+        """
+        graph(%0: f32[2,3,5,8], %1: f32[5,8], %2: f32[5,8]) {
+          %3 = mul.Tensor(%0, %1) : f32[2,3,5,8]
+          %4 = roll.default(%0, [4], [3]) : f32[2,3,5,8]
+          %5 = constant[0] : f32[8]
+          %6 = mul.Tensor(%4, %5) : f32[2,3,5,8]
+          %7 = mul.Tensor(%6, %2) : f32[2,3,5,8]
+          %8 = add.Tensor(%3, %7) : f32[2,3,5,8]
+          return (%8)
+        }""",
+    )
+    assert out.constants[0].tolist() == [-1.0] * 4 + [1.0] * 4
+
+
+def test_swapped_halves_without_neg_are_a_plain_roll():
+    # odd size: the halves are 2 and 3 long; a roll by L - s = 3
+    g = capture(lambda x: torch.cat((x[:, 2:], x[:, :2]), 1), torch.randn(4, 5))
+    check_pass(
+        rotate,
+        g,
+        """
+        graph(%0: f32[4,5]) {
+          %1 = roll.default(%0, [3], [1]) : f32[4,5]
+          return (%1)
+        }""",
+    )
+
+
+def _scatter_pair(order: tuple[int, int], lo: tuple, hi: tuple):
+    """add(slice_scatter(zeros, a, 1, *lo), slice_scatter(zeros, b, 1, *hi)) in ``order``."""
+    b = GraphBuilder()
+    a = b.input(f32(3, 2))
+    c = b.input(f32(3, 4))
+    z = call(b, "full.default", [[3, 6], 0], f32(3, 6), dtype=torch.float32)
+    s1 = call(b, "slice_scatter.default", [V(z), V(a), 1, *lo], f32(3, 6))
+    s2 = call(b, "slice_scatter.default", [V(z), V(c), 1, *hi], f32(3, 6))
+    first, second = (s1, s2) if order == (0, 1) else (s2, s1)
+    out = call(b, "add.Tensor", [V(first), V(second)], f32(3, 6))
+    return b.build([out])
+
+
+def test_slice_scatters_of_zeros_that_tile_a_dim_become_a_cat():
+    golden = """
+        graph(%0: f32[3,2], %1: f32[3,4]) {
+          %2 = cat.default([%0, %1], 1) : f32[3,6]
+          return (%2)
+        }"""
+    for order in ((0, 1), (1, 0)):
+        g = _scatter_pair(order, (0, 2), (2, 9223372036854775807))
+        out = rotate(g)
+        assert [n.op for n in out.nodes if n.op == "cat.default"] == ["cat.default"]
+        same_results(g, out)
+    check_pass(rotate, _scatter_pair((0, 1), (0, 2), (2, 9223372036854775807)), golden)
+
+
+def test_slice_scatters_that_leave_a_gap_or_overlap_stay():
+    for lo, hi in (((0, 2), (3, 7)), ((0, 3), (2, 6)), ((1, 3), (3, 7))):
+        b = GraphBuilder()
+        a = b.input(f32(3, lo[1] - lo[0]))
+        c = b.input(f32(3, min(hi[1], 6) - hi[0]))
+        z = call(b, "full.default", [[3, 6], 0], f32(3, 6), dtype=torch.float32)
+        s1 = call(b, "slice_scatter.default", [V(z), V(a), 1, *lo], f32(3, 6))
+        s2 = call(b, "slice_scatter.default", [V(z), V(c), 1, *hi], f32(3, 6))
+        out = call(b, "add.Tensor", [V(s1), V(s2)], f32(3, 6))
+        g = b.build([out])
+        assert rotate(g) is g
+
+
+def test_scatters_into_a_nonzero_fill_stay():
+    b = GraphBuilder()
+    a = b.input(f32(3, 2))
+    c = b.input(f32(3, 4))
+    z = call(b, "full.default", [[3, 6], 1.0], f32(3, 6), dtype=torch.float32)
+    s1 = call(b, "slice_scatter.default", [V(z), V(a), 1, 0, 2], f32(3, 6))
+    s2 = call(b, "slice_scatter.default", [V(z), V(c), 1, 2, 6], f32(3, 6))
+    g = b.build([call(b, "add.Tensor", [V(s1), V(s2)], f32(3, 6))])
+    assert rotate(g) is g
+
+
+def test_cat_of_slices_of_different_tensors_or_unswapped_stays():
+    for fn in (
+        lambda x, y: torch.cat((x[:, 2:], y[:, :2]), 1),  # two tensors
+        lambda x, y: torch.cat((x[:, :2], x[:, 2:]), 1),  # not swapped: x itself
+        lambda x, y: torch.cat((x[:, 3:], x[:, :2]), 1),  # a gap
+        lambda x, y: torch.cat((x[2:], x[:2]), 1),  # sliced along another dim than the cat
+    ):
+        g = capture(fn, torch.randn(4, 4), torch.randn(4, 4))
+        assert "roll" not in str(rotate(g))
+
+
+def test_rope_gradient_is_one_rolled_product():
+    # the backward of rope: dq = dy * cos + rotate_half^T(dy * sin)
+    def grad_of_rope(q, cos, sin, dy):
+        return torch.autograd.grad(rope(q, cos, sin), q, dy)[0]
+
+    def traced(q, cos, sin, dy):
+        q = q.detach().requires_grad_()
+        with torch.enable_grad():
+            return grad_of_rope(q, cos, sin, dy)
+
+    xs = (torch.randn(2, 3, 5, 8), torch.randn(5, 8), torch.randn(5, 8), torch.randn(2, 3, 5, 8))
+    g = capture(traced, *xs)
+    out = rotate(g)
+    ops = [n.op for n in out.nodes]
+    assert "slice_scatter.default" not in ops and "cat.default" not in ops, out
+    rolls = [n for n in out.nodes if n.op == "roll.default"]
+    # dy and sin rolled (sin through an expand to dy's shape), no roll of a computed product
+    assert len(rolls) == 2 and all(out.nodes[n.inputs[0]].op != "mul.Tensor" for n in rolls)
+    same_results(g, out)
+    torch.testing.assert_close(traced(*xs), grad_of_rope(xs[0].requires_grad_(), *xs[1:]))
+
+
+def test_rope_values_and_gradients_are_bit_exact_on_the_interpreter():
+    from kiln.codegen.interpreter import Interpreter
+
+    for q in (torch.randn(2, 3, 5, 8), torch.randn(2, 5, 3, 8).transpose(1, 2)):
+        cos, sin = torch.randn(5, 8), torch.randn(5, 8)
+        g = capture(rope, q, cos, sin)
+        got = Interpreter(rotate(g))([q, cos, sin])[0]
+        assert torch.equal(got, rope(q, cos, sin))
