@@ -23,10 +23,12 @@ def _passes() -> list[tuple[str, Pass]]:
     from kiln.passes.dce import dce
     from kiln.passes.layout import layout
     from kiln.passes.simplify import simplify
+    from kiln.passes.sink_permute import sink_permutes
 
     steps: list[tuple[str, Pass]] = [
         ("simplify", simplify),  # algebraic identities, view/permute chains, neutral copies
         ("layout", layout),  # copies feeding matmuls, reshape of contiguous copies
+        ("sink_permute", sink_permutes),  # elementwise ops computed in a permute's order
         ("constant_fold", constant_fold),  # small all-constant subgraphs
         ("cse", cse),  # duplicate computations
         ("dce", dce),  # whatever the steps above left unused
@@ -35,7 +37,7 @@ def _passes() -> list[tuple[str, Pass]]:
 
 
 # The generic passes; a backend adds its own after them (kiln.codegen.base.Backend.passes).
-PIPELINE_NAMES: list[str] = ["simplify", "layout", "constant_fold", "cse", "dce"]
+PIPELINE_NAMES: list[str] = ["simplify", "layout", "sink_permute", "constant_fold", "cse", "dce"]
 
 
 def run_pipeline(
