@@ -24,11 +24,13 @@ def _passes() -> list[tuple[str, Pass]]:
     from kiln.passes.layout import layout
     from kiln.passes.rotate import rotate
     from kiln.passes.simplify import simplify
+    from kiln.passes.sink_permute import sink_permutes
 
     steps: list[tuple[str, Pass]] = [
         ("simplify", simplify),  # algebraic identities, view/permute chains, neutral copies
         ("layout", layout),  # copies feeding matmuls, reshape of contiguous copies
         ("rotate", rotate),  # RoPE's rotate_half (and its gradient) -> roll
+        ("sink_permute", sink_permutes),  # elementwise ops computed in a permute's order
         ("constant_fold", constant_fold),  # small all-constant subgraphs
         ("cse", cse),  # duplicate computations
         ("dce", dce),  # whatever the steps above left unused
@@ -37,7 +39,7 @@ def _passes() -> list[tuple[str, Pass]]:
 
 
 # The generic passes; a backend adds its own after them (kiln.codegen.base.Backend.passes).
-PIPELINE_NAMES: list[str] = ["simplify", "layout", "rotate", "constant_fold", "cse", "dce"]
+PIPELINE_NAMES: list[str] = ["simplify", "layout", "rotate", "sink_permute", "constant_fold", "cse", "dce"]
 
 
 def run_pipeline(

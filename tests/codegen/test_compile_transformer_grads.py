@@ -1,7 +1,9 @@
 """A transformer block's training step in compile mode against eager: the layout rewrites of its
 backward (the q/k/v gradient ``cat`` read through strides, bias-gradient column sums fused into the
 kernel that computes the gradient) and the layer-norm backward kernel, over odd and real sizes,
-a non-contiguous input and an empty batch.  Forward, gradients and updated parameters."""
+a non-contiguous input, one-element dims and an empty batch; the attention glue computed in the
+layout its readers want (kiln/passes/sink_permute.py: no permuted kernel output is reshaped or
+concatenated by a copy).  Forward, gradients and updated parameters."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln
+from kiln.passes.sink_permute import LAYOUT_READERS
 from kiln.runtime.compiler import executables
 
 
@@ -53,11 +56,32 @@ def _fused_column_sums() -> int:
     return sum(1 for k in kernels if k["kind"] == "cols" and len(k["members"]) > 1)
 
 
+def _computed_then_permuted_for_a_copy() -> int:
+    """Permutes of a computed value (a kernel's output, or an elementwise op's) that only
+    reshapes or a ``cat`` read: each is a copy the permute-sinking pass should have removed."""
+    count = 0
+    for e in executables():
+        g = e.graph
+        for i, n in enumerate(g.nodes):
+            if n.op != "permute.default":
+                continue
+            src = g.nodes[n.inputs[0]]
+            if src.op == "getitem":
+                src = g.nodes[src.inputs[0]]
+            computed = src.op == "fused" or src.category.value == "elementwise"
+            users = g.users[i]
+            if computed and users and all(g.nodes[u].op in LAYOUT_READERS for u in users):
+                count += 1
+    return count
+
+
 @pytest.mark.parametrize(
     "shape,heads,layout",
     [
         ((2, 7, 20), 4, "transposed"),
         ((8, 64, 128), 4, "contiguous"),
+        ((1, 1, 6), 1, "contiguous"),
+        ((3, 5, 12), 3, "transposed"),
         ((0, 5, 12), 3, "contiguous"),
     ],
 )
@@ -83,6 +107,7 @@ def test_block_step_matches_eager(shape, heads, layout) -> None:
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=n)
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
     assert not kiln.metrics.counters()["fallbacks"]
+    assert _computed_then_permuted_for_a_copy() == 0
     if B and kiln.config.backend == "cpp":
         # the bias gradients of the MLP's two linears: each column sum rides in the kernel that
         # computes the gradient (GELU's backward, the residual add); with the rewrite off: none

@@ -24,7 +24,7 @@ from kiln.codegen.interpreter import Interpreter
 _SETTINGS = ("backend", "disk_cache", "checks", "disable_passes")
 # The graph-optimization passes under test.  Codegen passes after them (``fuse``) make nodes only
 # the C++ backend runs, so they are switched off here: the reference interpreter runs the graphs.
-OPT_PASSES = ["simplify", "layout", "rotate", "constant_fold", "cse", "dce"]
+OPT_PASSES = ["simplify", "layout", "rotate", "sink_permute", "constant_fold", "cse", "dce"]
 CODEGEN_OFF = ",".join(n for n in PIPELINE_NAMES if n not in OPT_PASSES)
 
 

@@ -1,0 +1,92 @@
+"""Same-process A/B of a Kiln pass: compile-mode steps with every pass vs with some switched off.
+
+    python bench/pass_ab.py --workload gpt --disable sink_permute --steps 40 [--inductor]
+
+One process, one thread: eager, Kiln (all passes), Kiln with ``--disable`` (``KILN_DISABLE_PASSES``
+while it compiles) and optionally Inductor, each with its own copy of the workload's model and
+AdamW, run step by step in alternating order; each step's thread CPU time; medians printed as
+JSON with ``new/old`` (all passes / passes disabled).  Each variant's step function gets a code
+object of its own (Dynamo caches compiled frames per code object) and AOTAutograd's cache is off,
+so the second Kiln variant is really compiled again.  On a shared machine compare ``new/old``
+across a few runs: both variants see the same load, step by step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch
+import torch._functorch.config as functorch_config
+
+import kiln
+from bench.run import use_cache_dir
+from bench.workloads import build
+from kiln.runtime.compiler import clear_memory_cache
+
+
+def make_step(model: torch.nn.Module, loss_fn: Callable, mode: str, tag: str) -> Callable:
+    """bench/run.py's training step, its code object renamed ``tag`` (a Dynamo frame of its own)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+    def step(*batch: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    step.__code__ = step.__code__.replace(co_name=f"step_{tag}")
+    return torch.compile(step, backend=mode) if mode in ("kiln", "inductor") else step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="gpt")
+    ap.add_argument("--disable", required=True, help="comma-separated passes off in 'old'")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--inductor", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    use_cache_dir(tempfile.mkdtemp(prefix="kiln-pass-ab-"))
+    kiln.config.update(disk_cache=False)
+    functorch_config.enable_autograd_cache = False
+    wl = build(a.workload, False, 1)
+    batch = wl.batches[0]
+    fns: dict[str, Callable] = {}
+    variants = [("eager", "eager", ""), ("new", "kiln", ""), ("old", "kiln", a.disable)]
+    if a.inductor:
+        variants.append(("inductor", "inductor", ""))
+    for name, mode, disable in variants:
+        clear_memory_cache()
+        kiln.config.update(disable_passes=disable)
+        fns[name] = make_step(copy.deepcopy(wl.model), wl.loss, mode, name)
+        for _ in range(a.warmup):
+            fns[name](*batch).item()
+    kiln.config.update(disable_passes="")
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    order = list(fns)
+    for i in range(a.steps):
+        for name in order if i % 2 == 0 else order[::-1]:
+            t0 = time.thread_time()
+            fns[name](*batch).item()
+            times[name].append((time.thread_time() - t0) * 1e3)
+    med = {n: round(statistics.median(v), 2) for n, v in times.items()}
+    out = {"workload": a.workload, "disabled in old": a.disable, "load": os.getloadavg()[0]}
+    print(json.dumps({**out, **med, "new/old": round(med["new"] / med["old"], 3)}))
+
+
+if __name__ == "__main__":
+    main()
