@@ -39,7 +39,15 @@ def _passes() -> list[tuple[str, Pass]]:
 
 
 # The generic passes; a backend adds its own after them (kiln.codegen.base.Backend.passes).
-PIPELINE_NAMES: list[str] = ["simplify", "layout", "rotate", "sink_permute", "constant_fold", "cse", "dce"]
+PIPELINE_NAMES: list[str] = [
+    "simplify",
+    "layout",
+    "rotate",
+    "sink_permute",
+    "constant_fold",
+    "cse",
+    "dce",
+]
 
 
 def run_pipeline(
