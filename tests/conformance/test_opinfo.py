@@ -3,8 +3,7 @@
 For every ``op_db`` entry (float32, CPU samples): the forward and, for ops that support autograd,
 the gradients (``autograd.grad`` with fixed random output gradients), in the lazy mode
 (``kiln.device()`` + ``kiln.mark_step()``, every sample) and in the compile mode
-(``torch.compile(..., backend="kiln")``, each op's first 8 samples by default;
-``KILN_TEST_FULL_OPINFO=1`` runs them all, see below).  The samples of an op
+(``torch.compile(..., backend="kiln")``), every sample in both.  The samples of an op
 run batched (:mod:`opinfo_runner`): one Kiln run per chunk of samples serves both checks.  Rules:
 
 - a sample whose eager run raises is skipped;
@@ -34,22 +33,13 @@ in order, so ``-k`` selects what runs; a worker that aborts (a C++ crash) fails 
 and the sweep goes on in a fresh worker.  ``KILN_TEST_OPINFO_TIMEOUT`` (s, default 600) bounds
 one op.
 
-What CI runs (``pytest -q``): every op of op_db (702) in both modes, forward and gradients;
-lazy mode with every sample (19,038; 18,679 run in eager), compile mode with each op's first 8
-samples (4,287 of the 19,038; max_pool2d and its backward have 1,440 each).  The full compile
-sweep does not fit CI's 20 minutes on 2 cores yet: its cost is Dynamo's and AOTAutograd's tracing
-of every sample (fake tensors, functionalization, decompositions, the partitioner) and OpInfo's
-sample generation, not Kiln's compiler or g++ (ops 100:160, every sample, 2 workers: g++ 17.9
-CPU-s of 127; the kernel-level build cache, 17.1 of 127 there: its kernels rarely repeat across
-graphs; totals within the loaded machine's noise, 123-127 CPU-s before, 114-127 after; chunks of 256 samples 116, no better than 64; walking the
-frames instead of OpInfo's ``inspect.stack()`` (``opinfo_runner.extract_test_fn``) took the lazy
-sweep of those ops from 51.1 to 47.2 CPU-s and the compile sweep to 124.8).
-The measured estimate stays ~1,100-1,650 CPU-s against ~400 for 8 samples per
-op; 48 per op, 8,767 samples, passed with zero mismatches but put the whole CI at 21.4 minutes
-(opinfo_runner.COMPILE_SAMPLES has the numbers;
-``KILN_TEST_OPINFO_SAMPLES=48 pytest -q tests/conformance/test_opinfo.py`` runs that).
-``KILN_TEST_FULL_OPINFO=1`` runs every sample in compile mode too (the full sweep);
-``KILN_TEST_OPINFO_SAMPLES=N`` (or ``all``) sets the samples per op for both modes;
+What CI runs (``pytest -q``): the full sweep, every op of op_db (702) in both modes, forward and
+gradients, every sample (19,038; 18,679 run in eager; max_pool2d and its backward have 1,440
+each).  Measured 2026-12-01 (2-core machine, loaded): the compile sweep ~850 CPU-s (its cost is
+Dynamo's and AOTAutograd's tracing of every sample: fake tensors, functionalization,
+decompositions, the partitioner; g++ is ~14%, the kernel-level build cache reuses kernels across
+chunks), the lazy sweep ~265 CPU-s, on the sweep's 2 worker processes.
+``KILN_TEST_OPINFO_SAMPLES=N`` caps each op at its first N samples in both modes (a quick run);
 ``KILN_TEST_OPINFO_OPS=a:b`` runs ops a..b-1 of op_db's order; ``KILN_TEST_OPINFO_CHUNK=N`` sets
 how many samples share one Kiln run (default 32 lazy, 64 compile; 1: each sample alone).  Which ops fell back to ATen
 (``kiln.metrics.counters()["fallbacks"]``) is recorded per test in ``FALLBACKS`` and the junit
