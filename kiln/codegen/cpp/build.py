@@ -120,14 +120,20 @@ def _compile(source: str, key: str, d: Path) -> bytes:
     tmp_so = cpp.with_suffix(".so.tmp")
     try:
         cpp.write_text(source)
-        proc = subprocess.run(
-            [CXX, *FLAGS, str(cpp), *LIBS, "-o", str(tmp_so)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise BuildError(f"g++ failed for kernel unit {key}:\n{proc.stderr[-4000:]}")
+        # g++'s output goes to a file, not a pipe: a process forked by another thread while g++
+        # runs inherits a pipe's write end, and reading the pipe to its end would then wait for
+        # that child to exit (a forked child that waits for this build's lock never does)
+        with tempfile.TemporaryFile(mode="w+") as log:
+            proc = subprocess.run(
+                [CXX, *FLAGS, str(cpp), *LIBS, "-o", str(tmp_so)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                check=False,
+            )
+            if proc.returncode != 0:
+                log.seek(0)
+                raise BuildError(f"g++ failed for kernel unit {key}:\n{log.read()[-4000:]}")
         return tmp_so.read_bytes()
     finally:
         for f in (cpp, tmp_so):
