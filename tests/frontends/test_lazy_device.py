@@ -100,6 +100,17 @@ def test_mixing_devices_names_both():
     assert ".to(kiln.device())" in msg
 
 
+def test_sparse_tensor_on_the_device_is_a_clear_error():
+    """A sparse CSR tensor moved to the kiln device is not recorded: an op on it names the
+    layout and the fix (it used to say 'found at least two devices, kiln:0 and kiln:0')."""
+    x = torch.eye(3).to_sparse_csr().to(dev)
+    a, b = torch.randn(3, 3), torch.randn(3, 3)
+    with pytest.raises(RuntimeError, match="sparse_csr tensors are not supported on the kiln"):
+        torch.sparse.sampled_addmm(x, a.to(dev), b.to(dev))
+    kiln.mark_step()  # nothing pending was left broken
+    torch.testing.assert_close((lazy(a) + 1).cpu(), a + 1)
+
+
 def test_cpu_zero_dim_tensor_is_allowed():
     x = torch.randn(4)
     s = torch.tensor(2.5)

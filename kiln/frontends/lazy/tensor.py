@@ -324,6 +324,11 @@ def _check_devices(func: Any, args: Any, kwargs: dict) -> None:
 
 
 def _check_one(func: Any, a: Any) -> None:
+    if isinstance(a, torch.Tensor) and a.layout != torch.strided:
+        raise RuntimeError(
+            f"{a.layout} tensors are not supported on the kiln device (when checking arguments "
+            f"for {func}): it records dense, strided tensors only; run this op on the CPU"
+        )
     # a CPU tensor next to kiln tensors is an error, as for cuda/cpu, except 0-dim ones (scalars)
     if isinstance(a, torch.Tensor) and not isinstance(a, LazyTensor) and a.dim() > 0:
         raise RuntimeError(
