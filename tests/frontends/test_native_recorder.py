@@ -8,44 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _native_testlib import check, recorder, run_native  # noqa: F401
 
 import kiln
 from kiln.frontends.lazy import native
 from kiln.runtime import compiler
-
-
-@pytest.fixture(scope="module", autouse=True)
-def recorder():
-    try:
-        native.load()
-    except native.NativeUnavailable as e:
-        pytest.skip(f"native recorder unavailable: {e}")
-    native.mark_step()  # nothing pending from elsewhere
-
-
-def run_native(fn, *inputs):
-    """``fn`` on native tensors holding ``inputs``: (CPU results, the cut)."""
-    xs = [native.tensor(t) for t in inputs]
-    outs = fn(*xs)
-    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-    del xs
-    cut = native.mark_step()
-    return [native.cpu(o) for o in outs], cut
-
-
-def check(fn, *inputs, exact=False):
-    got, cut = run_native(fn, *inputs)
-    want = fn(*inputs)
-    want = list(want) if isinstance(want, (tuple, list)) else [want]
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        if exact:
-            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
-        else:
-            torch.testing.assert_close(g, w, equal_nan=True)
-    return cut
-
 
 # ---- forward results vs eager -----------------------------------------------------------------
 
