@@ -63,7 +63,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from opinfo_check import CHECKS, OPS  # noqa: E402
 from opinfo_expected import expected_failure  # noqa: E402
 from opinfo_pool import Sweep  # noqa: E402
-from opinfo_runner import STACK_EXTRACT_TEST_FN, compare, extract_test_fn, rounding_only  # noqa: E402
+from opinfo_runner import (  # noqa: E402
+    STACK_EXTRACT_TEST_FN,
+    _Error,
+    compare,
+    extract_test_fn,
+    grad_outputs,
+    kiln_results,
+    rounding_only,
+    samples,
+)
 
 
 def selected() -> list[str]:
@@ -277,3 +286,22 @@ def test_rounding_rule_tells_rounding_from_a_wrong_value() -> None:
     right = (torch.randn(5, 3, generator=g) * 3.0,)
     assert rounding_only(gop, gsample, "grad", right, right)
     assert not rounding_only(gop, gsample, "grad", (right[0] + 1.0,), right)
+
+
+def test_lazy_to_cpu_backward_never_shows_the_engine_assert() -> None:
+    """``to("cpu", torch.float64)`` of a kiln leaf (OpInfo's first ``to`` samples): where
+    PyTorch's autograd engine asserts on the kiln guard's device streams ('opt_ready_stream &&
+    opt_parent_stream INTERNAL ASSERT FAILED ... please report a bug to PyTorch'), kiln raises an
+    error naming the fix instead; a gradient it does return equals eager's."""
+    op = OPS["to"]
+    for s in samples(op, 2, True):
+        _, grads, _ = kiln_results("lazy", op, [s], [True])
+        got = grads[0]
+        if isinstance(got, _Error):
+            assert "INTERNAL ASSERT" not in got.msg, got.msg
+            assert "kiln: backward through a copy" in got.msg, got.msg
+        else:
+            x = s.input.detach().requires_grad_()
+            out = x.to(*s.args, **s.kwargs)
+            (want,) = torch.autograd.grad(out, [x], grad_outputs([out]))
+            torch.testing.assert_close(got[0], want)

@@ -111,6 +111,20 @@ def test_sparse_tensor_on_the_device_is_a_clear_error():
     torch.testing.assert_close((lazy(a) + 1).cpu(), a + 1)
 
 
+def test_backward_through_a_copy_to_the_cpu():
+    """A copy to the CPU is differentiable, with or without a dtype change (where PyTorch's
+    engine asserts on device streams instead, kiln raises an error naming the fix: see
+    tests/conformance/test_opinfo.py::test_lazy_to_cpu_backward_never_shows_the_engine_assert)."""
+    w = torch.randn(3).to(dev).requires_grad_()
+    (w * 2).cpu().sum().backward()
+    (g,) = torch.autograd.grad(w.double().cpu().sum(), [w])
+    (g2,) = torch.autograd.grad(w.to("cpu", torch.float64), [w], torch.full((3,), 4.0).double())
+    kiln.mark_step()
+    torch.testing.assert_close(w.grad.cpu(), torch.full((3,), 2.0))
+    torch.testing.assert_close(g.cpu(), torch.ones(3))
+    torch.testing.assert_close(g2.cpu(), torch.full((3,), 4.0))
+
+
 def test_cpu_zero_dim_tensor_is_allowed():
     x = torch.randn(4)
     s = torch.tensor(2.5)

@@ -25,6 +25,11 @@ import torch
 import torch.autograd
 
 _installed = False
+_translating = False
+
+# PyTorch's autograd engine asserts on the streams of a device guard that has none (the kiln
+# device's Python guard) when a gradient crosses from another device to a kiln tensor
+_STREAM_ASSERT = "opt_ready_stream && opt_parent_stream"
 
 
 def install() -> None:
@@ -50,3 +55,31 @@ def install() -> None:
 
 def installed() -> bool:
     return _installed
+
+
+def translate_stream_errors() -> None:
+    """Make a backward pass through a copy from the kiln device to another device that also
+    changes the dtype (``.to("cpu", torch.float64)``; a plain ``.cpu()`` works) raise an error
+    that names the problem and the fix, instead of the autograd engine's internal
+    assert on device streams (idempotent; every other error passes through unchanged)."""
+    global _translating
+    original = getattr(torch.autograd, "_engine_run_backward", None)
+    if _translating or original is None:
+        return
+
+    def run_backward(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(t_outputs, *args, **kwargs)
+        except RuntimeError as e:
+            if _STREAM_ASSERT not in str(e):
+                raise
+            raise RuntimeError(
+                "kiln: backward through a copy from the kiln device to another device that also "
+                "changes the dtype (e.g. .to('cpu', torch.float64)) is not supported: PyTorch's "
+                "autograd engine needs device streams to send that gradient back to the kiln "
+                "device, which has none. Change the dtype on the kiln device first "
+                "(x.double().cpu()), or compute the loss on the kiln device"
+            ) from e
+
+    torch.autograd._engine_run_backward = run_backward
+    _translating = True
