@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._inductor.codecache as _inductor_codecache
 from torch._functorch._aot_autograd.autograd_cache import (
     AOTAutogradCache,
     BypassAOTAutogradCache,
@@ -72,11 +73,41 @@ _AUTOCAST_FNS = {
 }
 
 
+def _no_backend_registration() -> None:
+    """Stands in for Inductor's ``init_backend_registration`` in AOTAutograd's cache key (see
+    :func:`_key_without_inductor_codegen`)."""
+
+
+@contextlib.contextmanager
+def _key_without_inductor_codegen() -> Iterator[None]:
+    """AOTAutograd's cache key (``FxGraphHashDetails``) first registers Inductor's code generators
+    for every device (``init_backend_registration``: imports of its C++, Triton, Halide, MPS...
+    code generators, ~0.5 s of CPU once per process, the largest part of a warm start's cache hit
+    besides Dynamo) to hash the custom passes and codegen configs of those backends.  Those
+    only change what Inductor generates; a Kiln graph never goes through Inductor's code
+    generation, so for Kiln's own calls the key leaves them out: no registration, and both
+    tables empty (so the key is the same whether Inductor registered its backends in this
+    process or not).  Module attributes of ``torch._inductor.codecache`` swapped for the length
+    of a Kiln backend call, which runs under Dynamo's compile lock; restored after it."""
+    names = ("init_backend_registration", "custom_backend_passes", "custom_backend_codegen_configs")
+    saved = {n: getattr(_inductor_codecache, n) for n in names}
+    stand_ins = dict(zip(names, (_no_backend_registration, {}, {})))
+    for n in names:
+        setattr(_inductor_codecache, n, stand_ins[n])
+    try:
+        yield
+    finally:
+        for n in names:
+            setattr(_inductor_codecache, n, saved[n])
+
+
 @contextlib.contextmanager
 def aot_cache_settings() -> Iterator[None]:
     """For the duration of one Kiln backend call: AOTAutograd's cache on (bundled entries, Kiln's
     tag in the key, ``config.disk_cache`` decides), under ``<config.cache_dir>/torch``, the backward
-    compiled with the forward (one entry holds both).  Inductor and other backends are untouched."""
+    compiled with the forward (one entry holds both), and a key that does not import Inductor's
+    code generators (:func:`_key_without_inductor_codegen`).  Inductor and other backends are
+    untouched."""
     # the partitioner is not part of AOTAutograd's key (entries hold partitioned graphs)
     tag = cache_key_tag() + ("|recompute" if config.recompute else "")
     user_tag = torch.compiler.config.cache_key_tag
@@ -97,6 +128,7 @@ def aot_cache_settings() -> Iterator[None]:
                     **_AUTOCAST_FNS,
                 }
             ),
+            _key_without_inductor_codegen(),
         ):
             yield
     finally:
