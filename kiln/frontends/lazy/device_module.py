@@ -228,10 +228,10 @@ class _KilnModule:
     @staticmethod
     def synchronize(device: Any = None) -> None:
         """Run all pending lazy work (what :func:`kiln.mark_step` does)."""
-        from kiln.frontends.lazy.trace import sync
+        from kiln.frontends.lazy.device import mark_step
 
         _index(device)
-        sync()
+        mark_step()
 
     @staticmethod
     def memory_allocated(device: Any = None) -> int:

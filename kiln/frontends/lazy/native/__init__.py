@@ -60,6 +60,7 @@ _EXT = Extension(
 _lock = threading.Lock()
 _configured: list[ModuleType] = []
 _graphs: dict[int, Converted] = {}  # native graph id -> its Kiln graph
+_handler: list[fallback.Handler] = []  # the Python fallback installed by load()
 
 
 class NativeUnavailable(RuntimeError):
@@ -86,7 +87,9 @@ def load() -> ModuleType:
                 "unaffected."
             ) from None
         mod.configure(table.OPS, table.STRUCTURAL)
-        mod.set_fallback(fallback.Handler(mod, mark_step))
+        handler = fallback.Handler(mod, mark_step)
+        mod.set_fallback(handler)
+        _handler.append(handler)
         _configured.append(mod)
         return mod
 
@@ -97,6 +100,23 @@ def available() -> bool:
     except NativeUnavailable:
         return False
     return True
+
+
+def loaded() -> bool:
+    """Whether :func:`load` has succeeded in this process (asks nothing, builds nothing)."""
+    return bool(_configured)
+
+
+def is_native(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a native kiln tensor (False while the recorder is not loaded)."""
+    return bool(_configured) and _configured[0].is_native(x)
+
+
+def value_for(x: torch.Tensor, reason: str) -> torch.Tensor:
+    """The CPU value of a native tensor, running the pending step first (a forced sync counted
+    under ``reason`` when anything is pending)."""
+    _handler[0].sync(reason)
+    return load().value(x)
 
 
 def tensor(value: torch.Tensor) -> torch.Tensor:

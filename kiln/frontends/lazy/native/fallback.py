@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from kiln import metrics
 from kiln.frontends.lazy.native import convert
+from kiln.frontends.lazy.native import device as _device
 from kiln.frontends.lazy.shapes import infer_typed
 from kiln.frontends.lazy.tensor import _facts
 from kiln.ir.graph import In
@@ -194,9 +195,9 @@ class Handler:
         inputs: list = []
         key_parts: list = []
         for a in args:
-            key_parts.append(self.walk(a, lift, inputs))
+            key_parts.append(self.walk(func, a, lift, inputs))
         for k, v in kwargs.items():
-            key_parts.append((k, self.walk(v, lift, inputs)))
+            key_parts.append((k, self.walk(func, v, lift, inputs)))
         key = (op, torch.get_default_dtype(), tuple(key_parts))
         r = self.recipes.get(key)
         if r is None:
@@ -211,7 +212,7 @@ class Handler:
         res = [next(it) if s is None else s for s in r.shape]
         return res if r.as_list else tuple(res)
 
-    def walk(self, x: Any, lift: bool, inputs: list) -> Any:
+    def walk(self, func: Any, x: Any, lift: bool, inputs: list) -> Any:
         """The signature part of one argument; graph values appended to ``inputs`` in the order
         ``lowering.aten.template`` numbers them."""
         if isinstance(x, torch.Tensor):
@@ -220,13 +221,15 @@ class Handler:
             if g >= 0:
                 return ("n", g)
             if x.device.type != "cpu":
-                self.check_devices(None, (x,), {})
+                self.check_devices(func, (x,), {})
+            elif _device.active():
+                _device.check_cpu_operand(func, x)
             return ("c", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype)
         if lift and type(x) is float:
             inputs.append(x)
             return ("f",)
         if isinstance(x, (list, tuple)):
-            return (type(x), tuple(self.walk(y, lift, inputs) for y in x))
+            return (type(x), tuple(self.walk(func, y, lift, inputs) for y in x))
         return (type(x), x)
 
     def make_recipe(self, func: Any, args: tuple, kwargs: dict, lift: bool) -> _Recipe | None:
@@ -325,7 +328,10 @@ class Handler:
         error, naming both."""
         flat = [*args, *kwargs.values()]
         flat += [y for a in flat if isinstance(a, (list, tuple)) for y in a]
+        strict = func is not None and _device.active()  # the kiln device's rules for CPU operands
         for a in flat:
+            if strict and isinstance(a, torch.Tensor) and a.device == _CPU:
+                _device.check_cpu_operand(func, a)
             if isinstance(a, torch.Tensor) and not self.mod.is_native(a) and a.device != _CPU:
                 raise RuntimeError(
                     f"Kiln native recorder: {func} got a native kiln tensor and a tensor on "

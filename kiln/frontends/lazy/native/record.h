@@ -95,8 +95,24 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
 py::object* py_handler = nullptr;  // leaked on purpose: never destroyed after the interpreter
 std::atomic<int64_t> n_python{0};
 
+// `detach` / `alias` of a native tensor: a new tensor on the same storage and chain, made here
+// and not in Python, so that it has no Python object yet (nn.Parameter(x) detaches x and makes
+// the result a Parameter, which PyTorch refuses for a tensor Python already wrapped).
+bool alias_here(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& name = op.schema().operator_name();
+  if (name.overload_name != "" || (name.name != "aten::detach" && name.name != "aten::alias"))
+    return false;
+  const IValue& v = stack->back();
+  NativeImpl* x = v.isTensor() ? native_of(v.toTensor()) : nullptr;
+  if (!x) return false;
+  at::Tensor out(x->copy());
+  stack->back() = IValue(std::move(out));
+  return true;
+}
+
 void to_python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
+  if (alias_here(op, stack)) return;
   TORCH_CHECK_NOT_IMPLEMENTED(py_handler != nullptr, "kiln native recorder: ",
                               schema.operator_name(),
                               " is not in its op table and no Python fallback is installed");
