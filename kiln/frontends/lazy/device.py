@@ -12,7 +12,6 @@ other op reaches ``LazyTensor.__torch_dispatch__``.
 
 from __future__ import annotations
 
-import sys
 import threading
 import warnings
 from typing import Any
@@ -272,12 +271,7 @@ def mark_step() -> None:
     """Cut the pending graph: compile it (cached by structural hash), run it, materialize.
     Both recorders' traces are cut: the Python recorder's, and the native recorder's once it is
     loaded (``config.lazy_recorder = "native"``)."""
-    from kiln.frontends.lazy.trace import sync
-
-    sync()
-    native = sys.modules.get("kiln.frontends.lazy.native")  # (not imported: never loaded)
-    if native is not None and native.loaded():
-        native.mark_step()
+    device_module.sync_all()
 
 
 def sync() -> None:

@@ -17,7 +17,7 @@ With ``kiln.config.lazy_recorder == "native"`` (env ``KILN_LAZY_RECORDER=native`
 - ``torch.save`` pickles a native tensor as the CPU tensor it holds (``serialization.reduce_lazy``),
   so the file is an ordinary CPU checkpoint, as for ``LazyTensor``;
 - a CPU tensor operand with dimensions is eager's mixed-device error
-  (:func:`check_cpu_operand`), 0-dim CPU tensors and CPU index tensors are allowed, as on the
+  (``fallback.check_cpu_operand``), 0-dim CPU tensors and CPU index tensors are allowed, as on the
   Python recorder's device;
 - ``kiln.mark_step()`` cuts the native trace too (``lazy/device.py``).
 
@@ -59,10 +59,6 @@ from kiln.config import config
 _CPU = torch.device("cpu")
 _installed = False
 _install_lock = threading.Lock()
-# ops that take CPU tensors with dimensions next to kiln tensors, as on the Python device
-CPU_OPERANDS_OK = frozenset(
-    {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index", "copy_", "copy"}
-)
 
 
 def active() -> bool:
@@ -88,18 +84,6 @@ def factory(func: Any, args: tuple, kwargs: dict) -> Any:
         return o
 
     return tree_map(wrap, out)
-
-
-def check_cpu_operand(func: Any, a: torch.Tensor) -> None:
-    """A CPU tensor with dimensions next to native kiln tensors: eager's mixed-device error
-    (the Python device's ``tensor._check_one``), except for the ops in :data:`CPU_OPERANDS_OK`."""
-    if a.dim() == 0 or func._schema.name.split("::")[1] in CPU_OPERANDS_OK:
-        return
-    raise RuntimeError(
-        "Expected all tensors to be on the same device, but found at least two devices, "
-        f"kiln:0 and {a.device}! (when checking arguments for {func}); move the "
-        f"{a.device} tensor with .to(kiln.device()) or the kiln tensor with .cpu()"
-    )
 
 
 def install() -> None:

@@ -42,8 +42,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from kiln import metrics
+from kiln.config import config
 from kiln.frontends.lazy.native import convert
-from kiln.frontends.lazy.native import device as _device
 from kiln.frontends.lazy.shapes import infer_typed
 from kiln.frontends.lazy.tensor import _facts
 from kiln.ir.graph import In
@@ -222,8 +222,8 @@ class Handler:
                 return ("n", g)
             if x.device.type != "cpu":
                 self.check_devices(func, (x,), {})
-            elif _device.active():
-                _device.check_cpu_operand(func, x)
+            elif _device_active():
+                check_cpu_operand(func, x)
             return ("c", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype)
         if lift and type(x) is float:
             inputs.append(x)
@@ -328,16 +328,41 @@ class Handler:
         error, naming both."""
         flat = [*args, *kwargs.values()]
         flat += [y for a in flat if isinstance(a, (list, tuple)) for y in a]
-        strict = func is not None and _device.active()  # the kiln device's rules for CPU operands
+        strict = func is not None and _device_active()  # the kiln device's rules for CPU operands
         for a in flat:
             if strict and isinstance(a, torch.Tensor) and a.device == _CPU:
-                _device.check_cpu_operand(func, a)
+                check_cpu_operand(func, a)
             if isinstance(a, torch.Tensor) and not self.mod.is_native(a) and a.device != _CPU:
                 raise RuntimeError(
                     f"Kiln native recorder: {func} got a native kiln tensor and a tensor on "
                     f"{a.device} (of type {type(a).__name__}); expected all tensors on one "
                     "device (a CPU tensor is taken as a graph input)"
                 )
+
+
+# ops that take CPU tensors with dimensions next to kiln tensors, as on the Python device
+CPU_OPERANDS_OK = frozenset(
+    {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index", "copy_", "copy"}
+)
+
+
+def _device_active() -> bool:
+    """The native recorder is the kiln device's (``config.lazy_recorder``): its rules apply."""
+    return config.lazy_recorder == "native"
+
+
+def check_cpu_operand(func: Any, a: torch.Tensor) -> None:
+    """A CPU tensor with dimensions next to native kiln tensors, with the native recorder as the
+    kiln device's: eager's mixed-device error (the Python device's ``tensor._check_one``), except
+    for 0-dim tensors and the ops in :data:`CPU_OPERANDS_OK`.  (Without the switch, native
+    tensors made by ``native.tensor`` take any CPU tensor as a graph input.)"""
+    if a.dim() == 0 or func._schema.name.split("::")[1] in CPU_OPERANDS_OK:
+        return
+    raise RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two devices, "
+        f"kiln:0 and {a.device}! (when checking arguments for {func}); move the "
+        f"{a.device} tensor with .to(kiln.device()) or the kiln tensor with .cpu()"
+    )
 
 
 def _split_tensor(x: torch.Tensor, size: int, dim: int = 0) -> list[torch.Tensor]:

@@ -1,0 +1,239 @@
+"""The kiln device with the native recorder as its recorder (``config.lazy_recorder = "native"``,
+docs/native_recorder.md stage 2): factories, uploads, syncs, CPU operands, printing, storage
+questions and saving, and results, gradients and updated parameters against eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import kiln
+from kiln import metrics
+from kiln.config import ConfigError
+from kiln.frontends.lazy import native
+from kiln.frontends.lazy.tensor import LazyTensor
+
+dev = kiln.device()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_device():
+    try:
+        native.load()
+    except native.NativeUnavailable as e:
+        pytest.skip(f"native recorder unavailable: {e}")
+    before = kiln.config.lazy_recorder
+    kiln.mark_step()
+    kiln.config.update(lazy_recorder="native")
+    yield
+    kiln.mark_step()
+    kiln.config.update(lazy_recorder=before)
+
+
+def lazy(t: torch.Tensor) -> torch.Tensor:
+    out = t.to(dev)
+    assert native.is_native(out) and out.device == dev
+    return out
+
+
+def test_factories_make_native_tensors_with_eager_values():
+    made = {
+        "zeros": (torch.zeros(3, 2, device=dev), torch.zeros(3, 2)),
+        "ones": (
+            torch.ones(5, dtype=torch.float64, device=dev),
+            torch.ones(5, dtype=torch.float64),
+        ),
+        "arange": (torch.arange(7, device=dev), torch.arange(7)),
+        "full": (torch.full((2, 0), 1.5, device=dev), torch.full((2, 0), 1.5)),
+        "eye": (torch.eye(3, 4, device=dev), torch.eye(3, 4)),
+        "linspace": (torch.linspace(0, 1, 5, device=dev), torch.linspace(0, 1, 5)),
+        "tensor": (torch.tensor([1.0, 2.0], device=dev), torch.tensor([1.0, 2.0])),
+        "empty_shape": (torch.tensor([], device=dev), torch.tensor([])),
+    }
+    for name, (got, want) in made.items():
+        assert native.is_native(got) and got.device == dev, name
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, msg=name)
+    e = torch.empty(4, 3, device=dev)
+    assert native.is_native(e) and e.shape == (4, 3)
+
+
+def test_random_factories_draw_eagers_numbers_under_one_seed():
+    torch.manual_seed(3)
+    got = [
+        torch.randn(4, 5, device=dev),
+        torch.rand(3, device=dev),
+        torch.randint(0, 9, (6,), device=dev),
+    ]
+    torch.manual_seed(3)
+    want = [torch.randn(4, 5), torch.rand(3), torch.randint(0, 9, (6,))]
+    for g, w in zip(got, want):
+        assert native.is_native(g)
+        torch.testing.assert_close(g.cpu(), w, rtol=0, atol=0)
+
+
+def test_upload_is_copied_at_copy_time_and_needs_no_sync():
+    kiln.mark_step()
+    metrics.reset()
+    src = torch.arange(6.0).reshape(2, 3)
+    lx = lazy(src)
+    ly = torch.zeros(2, 3, device=dev)
+    ly.copy_(src * 2)
+    src.fill_(-1.0)  # not seen by either
+    assert metrics.counters().get("forced_syncs", 0) == 0
+    torch.testing.assert_close(lx.cpu(), torch.arange(6.0).reshape(2, 3))
+    torch.testing.assert_close(ly.cpu(), torch.arange(6.0).reshape(2, 3) * 2)
+
+
+def _program(x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+    h = torch.relu(x @ w + 0.5)
+    return [h, h.softmax(-1), h.sum(0), (x * 2 - 1).t().mean(1, keepdim=True), torch.exp(-x.abs())]
+
+
+@pytest.mark.parametrize(
+    "n,k,m", [(5, 7, 3), (1, 1, 1), (0, 4, 3), (6, 0, 2), (8, 16, 32)], ids=str
+)
+def test_results_match_eager_on_odd_and_zero_sizes(n, k, m):
+    x, w = torch.randn(n, k), torch.randn(k, m)
+    got = _program(lazy(x), lazy(w))
+    kiln.mark_step()
+    for g, want in zip(got, _program(x, w)):
+        assert native.is_native(g) and g.shape == want.shape
+        torch.testing.assert_close(g.cpu(), want, equal_nan=True)  # (means of nothing)
+
+
+def test_non_contiguous_inputs_and_views_match_eager():
+    base = torch.randn(7, 5)
+    xt = base.t()  # non-contiguous upload
+    sl = base[1::2, ::2]  # strided upload
+    lb = lazy(base)
+    got = [
+        lazy(xt) * 3,
+        lazy(sl) + 1,
+        lb.t()[1:4] * 2,  # a view of a native tensor
+        lb.expand(2, 7, 5).sum(0),
+        lb[:, 2] - lb[:, 0],
+    ]
+    want = [xt * 3, sl + 1, base.t()[1:4] * 2, base.expand(2, 7, 5).sum(0), base[:, 2] - base[:, 0]]
+    kiln.mark_step()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w)
+
+
+def test_mark_step_cuts_the_native_trace_and_chains_steps():
+    x = torch.randn(4, 3)
+    lx = lazy(x)
+    y = lx * 2
+    assert native.trace_len() > 0
+    kiln.mark_step()
+    assert native.trace_len() == 0
+    z = y + lx  # reads the value the first step computed
+    torch.kiln.synchronize()
+    assert native.trace_len() == 0
+    torch.testing.assert_close(native.cpu(z), x * 3)
+
+
+def test_cpu_operands_follow_the_kiln_devices_rules():
+    x = torch.arange(6.0).reshape(2, 3)
+    lx = lazy(x)
+    with pytest.raises(RuntimeError, match="found at least two devices, kiln:0 and cpu"):
+        lx + torch.ones(3)
+    torch.testing.assert_close((lx * torch.tensor(2.5)).cpu(), x * 2.5)  # 0-dim: allowed
+    idx = torch.tensor([1, 0])
+    torch.testing.assert_close(lx[idx].cpu(), x[idx])  # index tensors: allowed
+    kiln.mark_step()
+    torch.testing.assert_close((lx + 1).cpu(), x + 1)  # recording went on after the error
+
+
+def test_print_item_and_data_dependent_ops_are_counted_syncs():
+    metrics.reset()
+    x = lazy(torch.tensor([3.0, 0.0, 1.5])) * 2
+    assert "device='kiln:0'" in repr(x) and "6." in repr(x)
+    assert metrics.counters()["syncs"]["print"] == 1
+    assert x.sum().item() == 9.0
+    idx = torch.nonzero(x * 1)
+    torch.testing.assert_close(idx.cpu(), torch.tensor([[0], [2]]))
+    c = metrics.counters()
+    assert c["fallbacks"]["nonzero"] == 1 and c["syncs"]["op:nonzero"] == 1
+    assert c["forced_syncs"] >= 3
+
+
+def test_data_ptr_and_storage_are_the_host_buffers():
+    x = torch.randn(4, 6)
+    lx = lazy(x)
+    v = lx[1]  # a view: the same host buffer
+    assert lx.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    assert v.data_ptr() == lx.data_ptr() + 6 * 4
+    other = lazy(x)
+    assert other.untyped_storage().data_ptr() != lx.untyped_storage().data_ptr()
+    y = lx * 2  # pending: asking runs the step
+    metrics.reset()
+    assert y.data_ptr() != 0
+    assert metrics.counters()["syncs"]["storage"] == 1
+    torch.testing.assert_close(native.cpu(y), x * 2)
+    assert torch.ones(2).data_ptr() != 0  # other tensors unchanged
+
+
+def test_save_writes_cpu_tensors_and_load_to_kiln_makes_native_ones(tmp_path):
+    m = torch.nn.Linear(3, 4).to(dev)
+    assert all(native.is_native(p) for p in m.parameters())
+    w = (m.weight * 2).detach()  # pending at save time
+    torch.save({"sd": m.state_dict(), "w": w}, tmp_path / "f.pt")
+    got = torch.load(tmp_path / "f.pt", weights_only=True)
+    assert got["w"].device.type == "cpu"
+    torch.testing.assert_close(got["w"], native.cpu(m.weight) * 2)
+    back = torch.load(tmp_path / "f.pt", map_location="kiln")
+    assert native.is_native(back["w"])
+    torch.testing.assert_close(back["w"].cpu(), got["w"])
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.LayerNorm(33), torch.nn.Linear(33, 5)
+    )
+
+
+def test_training_steps_match_eager_loss_grads_and_params():
+    ref = _mlp()
+    lz = copy.deepcopy(ref).to(dev)
+    assert all(native.is_native(p) and isinstance(p, torch.nn.Parameter) for p in lz.parameters())
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt_l = torch.optim.SGD(lz.parameters(), lr=0.1, momentum=0.9)
+    torch.manual_seed(1)
+    for step in range(3):
+        x, y = torch.randn(9, 16), torch.randint(0, 5, (9,))
+        loss_r = torch.nn.functional.cross_entropy(ref(x), y)
+        loss_r.backward()
+        loss_l = torch.nn.functional.cross_entropy(lz(x.to(dev)), y.to(dev))
+        loss_l.backward()
+        kiln.mark_step()
+        torch.testing.assert_close(loss_l.detach().cpu(), loss_r.detach(), msg=f"loss {step}")
+        for (name, pr), pl in zip(ref.named_parameters(), lz.parameters()):
+            torch.testing.assert_close(pl.grad.cpu(), pr.grad, msg=f"grad {name} {step}")
+        opt_r.step()
+        opt_l.step()
+        opt_r.zero_grad()
+        opt_l.zero_grad()
+        kiln.mark_step()
+        for (name, pr), pl in zip(ref.named_parameters(), lz.parameters()):
+            assert native.is_native(pl)
+            torch.testing.assert_close(pl.detach().cpu(), pr.detach(), msg=f"param {name} {step}")
+
+
+def test_the_switch_is_per_call_and_checked():
+    kiln.config.update(lazy_recorder="python")
+    try:
+        p = torch.ones(2, device=dev)
+        assert type(p) is LazyTensor
+    finally:
+        kiln.config.update(lazy_recorder="native")
+    n = torch.ones(2, device=dev)
+    assert type(n) is torch.Tensor and native.is_native(n)
+    with pytest.raises(RuntimeError, match="kiln"):
+        n + p  # the two recorders' tensors do not mix
+    kiln.mark_step()
+    with pytest.raises(ConfigError, match="lazy_recorder"):
+        kiln.config.update(lazy_recorder="c++")
