@@ -237,6 +237,34 @@ bool upload(const at::Tensor& dst, const at::Tensor& src) {
   return true;
 }
 
+// Stage 3 (in-place ops recorded as functional + writeback), whole storages only: `dst` can take
+// a recorded value when it is a native tensor over its whole storage (no view chain, the
+// storage's geometry).
+bool writable_locked(NativeImpl* x) { return x && x->chain.empty() && x->geo == x->st->geo; }
+
+bool writable(const at::Tensor& dst) {
+  std::lock_guard<std::mutex> lock(mu);
+  return writable_locked(native_of(dst));
+}
+
+// `dst`'s storage takes the value of `src` (the functional result of an in-place op, same
+// geometry) as its pending value in this trace: nodes recorded before read the old value,
+// everything recorded after (`dst`, its aliases and views) the new one; the cut computes it as an
+// output.  False (nothing done) when `dst` is not writable or the geometries differ.
+bool write_back(const at::Tensor& dst, const at::Tensor& src) {
+  std::lock_guard<std::mutex> lock(mu);
+  NativeImpl* d = native_of(dst);
+  NativeImpl* s = native_of(src);
+  if (!writable_locked(d) || !s || s->geo != d->geo) return false;
+  int32_t node = read(s);
+  auto& st = d->st;
+  st->gen = trace.gen;
+  st->node = node;
+  st->pending = true;
+  trace.pending.emplace_back(st);
+  return true;
+}
+
 // An in-place view (`squeeze_`, `t_`, ...): `dst` becomes the view `src` recorded out of place
 // (same storage and chain, its geometry); other tensors on the storage keep theirs.
 void become(const at::Tensor& dst, const at::Tensor& src) {

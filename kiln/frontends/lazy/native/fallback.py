@@ -43,9 +43,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from kiln import metrics
 from kiln.config import config
+from kiln.frontends.lazy.foreach import record_split
 from kiln.frontends.lazy.native import convert
 from kiln.frontends.lazy.shapes import infer_typed
-from kiln.frontends.lazy.tensor import _facts
+from kiln.frontends.lazy.tensor import _facts, _with_defaults
 from kiln.ir.graph import In
 from kiln.lowering.aten import Ref, op_name, template
 
@@ -66,7 +67,7 @@ class _Recipe:
 class _Op:
     """One ATen overload as the handler sees it, worked out once."""
 
-    __slots__ = ("counter", "facts", "func", "plain", "schema")
+    __slots__ = ("counter", "facts", "foreach", "func", "plain", "schema")
 
     def __init__(self, func: Any) -> None:
         self.func = func
@@ -85,6 +86,8 @@ class _Op:
             )
             has = a.has_default_value()
             self.schema.append((a.kwarg_only, enum, has, a.default_value if has else None))
+        # a functional foreach op, recorded as per-tensor ops with the native device on
+        self.foreach = f.split
         # recorded as one node with nothing special before it (``Handler.record``)
         self.plain = not (
             func is aten._to_copy.default
@@ -139,7 +142,7 @@ class Handler:
         counts[op.counter] += 1
         metrics.incr("native_python_ops")
         args, kwargs = op.split(vals)
-        if op.plain and "device" not in kwargs:
+        if op.plain and "device" not in kwargs and (op.foreach is None or not _device_active()):
             return self.record(op, args, kwargs)
         return self.dispatch(op, args, kwargs)
 
@@ -175,6 +178,21 @@ class Handler:
         split = _SPLIT_VIEWS.get(func)
         if split is not None:  # one view per piece: table views (chain links), aliasing kept
             return split(*args, **kwargs)
+        if (
+            f.mutated
+            and f.functional is not None
+            and _device_active()
+            and not _is_out(func, kwargs)
+            and torch.Tag.nondeterministic_seeded not in func.tags
+        ):
+            out = self.inplace(op, args, kwargs)
+            if out is not _NOT_DONE:
+                return out
+        if op.foreach is not None and _device_active():
+            # a functional foreach op: per-tensor ops (lazy/foreach.py), as on the Python device
+            out = record_split(op.foreach, args, kwargs, _call)
+            if out is not None:
+                return out
         if f.mutated or f.view or torch.Tag.nondeterministic_seeded in func.tags:
             # written arguments, views outside the table (they alias the value's memory) and
             # random draws (the CPU generator, as eager) run on the values
@@ -188,6 +206,39 @@ class Handler:
             if out is not NotImplemented:
                 return out
         return self.record(op, args, kwargs)
+
+    def inplace(self, op: _Op, args: tuple, kwargs: dict) -> Any:
+        """Stage 3, whole storages: an in-place op (``add_``, ``copy_``, ``_foreach_mul_``, ...)
+        recorded as its functional variant, each written tensor's storage then taking the result
+        as its new pending value (``write_back``: no sync; ops recorded before read the old value).
+        ``_NOT_DONE`` when a written tensor is a view (a chain to write back through), or the
+        result's geometry is not the target's: the caller runs the op on the values instead."""
+        func = op.func
+        targets: list = []
+        for i in op.facts.mutated:
+            a = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
+            targets.extend(a if isinstance(a, (list, tuple)) else [a])
+        writable = self.mod.writable
+        if not targets or not all(isinstance(t, torch.Tensor) and writable(t) for t in targets):
+            return _NOT_DONE
+        fn = op.facts.functional
+        out = fn(*args, **_with_defaults(func, fn, args, kwargs))
+        outs = list(out) if isinstance(out, (list, tuple)) else [out]
+        if len(outs) != len(targets):
+            return _NOT_DONE  # (the recorded node is dead: the cut prunes it)
+        vals = []
+        for t, v in zip(targets, outs):
+            if not isinstance(v, torch.Tensor):
+                return _NOT_DONE
+            if v.dtype != t.dtype:
+                v = v.to(t.dtype)
+            if self.mod.geo_of(v) != self.mod.geo_of(t):
+                return _NOT_DONE
+            vals.append(v)
+        for t, v in zip(targets, vals):
+            self.mod.write_back(t, v)
+        metrics.incr("native_inplace_writes")
+        return args[0] if func._schema.returns and len(targets) == 1 else None
 
     def record(self, op: _Op, args: tuple, kwargs: dict) -> Any:
         func = op.func
@@ -363,6 +414,13 @@ def check_cpu_operand(func: Any, a: torch.Tensor) -> None:
         f"kiln:0 and {a.device}! (when checking arguments for {func}); move the "
         f"{a.device} tensor with .to(kiln.device()) or the kiln tensor with .cpu()"
     )
+
+
+_NOT_DONE = object()
+
+
+def _call(op: Any, args: tuple, kwargs: dict) -> Any:
+    return op(*args, **kwargs)
 
 
 def _split_tensor(x: torch.Tensor, size: int, dim: int = 0) -> list[torch.Tensor]:

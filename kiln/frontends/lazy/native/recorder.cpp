@@ -92,6 +92,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("alias_of", &alias_of);
   m.def("upload", &upload, nogil());
   m.def("become", &become, nogil());
+  m.def("writable", &writable, nogil());
+  m.def("write_back", &write_back, nogil());
   m.def("python_calls", [] { return n_python.load(); });
   m.def("geo_of", [](const at::Tensor& t) -> int64_t {
     NativeImpl* x = native_of(t);
