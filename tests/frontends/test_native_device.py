@@ -323,3 +323,26 @@ def test_foreach_optimizers_update_in_the_step_graph_and_match_eager(name):
     for sr, sl in zip(opt_r.state.values(), opt_l.state.values()):
         for k, v in sr.items():
             torch.testing.assert_close(sl[k].cpu(), v, msg=k)
+
+
+def test_out_ops_write_the_storage_after_earlier_ops_read_it():
+    a, b = torch.randn(3, 5), torch.randn(5, 4)
+    x = torch.ones(3, 4)
+    lx = lazy(x)
+    kiln.mark_step()
+    ly = lx * 2  # recorded before the write: reads the old x
+    torch.mm(lazy(a), lazy(b), out=lx)
+    torch.testing.assert_close(ly.cpu(), x * 2)
+    torch.testing.assert_close(lx.cpu(), a @ b)
+    with pytest.raises(NotImplementedError, match="changes a tensor's shape or storage"):
+        torch.mm(lazy(a), lazy(b), out=torch.zeros(2, 2, device=dev))  # would resize it
+    kiln.mark_step()
+
+
+def test_sparse_tensors_on_the_device_are_a_clear_error():
+    x = torch.eye(3).to_sparse_csr().to(dev)
+    a = lazy(torch.randn(3, 3))
+    with pytest.raises(RuntimeError, match="sparse_csr tensors are not supported on the kiln"):
+        torch.sparse.sampled_addmm(x, a, a)
+    kiln.mark_step()
+    torch.testing.assert_close((a + 1).cpu(), native.cpu(a) + 1)

@@ -33,6 +33,7 @@ recorded or run raises a Python exception (the process lives on).
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -166,6 +167,17 @@ class Handler:
                 # tensor itself takes that view's geometry, storage and chain
                 self.mod.become(args[0], view(*args, **kwargs))
                 return args[0]
+        if (
+            f.mutated
+            and _is_out(func, kwargs)
+            and _device_active()
+            and not f.inplace_view
+            and func not in _RESHAPING
+            and self.keeps_out_geometry(op, args, kwargs)
+        ):
+            # an out= op that does not resize its outputs: run on the values (everything
+            # pending first), writing into the outputs' storages, as the Python device does
+            return self.eager(func, args, kwargs, f"op:{name}")
         if f.inplace_view or func in _RESHAPING or (f.mutated and _is_out(func, kwargs)):
             raise NotImplementedError(
                 f"Kiln native recorder: {func} changes a tensor's shape or storage in place; "
@@ -206,6 +218,34 @@ class Handler:
             if out is not NotImplemented:
                 return out
         return self.record(op, args, kwargs)
+
+    def keeps_out_geometry(self, op: _Op, args: tuple, kwargs: dict) -> bool:
+        """Whether an out= op leaves every written tensor's geometry as it is (a native tensor
+        over its whole storage; asked of the meta kernel): then running it on the values writes
+        into the storages' data and every tensor on them stays right."""
+        func = op.func
+        targets = []
+        for i in op.facts.mutated:
+            a = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
+            targets.extend(a if isinstance(a, (list, tuple)) else [a])
+        if not targets or not all(
+            isinstance(t, torch.Tensor) and self.mod.writable(t) for t in targets
+        ):
+            return False
+        ids = {id(t): k for k, t in enumerate(targets)}
+        metas = [_meta_like(t) for t in targets]
+
+        def conv(a: Any) -> Any:
+            k = ids.get(id(a))
+            return metas[k] if k is not None else self.to_meta(a)
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (the resize warning: answered below)
+                func(*tree_map(conv, args), **tree_map(conv, kwargs))
+        except Exception:  # noqa: BLE001 - no meta kernel: not known to keep the geometry
+            return False
+        return all(m.shape == t.shape and m.stride() == t.stride() for m, t in zip(metas, targets))
 
     def inplace(self, op: _Op, args: tuple, kwargs: dict) -> Any:
         """Stage 3, whole storages: an in-place op (``add_``, ``copy_``, ``_foreach_mul_``, ...)

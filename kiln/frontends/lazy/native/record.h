@@ -160,4 +160,34 @@ TORCH_LIBRARY_IMPL(_, PrivateUse2, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&unsupported>());
 }
 
+// A sparse tensor whose parts are native tensors (`csr.to(kiln)` with the native recorder as the
+// kiln device's): nothing records it; an op on it names the layout and the fix, as the Python
+// recorder's device check does.
+void sparse_unsupported(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  std::string layout = "sparse";
+  for (const IValue& v : *stack) {
+    if (!v.isTensor() || !v.toTensor().defined()) continue;
+    switch (v.toTensor().layout()) {  // as Python spells torch.layout
+      case c10::kSparseCsr: layout = "sparse_csr"; break;
+      case c10::kSparseCsc: layout = "sparse_csc"; break;
+      case c10::kSparseBsr: layout = "sparse_bsr"; break;
+      case c10::kSparseBsc: layout = "sparse_bsc"; break;
+      case c10::kSparse: layout = "sparse_coo"; break;
+      default: continue;
+    }
+    break;
+  }
+  TORCH_CHECK(false, "torch.", layout, " tensors are not supported on the kiln device (when ",
+              "checking arguments for ", op.schema().operator_name(),
+              "): it records dense, strided tensors only; run this op on the CPU");
+}
+
+TORCH_LIBRARY_IMPL(_, SparseCsrPrivateUse2, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&sparse_unsupported>());
+}
+
+TORCH_LIBRARY_IMPL(_, SparsePrivateUse2, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&sparse_unsupported>());
+}
+
 }  // namespace
