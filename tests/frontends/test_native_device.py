@@ -339,6 +339,7 @@ def test_out_ops_write_the_storage_after_earlier_ops_read_it():
     kiln.mark_step()
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_sparse_tensors_on_the_device_are_a_clear_error():
     x = torch.eye(3).to_sparse_csr().to(dev)
     a = lazy(torch.randn(3, 3))
@@ -346,3 +347,32 @@ def test_sparse_tensors_on_the_device_are_a_clear_error():
         torch.sparse.sampled_addmm(x, a, a)
     kiln.mark_step()
     torch.testing.assert_close((a + 1).cpu(), native.cpu(a) + 1)
+
+
+def test_autocast_on_the_kiln_device_reaches_native_tensors():
+    a, b = torch.randn(5, 7), torch.randn(7, 3)
+    la, lb = lazy(a), lazy(b)
+    with torch.autocast("kiln", dtype=torch.bfloat16):
+        got = la @ lb
+        loss = torch.nn.functional.mse_loss(got, lazy(torch.zeros(5, 3)))  # an fp32 op
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = a @ b
+        want_loss = torch.nn.functional.mse_loss(want, torch.zeros(5, 3))
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert loss.dtype == want_loss.dtype
+    torch.testing.assert_close(got.cpu(), want)
+    torch.testing.assert_close(loss.cpu(), want_loss)
+    assert (la @ lb).dtype == torch.float32  # outside the region: no autocast
+
+
+def test_memory_statistics_count_native_buffers():
+    kiln.mark_step()
+    before = torch.kiln.memory_allocated()
+    keep = torch.ones(1000).to(dev)
+    assert torch.kiln.memory_allocated() >= before + 4000
+    out = keep * 2
+    kiln.mark_step()  # the step's result is a buffer too
+    assert torch.kiln.memory_allocated() >= before + 8000
+    assert torch.kiln.max_memory_allocated() >= torch.kiln.memory_allocated()
+    del keep, out
+    assert torch.kiln.memory_allocated() <= before

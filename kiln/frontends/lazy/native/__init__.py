@@ -30,6 +30,7 @@ import torch
 from kiln import metrics
 from kiln.codegen.cpp.build import BuildError
 from kiln.codegen.cpp.extension import Extension, Unavailable
+from kiln.frontends.lazy.memory import update_peak
 from kiln.frontends.lazy.native import fallback, table
 from kiln.frontends.lazy.native.convert import Converted, convert
 from kiln.runtime.compiler import compile_graph
@@ -119,6 +120,11 @@ def value_for(x: torch.Tensor, reason: str) -> torch.Tensor:
     return load().value(x)
 
 
+def held_bytes() -> int:
+    """Bytes of the host buffers that live native tensors' storages hold (each buffer once)."""
+    return load().held_bytes()
+
+
 def tensor(value: torch.Tensor) -> torch.Tensor:
     """A native kiln tensor holding ``value`` (a CPU tensor; used as a graph input, not copied:
     do not change it in place before the step that reads it has run)."""
@@ -162,6 +168,7 @@ def mark_step() -> Any:
         seen.add(id(val))
         outs.append(val)
     c.assign(outs)
+    update_peak()
     return c
 
 

@@ -55,6 +55,7 @@ at::Tensor from_cpu(const at::Tensor& t) {
   st->data = t;
   const int32_t geo = intern_geo(t.sizes(), t.strides(), t.storage_offset(), t.scalar_type());
   st->geo = geo;
+  note_holding(st);
   return make_tensor(std::move(st), {}, geo);
 }
 
@@ -234,7 +235,27 @@ bool upload(const at::Tensor& dst, const at::Tensor& src) {
   st.pending = false;
   st.node = -1;
   st.gen = -1;
+  note_holding(x->st);
   return true;
+}
+
+// Bytes of the host buffers live native storages hold (each buffer once).
+int64_t held_bytes() {
+  std::lock_guard<std::mutex> lock(mu);
+  std::unordered_set<const void*> seen;
+  int64_t total = 0;
+  size_t live = 0;
+  for (const auto& w : holding) {
+    auto st = w.lock();
+    if (!st) continue;
+    ++live;
+    if (!st->data.defined() || st->data.layout() != c10::kStrided || !st->data.has_storage())
+      continue;
+    const c10::Storage& s = st->data.storage();
+    if (seen.insert(s.unsafeGetStorageImpl()).second) total += static_cast<int64_t>(s.nbytes());
+  }
+  holding_live = live;
+  return total;
 }
 
 // Stage 3 (in-place ops recorded as functional + writeback), whole storages only: `dst` can take

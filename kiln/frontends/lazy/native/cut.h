@@ -60,6 +60,7 @@ struct Cut {
       st.pending = false;
       st.node = -1;
       st.gen = -1;
+      note_holding(live[i]);
     }
     live.clear();
   }

@@ -94,6 +94,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("become", &become, nogil());
   m.def("writable", &writable, nogil());
   m.def("write_back", &write_back, nogil());
+  m.def("held_bytes", &held_bytes, nogil());
   m.def("python_calls", [] { return n_python.load(); });
   m.def("geo_of", [](const at::Tensor& t) -> int64_t {
     NativeImpl* x = native_of(t);
