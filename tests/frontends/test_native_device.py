@@ -376,3 +376,22 @@ def test_memory_statistics_count_native_buffers():
     assert torch.kiln.max_memory_allocated() >= torch.kiln.memory_allocated()
     del keep, out
     assert torch.kiln.memory_allocated() <= before
+
+
+def test_conj_and_neg_bits_are_computed_values():
+    z = torch.randn(4, dtype=torch.complex64)
+    lz = lazy(z)
+    got = torch.view_as_real(lz.conj().resolve_conj())
+    torch.testing.assert_close(got.cpu(), torch.view_as_real(z.conj().resolve_conj()))
+    torch.testing.assert_close((-lz.imag).cpu(), -z.imag)
+    torch.testing.assert_close((lz.conj() * 2).cpu(), z.conj() * 2)
+
+
+def test_the_eager_debug_mode_uses_the_python_recorder():
+    kiln.config.update(eager=True)
+    try:
+        x = torch.ones(3, device=dev)
+        assert type(x) is LazyTensor  # the Python recorder implements config.eager
+    finally:
+        kiln.config.update(eager=False)
+    assert native.is_native(torch.ones(3, device=dev))

@@ -48,8 +48,9 @@ _COMPOSITE_FACTORIES = [
 def _factory(op: Any, args: tuple, kwargs: dict) -> Any:
     """A factory with ``device=kiln``: a tensor of the recorder ``config.lazy_recorder`` names
     (asked per call, so both recorders can serve one process; the engine probe always uses the
-    Python recorder's throw-away trace)."""
-    if config.lazy_recorder == "native" and not _probing:
+    Python recorder's throw-away trace, and the eager debug mode, ``config.eager``, the Python
+    recorder, which implements it)."""
+    if config.lazy_recorder == "native" and not _probing and not config.eager:
         from kiln.frontends.lazy import device_module as devmod
         from kiln.frontends.lazy.native import device as native_device
 

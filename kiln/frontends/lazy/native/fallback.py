@@ -47,7 +47,7 @@ from kiln.config import config
 from kiln.frontends.lazy.foreach import record_split
 from kiln.frontends.lazy.native import convert
 from kiln.frontends.lazy.shapes import infer_typed
-from kiln.frontends.lazy.tensor import _facts, _with_defaults
+from kiln.frontends.lazy.tensor import _BIT_VIEWS, _facts, _with_defaults
 from kiln.ir.graph import In
 from kiln.lowering.aten import Ref, op_name, template
 
@@ -187,6 +187,11 @@ class Handler:
             return args[0]  # a CPU value into a whole native storage: no node, no sync
         if f.identity and len(args) == 1 and not kwargs and self.mod.is_native(args[0]):
             return self.mod.alias_of(args[0])  # detach / alias: no node, same storage
+        bit = _BIT_VIEWS.get(func)
+        if bit is not None and _device_active():
+            # conj / neg bits: a native tensor's dispatcher flags do not carry them; compute the
+            # value instead (a copy, not a view), as the Python device does
+            return bit(*args, **kwargs)
         split = _SPLIT_VIEWS.get(func)
         if split is not None:  # one view per piece: table views (chain links), aliasing kept
             return split(*args, **kwargs)
