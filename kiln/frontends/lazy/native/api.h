@@ -27,7 +27,11 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
     f.lift = keep.count(name) == 0;
     table[op_key(op)] = f;
     std::string reg = overload.empty() ? name : name + "." + overload;
-    table_lib->impl(reg.c_str(), torch::CppFunction::makeFromBoxedFunction<&record>());
+    if (name == "_reshape_alias")
+      table_lib->impl(reg.c_str(),
+                      torch::CppFunction::makeFromBoxedFunction<&reshape_alias_as_view>());
+    else
+      table_lib->impl(reg.c_str(), torch::CppFunction::makeFromBoxedFunction<&record>());
   }
   // An aten op with a CompositeExplicitAutograd kernel would run that kernel instead of the
   // fallback (the alias covers every backend key): it may decompose into other ops or make new

@@ -88,6 +88,22 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
   stack->emplace_back(std::move(out));
 }
 
+// `_reshape_alias(x, size, stride)` -- what `reshape` of a tensor that is not a Python subclass
+// calls when a view will do -- recorded as `view(x, size)`, the op the Python recorder sees.  The
+// strides it carries are worked out from `x`'s strides as the recorder's geometry claims them; a
+// computed value's buffer is laid out by the graph, not necessarily in those strides, so replaying
+// them (an as_strided) would read the wrong elements.  `view` is a logical reshape: the same
+// elements whatever the buffer's layout, and the same geometry on the recorder's side.
+void reshape_alias_as_view(const c10::OperatorHandle&, c10::DispatchKeySet,
+                           torch::jit::Stack* stack) {
+  stack->pop_back();  // stride
+  c10::IValue size = std::move(stack->back());
+  stack->pop_back();
+  at::Tensor self = std::move(stack->back()).toTensor();
+  stack->pop_back();
+  stack->emplace_back(self.view(size.toDimVector()));
+}
+
 // ---------------------------------------------------------------------------------------------
 // the boxed fallback to Python: ops outside the table, and table ops with arguments the native
 // path does not record, go to the handler Python installs (native/fallback.py), counted
