@@ -21,6 +21,7 @@ See docs/native_recorder.md for the design and the staged plan.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -159,7 +160,9 @@ def mark_step() -> Any:
         conv = _graphs[c.graph_id] = convert(mod, c)
     values = c.values()
     exe = compile_graph(conv.graph)
+    t0 = time.perf_counter()
     results = exe([values[k] for k in conv.picks])
+    metrics.executed(time.perf_counter() - t0)  # (graphs_executed, execute_s)
     seen: set[int] = {id(v) for v in values if isinstance(v, torch.Tensor)}
     outs = []
     for val in results:
