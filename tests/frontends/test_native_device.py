@@ -395,3 +395,24 @@ def test_the_eager_debug_mode_uses_the_python_recorder():
     finally:
         kiln.config.update(eager=False)
     assert native.is_native(torch.ones(3, device=dev))
+
+
+def test_writes_through_a_view_made_on_the_values_reach_its_base():
+    """``as_strided`` runs on the values: its result shares the base's buffer, so a write to it
+    (``copy_``, what as_strided's backward does) lands in that buffer, not in a new value."""
+    x = torch.randn(5, 5)
+    g = torch.randn(2, 2)
+    xr = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(torch.as_strided(xr, (2, 2), (1, 2), 1), xr, g)
+    xl = lazy(x).requires_grad_()
+    (got,) = torch.autograd.grad(torch.as_strided(xl, (2, 2), (1, 2), 1), xl, lazy(g))
+    torch.testing.assert_close(got.cpu(), want)
+    base = torch.zeros(9, device=dev)
+    view = torch.as_strided(base, (2, 2), (1, 3), 1)
+    view.copy_(torch.ones(2, 2))  # a CPU value: not an upload into a fresh buffer either
+    view.mul_(lazy(torch.full((2, 2), 3.0)))
+    eager = torch.zeros(9)
+    ev = torch.as_strided(eager, (2, 2), (1, 3), 1)
+    ev.copy_(torch.ones(2, 2))
+    ev.mul_(3.0)
+    torch.testing.assert_close(base.cpu(), eager)

@@ -51,12 +51,13 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
   }
 }
 
-at::Tensor from_cpu(const at::Tensor& t) {
+at::Tensor from_cpu(const at::Tensor& t, bool aliased) {
   TORCH_CHECK(t.device().is_cpu() && !t.requires_grad(),
               "kiln native recorder: from_cpu takes a CPU tensor that does not require grad");
   std::lock_guard<std::mutex> lock(mu);
   auto st = std::make_shared<Storage>();
   st->data = t;
+  st->aliased = aliased;
   const int32_t geo = intern_geo(t.sizes(), t.strides(), t.storage_offset(), t.scalar_type());
   st->geo = geo;
   note_holding(st);
@@ -227,7 +228,8 @@ at::Tensor alias_of(const at::Tensor& t) {
 bool upload(const at::Tensor& dst, const at::Tensor& src) {
   std::lock_guard<std::mutex> lock(mu);
   NativeImpl* x = native_of(dst);
-  if (!x || !x->chain.empty() || x->geo != x->st->geo || native_of(src) || !src.device().is_cpu())
+  if (!x || !x->chain.empty() || x->geo != x->st->geo || x->st->aliased || native_of(src) ||
+      !src.device().is_cpu())
     return false;
   const Geo& g = geos[x->geo];
   if (g.offset != 0 || src.sizes() != c10::IntArrayRef(g.sizes) || src.scalar_type() != g.dtype)
@@ -265,7 +267,9 @@ int64_t held_bytes() {
 // Stage 3 (in-place ops recorded as functional + writeback), whole storages only: `dst` can take
 // a recorded value when it is a native tensor over its whole storage (no view chain, the
 // storage's geometry).
-bool writable_locked(NativeImpl* x) { return x && x->chain.empty() && x->geo == x->st->geo; }
+bool writable_locked(NativeImpl* x) {
+  return x && x->chain.empty() && x->geo == x->st->geo && !x->st->aliased;
+}
 
 bool writable(const at::Tensor& dst) {
   std::lock_guard<std::mutex> lock(mu);

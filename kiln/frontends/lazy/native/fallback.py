@@ -61,7 +61,7 @@ counts: Counter[str] = Counter()  # Python-fallback calls per op (``aten::name.o
 class _Recipe:
     rid: int
     getitems: list[int]  # per tensor output of a multi-output op; empty for one output
-    shape: Any  # None: a single tensor; else the output tuple/list with None at tensor slots
+    shape: Any  # None: a single tensor; else the output tuple/list, _TENSOR at tensor slots
     as_list: bool
 
 
@@ -305,7 +305,7 @@ class Handler:
         if r.shape is None:
             return outs[0]
         it = iter(outs)
-        res = [next(it) if s is None else s for s in r.shape]
+        res = [next(it) if s is _TENSOR else s for s in r.shape]
         return res if r.as_list else tuple(res)
 
     def walk(self, func: Any, x: Any, lift: bool, inputs: list) -> Any:
@@ -369,7 +369,7 @@ class Handler:
                 g = self.mod.add_recipe([_geo(m)], hash(("getitem", h, k)) & (2**64 - 1))
                 convert.register(g, "getitem", (In(0), k), (), (types[k],), None)
                 getitems.append(g)
-        shape = tuple(None if isinstance(m, torch.Tensor) else m for m in metas)
+        shape = tuple(_TENSOR if isinstance(m, torch.Tensor) else m for m in metas)
         return _Recipe(rid, getitems, shape, isinstance(out_meta, list))
 
     # -- running for real ------------------------------------------------------------------------
@@ -397,6 +397,7 @@ class Handler:
         out = func(*cargs, **ckwargs)
         flat_c = tree_flatten((cargs, ckwargs))[0]
         flat_a = tree_flatten((args, kwargs))[0]
+        buffers = {_buffer(c) for c in flat_c if isinstance(c, torch.Tensor)} - {0}
 
         def wrap(o: Any) -> Any:
             if not isinstance(o, torch.Tensor):
@@ -404,7 +405,10 @@ class Handler:
             for a, c in zip(flat_a, flat_c):
                 if o is c:  # a written argument returned: the caller's tensor
                     return a
-            return self.mod.from_cpu(o.detach())
+            # a view of a value (as_strided, ...) shares its buffer: marked, so that writes to it
+            # run on the values and land in that buffer (never write_back / upload).  (Below
+            # autograd here, so o._is_view() does not say: compare buffers.)
+            return self.mod.from_cpu(o.detach(), _buffer(o) in buffers)
 
         return tree_map(wrap, out)
 
@@ -462,6 +466,7 @@ def check_cpu_operand(func: Any, a: torch.Tensor) -> None:
 
 
 _NOT_DONE = object()
+_TENSOR = object()  # a tensor output's slot in a recipe's output shape (others: their value)
 
 
 def _call(op: Any, args: tuple, kwargs: dict) -> Any:
@@ -528,6 +533,13 @@ def _same(v: Any, d: Any) -> bool:
         return bool(type(v) is type(d) and v == d)
     except Exception:  # noqa: BLE001
         return False
+
+
+def _buffer(t: torch.Tensor) -> int:
+    """The address of ``t``'s buffer (0: none, or not a strided tensor)."""
+    if t.layout != torch.strided or not torch._C._has_storage(t):
+        return 0
+    return t.untyped_storage().data_ptr()
 
 
 def _geo(m: torch.Tensor) -> tuple:

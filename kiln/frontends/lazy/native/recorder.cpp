@@ -82,7 +82,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // written in Python).
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("configure", &configure, py::arg("ops"), py::arg("structural"), nogil());
-  m.def("from_cpu", &from_cpu, nogil());
+  m.def("from_cpu", &from_cpu, py::arg("t"), py::arg("aliased") = false, nogil());
   m.def("value", &value, nogil());
   m.def("is_native", [](const at::Tensor& t) { return native_of(t) != nullptr; });
   m.def("recipe_info", &recipe_info);

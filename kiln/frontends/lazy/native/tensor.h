@@ -63,6 +63,9 @@ struct Storage {
   bool pending = false;  // `node` is computed and `data` does not hold it yet
   at::Tensor data;       // concrete CPU value, when materialized
   int32_t geo = -1;      // the base's geometry
+  // `data` is a view of another storage's buffer (an op run on the values returned a view):
+  // writes must land in that buffer, so it never takes a new value or buffer (write_back, upload)
+  bool aliased = false;
 };
 
 // Storages that hold data (from_cpu, uploads, step results), weakly, for the kiln device's
