@@ -334,6 +334,11 @@ def test_out_ops_write_the_storage_after_earlier_ops_read_it():
     torch.mm(lazy(a), lazy(b), out=lx)
     torch.testing.assert_close(ly.cpu(), x * 2)
     torch.testing.assert_close(lx.cpu(), a @ b)
+    big = torch.zeros(5, 4)
+    lbig = lazy(big)
+    torch.mm(lazy(a), lazy(b), out=lbig[1:4])  # into a view: lands in its base
+    big[1:4] = a @ b
+    torch.testing.assert_close(lbig.cpu(), big)
     with pytest.raises(NotImplementedError, match="changes a tensor's shape or storage"):
         torch.mm(lazy(a), lazy(b), out=torch.zeros(2, 2, device=dev))  # would resize it
     kiln.mark_step()

@@ -225,17 +225,17 @@ class Handler:
         return self.record(op, args, kwargs)
 
     def keeps_out_geometry(self, op: _Op, args: tuple, kwargs: dict) -> bool:
-        """Whether an out= op leaves every written tensor's geometry as it is (a native tensor
-        over its whole storage; asked of the meta kernel): then running it on the values writes
-        into the storages' data and every tensor on them stays right."""
+        """Whether an out= op leaves every written tensor's geometry as it is (native tensors;
+        asked of the meta kernel): then running it on the values writes into the storages'
+        buffers (a view's value is a view of its storage's buffer) and every tensor on them
+        stays right."""
         func = op.func
         targets = []
         for i in op.facts.mutated:
             a = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
             targets.extend(a if isinstance(a, (list, tuple)) else [a])
-        if not targets or not all(
-            isinstance(t, torch.Tensor) and self.mod.writable(t) for t in targets
-        ):
+        is_native = self.mod.is_native
+        if not targets or not all(isinstance(t, torch.Tensor) and is_native(t) for t in targets):
             return False
         ids = {id(t): k for k, t in enumerate(targets)}
         metas = [_meta_like(t) for t in targets]
