@@ -27,7 +27,9 @@
 ``--mode device`` measures the kiln device itself with its recorder switch
 (``config.lazy_recorder``, docs/native_recorder.md) on and off: ``kiln.device()`` tensors made by
 ``.to(dev)`` under ``"python"`` and under ``"native"``, the same chain, the fallback-op chain
-(cumsum + softmax) and the training step, interleaved, thread CPU medians; eager beside them.
+(cumsum + softmax), the functional training step, and an ``nn.Module`` step with ``AdamW``
+(library defaults: the foreach path; forward, ``backward()``, ``step()``, ``zero_grad()``, timed
+up to and then including ``mark_step``), interleaved, thread CPU medians; eager beside them.
 
 Medians over ``--reps`` repetitions (after one warm-up); the machine is shared, so numbers vary.
 """
@@ -35,10 +37,12 @@ Medians over ``--reps`` repetitions (after one warm-up); the machine is shared, 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -250,12 +254,21 @@ def device_switch_cost(n: int, reps: int) -> dict[tuple[str, str], float]:
     cpu_state = {k: v.detach().clone() for k, v in m.named_parameters()}
     xs, ys = torch.randn(32, 64), torch.randint(0, 10, (32,))
     states: dict[str, dict] = {}
+    models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
     out: dict[tuple[str, str], list[float]] = {}
+
+    def module_and_opt(to: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        mod = copy.deepcopy(m)
+        mod = mod.to(to) if to is not None else mod
+        return mod, torch.optim.AdamW(mod.parameters(), lr=1e-3)  # library defaults: foreach
+
     try:
         for rec in RECORDERS:
             kiln.config.update(lazy_recorder=rec)
             states[rec] = {k: v.to(dev) for k, v in cpu_state.items()}
+            models[rec] = module_and_opt(dev)
         states["eager"] = dict(cpu_state)
+        models["eager"] = module_and_opt(None)
         for r in range(reps + 1):
             for rec in (*RECORDERS, "eager"):
                 if rec != "eager":
@@ -271,8 +284,18 @@ def device_switch_cost(n: int, reps: int) -> dict[tuple[str, str], float]:
                 states[rec] = _train_step(m, states[rec], xb, yb)
                 c3 = time.thread_time()
                 kiln.mark_step()
+                mod, opt = models[rec]
+                c4 = time.thread_time()
+                torch.nn.functional.cross_entropy(mod(xb), yb).backward()
+                opt.step()
+                opt.zero_grad()
+                c5 = time.thread_time()
+                kiln.mark_step()
+                c6 = time.thread_time()
                 del y, z
                 if r:
+                    out.setdefault(("adamw-step", rec), []).append((c5 - c4) * 1e3)
+                    out.setdefault(("adamw-step+mark_step", rec), []).append((c6 - c4) * 1e3)
                     out.setdefault(("chain", rec), []).append((c1 - c0) / n * 1e6)
                     out.setdefault(("python-fallback", rec), []).append((c2 - c1) / (n // 4) * 1e6)
                     out.setdefault(("train-step", rec), []).append((c3 - c2) * 1e3)
@@ -286,7 +309,14 @@ def main_device(a: argparse.Namespace) -> None:
         print("native recorder: unavailable here (no C++ compiler or a failed build)")
         return
     dc = device_switch_cost(a.ops, a.reps)
-    for what, unit in (("chain", "us/op"), ("python-fallback", "us/op"), ("train-step", "ms/step")):
+    parts = (
+        ("chain", "us/op"),
+        ("python-fallback", "us/op"),
+        ("train-step", "ms/step"),
+        ("adamw-step", "ms/step"),
+        ("adamw-step+mark_step", "ms/step"),
+    )
+    for what, unit in parts:
         line = ", ".join(f"{rec} {dc[(what, rec)]:.3f}" for rec in (*RECORDERS, "eager"))
         print(f"kiln.device() {what}, thread CPU {unit}: lazy_recorder={line}")
     c = metrics.counters()
