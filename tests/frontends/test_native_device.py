@@ -421,3 +421,16 @@ def test_writes_through_a_view_made_on_the_values_reach_its_base():
     ev.copy_(torch.ones(2, 2))
     ev.mul_(3.0)
     torch.testing.assert_close(base.cpu(), eager)
+
+
+def test_a_view_made_on_the_values_sees_later_writes_to_its_base():
+    x = torch.randn(9)
+    lx = lazy(x)
+    lv = torch.as_strided(lx, (2, 2), (1, 3), 1)  # runs on the values: shares lx's buffer
+    v = torch.as_strided(x, (2, 2), (1, 3), 1)
+    lx.add_(1.0)  # (not a new value for lx's storage: the view must see it)
+    x.add_(1.0)
+    lx.copy_(torch.arange(9.0))
+    x.copy_(torch.arange(9.0))
+    torch.testing.assert_close(lv.cpu(), v)
+    torch.testing.assert_close(lx.cpu(), x)

@@ -228,8 +228,8 @@ at::Tensor alias_of(const at::Tensor& t) {
 bool upload(const at::Tensor& dst, const at::Tensor& src) {
   std::lock_guard<std::mutex> lock(mu);
   NativeImpl* x = native_of(dst);
-  if (!x || !x->chain.empty() || x->geo != x->st->geo || x->st->aliased || native_of(src) ||
-      !src.device().is_cpu())
+  if (!x || !x->chain.empty() || x->geo != x->st->geo || x->st->aliased || x->st->lent ||
+      native_of(src) || !src.device().is_cpu())
     return false;
   const Geo& g = geos[x->geo];
   if (g.offset != 0 || src.sizes() != c10::IntArrayRef(g.sizes) || src.scalar_type() != g.dtype)
@@ -268,7 +268,14 @@ int64_t held_bytes() {
 // a recorded value when it is a native tensor over its whole storage (no view chain, the
 // storage's geometry).
 bool writable_locked(NativeImpl* x) {
-  return x && x->chain.empty() && x->geo == x->st->geo && !x->st->aliased;
+  return x && x->chain.empty() && x->geo == x->st->geo && !x->st->aliased && !x->st->lent;
+}
+
+// `t`'s buffer is viewed by a tensor an op made on the values (an aliased storage): from now on
+// writes to `t`'s storage run on the values too, so that the view sees them.
+void lend(const at::Tensor& t) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (NativeImpl* x = native_of(t)) x->st->lent = true;
 }
 
 bool writable(const at::Tensor& dst) {

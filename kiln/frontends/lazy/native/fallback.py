@@ -405,10 +405,17 @@ class Handler:
             for a, c in zip(flat_a, flat_c):
                 if o is c:  # a written argument returned: the caller's tensor
                     return a
-            # a view of a value (as_strided, ...) shares its buffer: marked, so that writes to it
-            # run on the values and land in that buffer (never write_back / upload).  (Below
-            # autograd here, so o._is_view() does not say: compare buffers.)
-            return self.mod.from_cpu(o.detach(), _buffer(o) in buffers)
+            # a view of a value (as_strided, ...) shares its buffer: it and the tensors whose
+            # buffer it views are marked, so that writes to either run on the values and land in
+            # that buffer, seen by both (never write_back / upload).  (Below autograd here,
+            # o._is_view() does not say: compare buffers.)
+            b = _buffer(o)
+            if b == 0 or b not in buffers:
+                return self.mod.from_cpu(o.detach())
+            for a, c in zip(flat_a, flat_c):
+                if isinstance(c, torch.Tensor) and _buffer(c) == b and is_native(a):
+                    self.mod.lend(a)
+            return self.mod.from_cpu(o.detach(), True)
 
         return tree_map(wrap, out)
 

@@ -93,6 +93,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("upload", &upload, nogil());
   m.def("become", &become, nogil());
   m.def("writable", &writable, nogil());
+  m.def("lend", &lend, nogil());
   m.def("write_back", &write_back, nogil());
   m.def("held_bytes", &held_bytes, nogil());
   m.def("python_calls", [] { return n_python.load(); });

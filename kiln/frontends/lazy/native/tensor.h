@@ -66,6 +66,8 @@ struct Storage {
   // `data` is a view of another storage's buffer (an op run on the values returned a view):
   // writes must land in that buffer, so it never takes a new value or buffer (write_back, upload)
   bool aliased = false;
+  // an aliased storage views this one's buffer: for the same reason, its value stays in it
+  bool lent = false;
 };
 
 // Storages that hold data (from_cpu, uploads, step results), weakly, for the kiln device's
