@@ -24,16 +24,25 @@
    update), thread CPU ms per step up to ``mark_step``, on the kiln device and the native
    recorder (whose Python fallback takes the ops outside its table), and eager running it.
 
+``--mode device`` measures the kiln device itself with its recorder switch
+(``config.lazy_recorder``, docs/native_recorder.md) on and off: ``kiln.device()`` tensors made by
+``.to(dev)`` under ``"python"`` and under ``"native"``, the same chain, the fallback-op chain
+(cumsum + softmax), the functional training step, and an ``nn.Module`` step with ``AdamW``
+(library defaults: the foreach path; forward, ``backward()``, ``step()``, ``zero_grad()``, timed
+up to and then including ``mark_step``), interleaved, thread CPU medians; eager beside them.
+
 Medians over ``--reps`` repetitions (after one warm-up); the machine is shared, so numbers vary.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -231,14 +240,108 @@ def train_step_cost(reps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+RECORDERS = ("python", "native")
+
+
+def device_switch_cost(n: int, reps: int) -> dict[tuple[str, str], float]:
+    """Medians of thread CPU time per (what, recorder) on ``kiln.device()`` tensors, the switch
+    ``config.lazy_recorder`` set to each recorder in turn (and eager): the table-op chain and the
+    fallback-op chain in us/op, the training step in ms/step; interleaved per repetition."""
+    dev = kiln.device()
+    before = kiln.config.lazy_recorder
+    base, b8 = torch.randn(64), torch.randn(8, 8)
+    m = _mlp()
+    cpu_state = {k: v.detach().clone() for k, v in m.named_parameters()}
+    xs, ys = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    states: dict[str, dict] = {}
+    models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
+    out: dict[tuple[str, str], list[float]] = {}
+
+    def module_and_opt(to: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        mod = copy.deepcopy(m)
+        mod = mod.to(to) if to is not None else mod
+        return mod, torch.optim.AdamW(mod.parameters(), lr=1e-3)  # library defaults: foreach
+
+    try:
+        for rec in RECORDERS:
+            kiln.config.update(lazy_recorder=rec)
+            states[rec] = {k: v.to(dev) for k, v in cpu_state.items()}
+            models[rec] = module_and_opt(dev)
+        states["eager"] = dict(cpu_state)
+        models["eager"] = module_and_opt(None)
+        for r in range(reps + 1):
+            for rec in (*RECORDERS, "eager"):
+                if rec != "eager":
+                    kiln.config.update(lazy_recorder=rec)
+                make = (lambda t: t) if rec == "eager" else (lambda t: t.to(dev))
+                x, x8, xb, yb = make(base), make(b8), make(xs), make(ys)
+                kiln.mark_step()
+                c0 = time.thread_time()
+                y = chain(x, n)
+                c1 = time.thread_time()
+                z = _fallback_ops(x8, n // 4)
+                c2 = time.thread_time()
+                states[rec] = _train_step(m, states[rec], xb, yb)
+                c3 = time.thread_time()
+                kiln.mark_step()
+                mod, opt = models[rec]
+                c4 = time.thread_time()
+                torch.nn.functional.cross_entropy(mod(xb), yb).backward()
+                opt.step()
+                opt.zero_grad()
+                c5 = time.thread_time()
+                kiln.mark_step()
+                c6 = time.thread_time()
+                del y, z
+                if r:
+                    out.setdefault(("adamw-step", rec), []).append((c5 - c4) * 1e3)
+                    out.setdefault(("adamw-step+mark_step", rec), []).append((c6 - c4) * 1e3)
+                    out.setdefault(("chain", rec), []).append((c1 - c0) / n * 1e6)
+                    out.setdefault(("python-fallback", rec), []).append((c2 - c1) / (n // 4) * 1e6)
+                    out.setdefault(("train-step", rec), []).append((c3 - c2) * 1e3)
+    finally:
+        kiln.config.update(lazy_recorder=before)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def main_device(a: argparse.Namespace) -> None:
+    if not native.available():
+        print("native recorder: unavailable here (no C++ compiler or a failed build)")
+        return
+    dc = device_switch_cost(a.ops, a.reps)
+    parts = (
+        ("chain", "us/op"),
+        ("python-fallback", "us/op"),
+        ("train-step", "ms/step"),
+        ("adamw-step", "ms/step"),
+        ("adamw-step+mark_step", "ms/step"),
+    )
+    for what, unit in parts:
+        line = ", ".join(f"{rec} {dc[(what, rec)]:.3f}" for rec in (*RECORDERS, "eager"))
+        print(f"kiln.device() {what}, thread CPU {unit}: lazy_recorder={line}")
+    c = metrics.counters()
+    print(
+        f"graphs compiled: {c.get('graphs_compiled', 0)}, forced syncs: {c.get('forced_syncs', 0)}"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", type=int, default=4000, help="ops in the recording chain")
     ap.add_argument("--graph-ops", type=int, default=5000, help="ops in the mark_step graph")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--mode",
+        choices=("recorders", "device"),
+        default="recorders",
+        help="recorders: parts 1-4; device: kiln.device() with lazy_recorder python vs native",
+    )
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
+    if a.mode == "device":
+        main_device(a)
+        return
     rc = record_cost(a.ops, a.reps)
     print(
         f"recording: {rc['lazy']:.2f} us/op on kiln "

@@ -71,6 +71,9 @@ class Config:
     # lazy device: a step whose only change is a size reuses one shape-generic graph (0: one
     # graph per shape, as PyTorch/XLA)
     dynamic_shapes: bool = True
+    # lazy device: which recorder makes kiln tensors: "python" (kiln/frontends/lazy/tensor.py) or
+    # "native" (the C++ recorder, docs/native_recorder.md; stage 2, not yet the default)
+    lazy_recorder: str = "python"
     publish: bool = True  # publish this process's state at step boundaries (kiln ls, kiln top)
     runtime_dir: str = field(default_factory=_default_runtime_dir)  # where state is published
     tensorboard_dir: str = ""  # write Kiln's per-step metrics as TensorBoard events here
@@ -84,6 +87,7 @@ class Config:
     # imported) is checked where it is used (kiln.codegen.base.get_backend).
     _CHOICES: ClassVar[dict[str, Callable[[], Sequence[str]]]] = {}
     _MINIMUM = {"profile_steps": 1, "profile_skip": 0}
+    _FIXED_CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"lazy_recorder": ("python", "native")}
     _LOG_CHOICES = ("graphs", "passes", "kernels", "recompiles", "fallbacks", "all")
 
     @classmethod
@@ -111,6 +115,9 @@ class Config:
             raise ConfigError(f"config {k!r} must be an int, got {v!r}")
         if k in self._MINIMUM and v < self._MINIMUM[k]:
             raise ConfigError(f"config {k!r} must be at least {self._MINIMUM[k]}, got {v!r}")
+        fixed = self._FIXED_CHOICES.get(k)
+        if fixed is not None and v not in fixed:
+            raise ConfigError(f"config {k!r} must be one of {', '.join(fixed)}; got {v!r}")
         choices = self._CHOICES.get(k)
         if choices is not None and v not in choices():
             raise ConfigError(f"config {k!r} must be one of {', '.join(choices())}; got {v!r}")

@@ -382,3 +382,21 @@ def test_in_place_views_and_matmul_with_vectors():
         return y, z, keep, m @ v, v @ m.t(), v @ v
 
     check(f, torch.randn(1, 4, 3), torch.randn(5, 3), torch.randn(3), exact=True)
+
+
+def test_an_op_with_a_none_output_among_tensor_outputs():
+    """``native_layer_norm_backward`` without a weight returns (grad_input, None, grad_bias): a
+    None output is kept in its place (it was taken for a tensor slot)."""
+    x, g = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    mean = x.mean(-1, keepdim=True)
+    rstd = (x.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+    bias = torch.randn(4)
+
+    def bwd(g, x, mean, rstd, bias):
+        gi, gw, gb = torch.ops.aten.native_layer_norm_backward(
+            g, x, [4], mean, rstd, None, bias, [True, False, True]
+        )
+        assert gw is None
+        return gi, gb
+
+    check(bwd, g, x, mean, rstd, bias)

@@ -318,3 +318,18 @@ def test_other_dtypes(dtype):
     x = (torch.randn(4, 5) * 4).to(dtype)
     y = (torch.randn(4, 5) * 4).to(dtype)
     check(f, x, y)
+
+
+def test_reshape_and_as_strided_of_computed_permuted_values_match_eager():
+    """A computed value whose geometry is permuted (``x.t() * 2``): ``reshape`` (PyTorch's
+    ``_reshape_alias`` with strides from that geometry) is recorded as ``view``, and the step's
+    result is laid out in the geometry, so strided reads of it see eager's elements."""
+    x = torch.randn(3, 5)
+    check(lambda t: (t.t() * 2).reshape(5, 3), x)
+    check(lambda t: (t.t() * 2).reshape(5, 3, 1), x)
+    check(lambda t: (t.permute(1, 0) + 1).reshape(-1), x)
+    got, _ = run_native(lambda t: t.t() * 2, x)
+    assert got[0].stride() == (x.t() * 2).stride()
+    check(lambda t: (t.t() * 2).as_strided((5, 3), (1, 5)), x)
+    q = torch.randn(2, 3, 5)
+    check(lambda t: torch.nn.functional.scaled_dot_product_attention(t, t * 0.5, t), q)

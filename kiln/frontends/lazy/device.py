@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kiln.config import config
 from kiln.frontends.lazy import backward_thread, device_module
 from kiln.frontends.lazy.device_module import KILN_MODULE
 
@@ -44,11 +45,26 @@ _COMPOSITE_FACTORIES = [
 ]
 
 
-def _factory_kernel(op: Any) -> Any:
+def _factory(op: Any, args: tuple, kwargs: dict) -> Any:
+    """A factory with ``device=kiln``: a tensor of the recorder ``config.lazy_recorder`` names
+    (asked per call, so both recorders can serve one process; the engine probe always uses the
+    Python recorder's throw-away trace, and the eager debug mode, ``config.eager``, the Python
+    recorder, which implements it)."""
+    if config.lazy_recorder == "native" and not _probing and not config.eager:
+        from kiln.frontends.lazy import device_module as devmod
+        from kiln.frontends.lazy.native import device as native_device
+
+        if devmod.unusable is not None or devmod.pending_probe is not None:
+            devmod.check_usable()
+        return native_device.factory(op, args, kwargs)
     from kiln.frontends.lazy.tensor import factory
 
+    return factory(op, *args, **kwargs)
+
+
+def _factory_kernel(op: Any) -> Any:
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        return factory(op, *args, **kwargs)
+        return _factory(op, args, kwargs)
 
     return kernel
 
@@ -87,11 +103,10 @@ def _register() -> None:
             torch._C._acc.register_python_privateuseone_hook(_Hooks())
             torch._C._acc.register_python_privateuseone_device_guard(_GUARD)
         from kiln.frontends.lazy import autocast, conversion, serialization
-        from kiln.frontends.lazy.tensor import factory
 
         lib = torch.library.Library("_", "IMPL")
         lib.fallback(
-            lambda keyset, op, *args, **kwargs: factory(op, *args, **kwargs),
+            lambda keyset, op, *args, **kwargs: _factory(op, args, kwargs),
             dispatch_key="PrivateUse1",
             with_keyset=True,
         )
@@ -142,10 +157,12 @@ def _backward_reaches_kiln() -> bool:
     a later step's graph (their trace generation is never reused)."""
     from kiln.frontends.lazy import trace
 
+    global _probing
     # not under trace._lock: the backward records on the engine's device thread, which takes it
     with trace._lock:
         saved = trace._trace
         trace._trace = trace.Trace(_PROBE_GEN)
+    _probing = True
     try:
         x = torch.zeros((), device="kiln", requires_grad=True)
         torch.autograd.grad(x.view(()), x, torch.ones((), device="kiln"))
@@ -154,6 +171,7 @@ def _backward_reaches_kiln() -> bool:
             raise
         return False
     finally:
+        _probing = False
         x = None
         with trace._lock:
             trace._trace = saved
@@ -161,6 +179,7 @@ def _backward_reaches_kiln() -> bool:
 
 
 _PROBE_GEN = -2  # live traces count up from 0; -1 marks materialized storages
+_probing = False  # the engine probe runs: its factories make Python-recorder tensors
 
 
 def _engine_check() -> str | None:
@@ -250,10 +269,10 @@ def device(index: int = 0) -> torch.device:
 
 
 def mark_step() -> None:
-    """Cut the pending graph: compile it (cached by structural hash), run it, materialize."""
-    from kiln.frontends.lazy.trace import sync
-
-    sync()
+    """Cut the pending graph: compile it (cached by structural hash), run it, materialize.
+    Both recorders' traces are cut: the Python recorder's, and the native recorder's once it is
+    loaded (``config.lazy_recorder = "native"``)."""
+    device_module.sync_all()
 
 
 def sync() -> None:

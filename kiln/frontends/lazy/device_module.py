@@ -22,6 +22,7 @@ lazy device that lives in CPU memory:
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,6 +38,17 @@ unusable: str | None = None
 # It runs a backward pass, which starts the engine's device thread, and PyTorch then refuses
 # autograd in forked children; so it runs at the first use of the device, not at ``import kiln``.
 pending_probe: Callable[[], str | None] | None = None
+
+
+def sync_all() -> None:
+    """Cut and run both recorders' pending traces (``kiln.mark_step``): the Python recorder's,
+    and the native recorder's once it is loaded (``config.lazy_recorder = "native"``)."""
+    from kiln.frontends.lazy.trace import sync
+
+    sync()
+    native = sys.modules.get("kiln.frontends.lazy.native")  # (not imported: never loaded)
+    if native is not None and native.loaded():
+        native.mark_step()
 
 
 def check_usable() -> None:
@@ -228,10 +240,8 @@ class _KilnModule:
     @staticmethod
     def synchronize(device: Any = None) -> None:
         """Run all pending lazy work (what :func:`kiln.mark_step` does)."""
-        from kiln.frontends.lazy.trace import sync
-
         _index(device)
-        sync()
+        sync_all()
 
     @staticmethod
     def memory_allocated(device: Any = None) -> int:

@@ -1,10 +1,12 @@
-"""Memory statistics of the kiln device: the buffers of live kiln tensors.
+"""Memory statistics of the kiln device: the buffers of live kiln tensors (the Python recorder's
+storages here, plus the native recorder's, which it counts itself: ``native.held_bytes``).
 
 Storages that hold data are tracked weakly; the current total is summed on demand (each buffer
 once), and the peak is sampled after every step and every upload."""
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -21,7 +23,8 @@ def track(st: Any) -> None:
 
 def _allocated() -> int:
     seen: set[int] = set()
-    total = 0
+    native = sys.modules.get("kiln.frontends.lazy.native")  # (not imported: never loaded)
+    total = native.held_bytes() if native is not None and native.loaded() else 0
     for st in list(_live):
         data = st.data
         # no buffer: not materialized, or a zero tensor (autograd's efficient zeros) / non-strided

@@ -273,7 +273,19 @@ _last_entry: _Entry | None = None
 
 
 def _prune_uncached(tr: Trace, outs: list[int]) -> tuple[Graph, list[int]]:
-    nodes = tr.b.nodes
+    return prune_nodes(tr.b.nodes, outs, tr.seed_node, tuple(tr.b.constants))
+
+
+def prune_nodes(
+    nodes: list[Node], outs: list[int], seed_node: int | None = None, constants: tuple = ()
+) -> tuple[Graph, list[int]]:
+    """The graph of what ``outs`` need from a recorded node list, and its input picks.
+
+    Keeps the nodes the outputs reach, renumbers them, and numbers the graph inputs (``input``
+    and ``scalar`` nodes' ``index``) in order of use: graph input k is the recorded value
+    ``picks[k]``.  ``seed_node`` (the step's random seed input) is kept when a random node is.
+    Both recorders' cuts use it: this module's :func:`sync` and the native recorder's
+    ``native/convert.py``."""
     need = [False] * len(nodes)
     stack = list(outs)
     while stack:
@@ -282,9 +294,10 @@ def _prune_uncached(tr: Trace, outs: list[int]) -> tuple[Graph, list[int]]:
             continue
         need[i] = True
         stack.extend(nodes[i].inputs)
-    has_random = any(need[i] and nodes[i].category.value == "random" for i in range(len(nodes)))
-    if has_random and tr.seed_node is not None:
-        need[tr.seed_node] = True
+    if seed_node is not None and any(
+        need[i] and nodes[i].category.value == "random" for i in range(len(nodes))
+    ):
+        need[seed_node] = True
     remap: dict[int, int] = {}
     new: list[Node] = []
     picks: list[int] = []
@@ -299,8 +312,7 @@ def _prune_uncached(tr: Trace, outs: list[int]) -> tuple[Graph, list[int]]:
             n = n.with_(inputs=tuple(remap[j] for j in n.inputs))
         remap[i] = len(new)
         new.append(n)
-    g = Graph(tuple(new), tuple(remap[o] for o in outs), tuple(tr.b.constants))
-    return g, picks
+    return Graph(tuple(new), tuple(remap[o] for o in outs), constants), picks
 
 
 def _outputs(tr: Trace, live: list[Storage]) -> list[int]:

@@ -21,6 +21,7 @@ See docs/native_recorder.md for the design and the staged plan.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -30,6 +31,7 @@ import torch
 from kiln import metrics
 from kiln.codegen.cpp.build import BuildError
 from kiln.codegen.cpp.extension import Extension, Unavailable
+from kiln.frontends.lazy.memory import update_peak
 from kiln.frontends.lazy.native import fallback, table
 from kiln.frontends.lazy.native.convert import Converted, convert
 from kiln.runtime.compiler import compile_graph
@@ -60,6 +62,7 @@ _EXT = Extension(
 _lock = threading.Lock()
 _configured: list[ModuleType] = []
 _graphs: dict[int, Converted] = {}  # native graph id -> its Kiln graph
+_handler: list[fallback.Handler] = []  # the Python fallback installed by load()
 
 
 class NativeUnavailable(RuntimeError):
@@ -86,7 +89,9 @@ def load() -> ModuleType:
                 "unaffected."
             ) from None
         mod.configure(table.OPS, table.STRUCTURAL)
-        mod.set_fallback(fallback.Handler(mod, mark_step))
+        handler = fallback.Handler(mod, mark_step)
+        mod.set_fallback(handler)
+        _handler.append(handler)
         _configured.append(mod)
         return mod
 
@@ -97,6 +102,28 @@ def available() -> bool:
     except NativeUnavailable:
         return False
     return True
+
+
+def loaded() -> bool:
+    """Whether :func:`load` has succeeded in this process (asks nothing, builds nothing)."""
+    return bool(_configured)
+
+
+def is_native(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a native kiln tensor (False while the recorder is not loaded)."""
+    return bool(_configured) and _configured[0].is_native(x)
+
+
+def value_for(x: torch.Tensor, reason: str) -> torch.Tensor:
+    """The CPU value of a native tensor, running the pending step first (a forced sync counted
+    under ``reason`` when anything is pending)."""
+    _handler[0].sync(reason)
+    return load().value(x)
+
+
+def held_bytes() -> int:
+    """Bytes of the host buffers that live native tensors' storages hold (each buffer once)."""
+    return load().held_bytes()
 
 
 def tensor(value: torch.Tensor) -> torch.Tensor:
@@ -133,7 +160,9 @@ def mark_step() -> Any:
         conv = _graphs[c.graph_id] = convert(mod, c)
     values = c.values()
     exe = compile_graph(conv.graph)
+    t0 = time.perf_counter()
     results = exe([values[k] for k in conv.picks])
+    metrics.executed(time.perf_counter() - t0)  # (graphs_executed, execute_s)
     seen: set[int] = {id(v) for v in values if isinstance(v, torch.Tensor)}
     outs = []
     for val in results:
@@ -142,6 +171,7 @@ def mark_step() -> Any:
         seen.add(id(val))
         outs.append(val)
     c.assign(outs)
+    update_peak()
     return c
 
 

@@ -27,7 +27,11 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
     f.lift = keep.count(name) == 0;
     table[op_key(op)] = f;
     std::string reg = overload.empty() ? name : name + "." + overload;
-    table_lib->impl(reg.c_str(), torch::CppFunction::makeFromBoxedFunction<&record>());
+    if (name == "_reshape_alias")
+      table_lib->impl(reg.c_str(),
+                      torch::CppFunction::makeFromBoxedFunction<&reshape_alias_as_view>());
+    else
+      table_lib->impl(reg.c_str(), torch::CppFunction::makeFromBoxedFunction<&record>());
   }
   // An aten op with a CompositeExplicitAutograd kernel would run that kernel instead of the
   // fallback (the alias covers every backend key): it may decompose into other ops or make new
@@ -47,14 +51,16 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
   }
 }
 
-at::Tensor from_cpu(const at::Tensor& t) {
+at::Tensor from_cpu(const at::Tensor& t, bool aliased) {
   TORCH_CHECK(t.device().is_cpu() && !t.requires_grad(),
               "kiln native recorder: from_cpu takes a CPU tensor that does not require grad");
   std::lock_guard<std::mutex> lock(mu);
   auto st = std::make_shared<Storage>();
   st->data = t;
+  st->aliased = aliased;
   const int32_t geo = intern_geo(t.sizes(), t.strides(), t.storage_offset(), t.scalar_type());
   st->geo = geo;
+  note_holding(st);
   return make_tensor(std::move(st), {}, geo);
 }
 
@@ -222,7 +228,8 @@ at::Tensor alias_of(const at::Tensor& t) {
 bool upload(const at::Tensor& dst, const at::Tensor& src) {
   std::lock_guard<std::mutex> lock(mu);
   NativeImpl* x = native_of(dst);
-  if (!x || !x->chain.empty() || x->geo != x->st->geo || native_of(src) || !src.device().is_cpu())
+  if (!x || !x->chain.empty() || x->geo != x->st->geo || x->st->aliased || x->st->lent ||
+      native_of(src) || !src.device().is_cpu())
     return false;
   const Geo& g = geos[x->geo];
   if (g.offset != 0 || src.sizes() != c10::IntArrayRef(g.sizes) || src.scalar_type() != g.dtype)
@@ -234,6 +241,63 @@ bool upload(const at::Tensor& dst, const at::Tensor& src) {
   st.pending = false;
   st.node = -1;
   st.gen = -1;
+  note_holding(x->st);
+  return true;
+}
+
+// Bytes of the host buffers live native storages hold (each buffer once).
+int64_t held_bytes() {
+  std::lock_guard<std::mutex> lock(mu);
+  std::unordered_set<const void*> seen;
+  int64_t total = 0;
+  size_t live = 0;
+  for (const auto& w : holding) {
+    auto st = w.lock();
+    if (!st) continue;
+    ++live;
+    if (!st->data.defined() || st->data.layout() != c10::kStrided || !st->data.has_storage())
+      continue;
+    const c10::Storage& s = st->data.storage();
+    if (seen.insert(s.unsafeGetStorageImpl()).second) total += static_cast<int64_t>(s.nbytes());
+  }
+  holding_live = live;
+  return total;
+}
+
+// Stage 3 (in-place ops recorded as functional + writeback), whole storages only: `dst` can take
+// a recorded value when it is a native tensor over its whole storage (no view chain, the
+// storage's geometry).
+bool writable_locked(NativeImpl* x) {
+  return x && x->chain.empty() && x->geo == x->st->geo && !x->st->aliased && !x->st->lent;
+}
+
+// `t`'s buffer is viewed by a tensor an op made on the values (an aliased storage): from now on
+// writes to `t`'s storage run on the values too, so that the view sees them.
+void lend(const at::Tensor& t) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (NativeImpl* x = native_of(t)) x->st->lent = true;
+}
+
+bool writable(const at::Tensor& dst) {
+  std::lock_guard<std::mutex> lock(mu);
+  return writable_locked(native_of(dst));
+}
+
+// `dst`'s storage takes the value of `src` (the functional result of an in-place op, same
+// geometry) as its pending value in this trace: nodes recorded before read the old value,
+// everything recorded after (`dst`, its aliases and views) the new one; the cut computes it as an
+// output.  False (nothing done) when `dst` is not writable or the geometries differ.
+bool write_back(const at::Tensor& dst, const at::Tensor& src) {
+  std::lock_guard<std::mutex> lock(mu);
+  NativeImpl* d = native_of(dst);
+  NativeImpl* s = native_of(src);
+  if (!writable_locked(d) || !s || s->geo != d->geo) return false;
+  int32_t node = read(s);
+  auto& st = d->st;
+  st->gen = trace.gen;
+  st->node = node;
+  st->pending = true;
+  trace.pending.emplace_back(st);
   return true;
 }
 

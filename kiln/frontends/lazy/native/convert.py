@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kiln import metrics
+from kiln.frontends.lazy.trace import prune_nodes
 from kiln.ir.graph import Graph, In, Node, TensorType
 from kiln.lowering.aten import op_name
 
@@ -114,24 +115,5 @@ def convert(mod: Any, cut: Any) -> Converted:
 
 
 def _prune(nodes: list[Node], outs: list[int]) -> Converted:
-    need = [False] * len(nodes)
-    stack = list(outs)
-    while stack:
-        i = stack.pop()
-        if not need[i]:
-            need[i] = True
-            stack.extend(nodes[i].inputs)
-    remap: dict[int, int] = {}
-    new: list[Node] = []
-    picks: list[int] = []
-    for i, n in enumerate(nodes):
-        if not need[i]:
-            continue
-        if n.op in ("input", "scalar"):
-            picks.append(n.kwarg("index"))
-            n = n.with_(kwargs=(("index", len(picks) - 1),))
-        else:
-            n = n.with_(inputs=tuple(remap[j] for j in n.inputs))
-        remap[i] = len(new)
-        new.append(n)
-    return Converted(Graph(tuple(new), tuple(remap[o] for o in outs)), picks)
+    graph, picks = prune_nodes(nodes, outs)  # (no random nodes yet: no seed input)
+    return Converted(graph, picks)

@@ -18,6 +18,23 @@ struct Seen {
 std::unordered_map<uint64_t, std::vector<Seen>> seen;
 int64_t n_graphs = 0;
 
+// A step's result in its storage's geometry (eager's strides, from the meta kernel).  The
+// graph lays out its outputs its own way (a permuted result may come back contiguous); a
+// storage's data must have the strides its tensors claim, or a later as_strided, a view link
+// replayed on the value, `.cpu()`'s strides and `data_ptr` arithmetic would be off.  A copy only
+// where the layouts differ (and the geometry is a dense, non-overlapping one to copy into).
+at::Tensor laid_out(const at::Tensor& v, int32_t geo) {
+  if (geo < 0) return v;
+  const Geo& g = geos[geo];
+  if (v.sizes() != c10::IntArrayRef(g.sizes) || v.scalar_type() != g.dtype || g.offset != 0)
+    return v;
+  if (v.strides() == c10::IntArrayRef(g.strides) && v.storage_offset() == 0) return v;
+  at::Tensor out = at::empty_strided(g.sizes, g.strides, v.options());
+  if (!out.is_non_overlapping_and_dense()) return v;
+  out.copy_(v);
+  return out;
+}
+
 struct Cut {
   int64_t graph_id = -1;
   bool is_new = false;
@@ -56,10 +73,11 @@ struct Cut {
                 " results expected, got ", results.size());
     for (size_t i = 0; i < live.size(); ++i) {
       Storage& st = *live[i];
-      st.data = results[i];
+      st.data = laid_out(results[i], st.geo);
       st.pending = false;
       st.node = -1;
       st.gen = -1;
+      note_holding(live[i]);
     }
     live.clear();
   }

@@ -33,6 +33,7 @@ recorded or run raises a Python exception (the process lives on).
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,9 +43,11 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from kiln import metrics
+from kiln.config import config
+from kiln.frontends.lazy.foreach import record_split
 from kiln.frontends.lazy.native import convert
 from kiln.frontends.lazy.shapes import infer_typed
-from kiln.frontends.lazy.tensor import _facts
+from kiln.frontends.lazy.tensor import _BIT_VIEWS, _facts, _with_defaults
 from kiln.ir.graph import In
 from kiln.lowering.aten import Ref, op_name, template
 
@@ -58,14 +61,14 @@ counts: Counter[str] = Counter()  # Python-fallback calls per op (``aten::name.o
 class _Recipe:
     rid: int
     getitems: list[int]  # per tensor output of a multi-output op; empty for one output
-    shape: Any  # None: a single tensor; else the output tuple/list with None at tensor slots
+    shape: Any  # None: a single tensor; else the output tuple/list, _TENSOR at tensor slots
     as_list: bool
 
 
 class _Op:
     """One ATen overload as the handler sees it, worked out once."""
 
-    __slots__ = ("counter", "facts", "func", "plain", "schema")
+    __slots__ = ("counter", "facts", "foreach", "func", "plain", "schema")
 
     def __init__(self, func: Any) -> None:
         self.func = func
@@ -84,6 +87,8 @@ class _Op:
             )
             has = a.has_default_value()
             self.schema.append((a.kwarg_only, enum, has, a.default_value if has else None))
+        # a functional foreach op, recorded as per-tensor ops with the native device on
+        self.foreach = f.split
         # recorded as one node with nothing special before it (``Handler.record``)
         self.plain = not (
             func is aten._to_copy.default
@@ -138,7 +143,7 @@ class Handler:
         counts[op.counter] += 1
         metrics.incr("native_python_ops")
         args, kwargs = op.split(vals)
-        if op.plain and "device" not in kwargs:
+        if op.plain and "device" not in kwargs and (op.foreach is None or not _device_active()):
             return self.record(op, args, kwargs)
         return self.dispatch(op, args, kwargs)
 
@@ -162,6 +167,17 @@ class Handler:
                 # tensor itself takes that view's geometry, storage and chain
                 self.mod.become(args[0], view(*args, **kwargs))
                 return args[0]
+        if (
+            f.mutated
+            and _is_out(func, kwargs)
+            and _device_active()
+            and not f.inplace_view
+            and func not in _RESHAPING
+            and self.keeps_out_geometry(op, args, kwargs)
+        ):
+            # an out= op that does not resize its outputs: run on the values (everything
+            # pending first), writing into the outputs' storages, as the Python device does
+            return self.eager(func, args, kwargs, f"op:{name}")
         if f.inplace_view or func in _RESHAPING or (f.mutated and _is_out(func, kwargs)):
             raise NotImplementedError(
                 f"Kiln native recorder: {func} changes a tensor's shape or storage in place; "
@@ -171,9 +187,29 @@ class Handler:
             return args[0]  # a CPU value into a whole native storage: no node, no sync
         if f.identity and len(args) == 1 and not kwargs and self.mod.is_native(args[0]):
             return self.mod.alias_of(args[0])  # detach / alias: no node, same storage
+        bit = _BIT_VIEWS.get(func)
+        if bit is not None and _device_active():
+            # conj / neg bits: a native tensor's dispatcher flags do not carry them; compute the
+            # value instead (a copy, not a view), as the Python device does
+            return bit(*args, **kwargs)
         split = _SPLIT_VIEWS.get(func)
         if split is not None:  # one view per piece: table views (chain links), aliasing kept
             return split(*args, **kwargs)
+        if (
+            f.mutated
+            and f.functional is not None
+            and _device_active()
+            and not _is_out(func, kwargs)
+            and torch.Tag.nondeterministic_seeded not in func.tags
+        ):
+            out = self.inplace(op, args, kwargs)
+            if out is not _NOT_DONE:
+                return out
+        if op.foreach is not None and _device_active():
+            # a functional foreach op: per-tensor ops (lazy/foreach.py), as on the Python device
+            out = record_split(op.foreach, args, kwargs, _call)
+            if out is not None:
+                return out
         if f.mutated or f.view or torch.Tag.nondeterministic_seeded in func.tags:
             # written arguments, views outside the table (they alias the value's memory) and
             # random draws (the CPU generator, as eager) run on the values
@@ -188,15 +224,76 @@ class Handler:
                 return out
         return self.record(op, args, kwargs)
 
+    def keeps_out_geometry(self, op: _Op, args: tuple, kwargs: dict) -> bool:
+        """Whether an out= op leaves every written tensor's geometry as it is (native tensors;
+        asked of the meta kernel): then running it on the values writes into the storages'
+        buffers (a view's value is a view of its storage's buffer) and every tensor on them
+        stays right."""
+        func = op.func
+        targets = []
+        for i in op.facts.mutated:
+            a = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
+            targets.extend(a if isinstance(a, (list, tuple)) else [a])
+        is_native = self.mod.is_native
+        if not targets or not all(isinstance(t, torch.Tensor) and is_native(t) for t in targets):
+            return False
+        ids = {id(t): k for k, t in enumerate(targets)}
+        metas = [_meta_like(t) for t in targets]
+
+        def conv(a: Any) -> Any:
+            k = ids.get(id(a))
+            return metas[k] if k is not None else self.to_meta(a)
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (the resize warning: answered below)
+                func(*tree_map(conv, args), **tree_map(conv, kwargs))
+        except Exception:  # noqa: BLE001 - no meta kernel: not known to keep the geometry
+            return False
+        return all(m.shape == t.shape and m.stride() == t.stride() for m, t in zip(metas, targets))
+
+    def inplace(self, op: _Op, args: tuple, kwargs: dict) -> Any:
+        """Stage 3, whole storages: an in-place op (``add_``, ``copy_``, ``_foreach_mul_``, ...)
+        recorded as its functional variant, each written tensor's storage then taking the result
+        as its new pending value (``write_back``: no sync; ops recorded before read the old value).
+        ``_NOT_DONE`` when a written tensor is a view (a chain to write back through), or the
+        result's geometry is not the target's: the caller runs the op on the values instead."""
+        func = op.func
+        targets: list = []
+        for i in op.facts.mutated:
+            a = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
+            targets.extend(a if isinstance(a, (list, tuple)) else [a])
+        writable = self.mod.writable
+        if not targets or not all(isinstance(t, torch.Tensor) and writable(t) for t in targets):
+            return _NOT_DONE
+        fn = op.facts.functional
+        out = fn(*args, **_with_defaults(func, fn, args, kwargs))
+        outs = list(out) if isinstance(out, (list, tuple)) else [out]
+        if len(outs) != len(targets):
+            return _NOT_DONE  # (the recorded node is dead: the cut prunes it)
+        vals = []
+        for t, v in zip(targets, outs):
+            if not isinstance(v, torch.Tensor):
+                return _NOT_DONE
+            if v.dtype != t.dtype:
+                v = v.to(t.dtype)
+            if self.mod.geo_of(v) != self.mod.geo_of(t):
+                return _NOT_DONE
+            vals.append(v)
+        for t, v in zip(targets, vals):
+            self.mod.write_back(t, v)
+        metrics.incr("native_inplace_writes")
+        return args[0] if func._schema.returns and len(targets) == 1 else None
+
     def record(self, op: _Op, args: tuple, kwargs: dict) -> Any:
         func = op.func
         lift = op.facts.lift
         inputs: list = []
         key_parts: list = []
         for a in args:
-            key_parts.append(self.walk(a, lift, inputs))
+            key_parts.append(self.walk(func, a, lift, inputs))
         for k, v in kwargs.items():
-            key_parts.append((k, self.walk(v, lift, inputs)))
+            key_parts.append((k, self.walk(func, v, lift, inputs)))
         key = (op, torch.get_default_dtype(), tuple(key_parts))
         r = self.recipes.get(key)
         if r is None:
@@ -208,10 +305,10 @@ class Handler:
         if r.shape is None:
             return outs[0]
         it = iter(outs)
-        res = [next(it) if s is None else s for s in r.shape]
+        res = [next(it) if s is _TENSOR else s for s in r.shape]
         return res if r.as_list else tuple(res)
 
-    def walk(self, x: Any, lift: bool, inputs: list) -> Any:
+    def walk(self, func: Any, x: Any, lift: bool, inputs: list) -> Any:
         """The signature part of one argument; graph values appended to ``inputs`` in the order
         ``lowering.aten.template`` numbers them."""
         if isinstance(x, torch.Tensor):
@@ -220,13 +317,15 @@ class Handler:
             if g >= 0:
                 return ("n", g)
             if x.device.type != "cpu":
-                self.check_devices(None, (x,), {})
+                self.check_devices(func, (x,), {})
+            elif _device_active():
+                check_cpu_operand(func, x)
             return ("c", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype)
         if lift and type(x) is float:
             inputs.append(x)
             return ("f",)
         if isinstance(x, (list, tuple)):
-            return (type(x), tuple(self.walk(y, lift, inputs) for y in x))
+            return (type(x), tuple(self.walk(func, y, lift, inputs) for y in x))
         return (type(x), x)
 
     def make_recipe(self, func: Any, args: tuple, kwargs: dict, lift: bool) -> _Recipe | None:
@@ -270,7 +369,7 @@ class Handler:
                 g = self.mod.add_recipe([_geo(m)], hash(("getitem", h, k)) & (2**64 - 1))
                 convert.register(g, "getitem", (In(0), k), (), (types[k],), None)
                 getitems.append(g)
-        shape = tuple(None if isinstance(m, torch.Tensor) else m for m in metas)
+        shape = tuple(_TENSOR if isinstance(m, torch.Tensor) else m for m in metas)
         return _Recipe(rid, getitems, shape, isinstance(out_meta, list))
 
     # -- running for real ------------------------------------------------------------------------
@@ -298,6 +397,7 @@ class Handler:
         out = func(*cargs, **ckwargs)
         flat_c = tree_flatten((cargs, ckwargs))[0]
         flat_a = tree_flatten((args, kwargs))[0]
+        buffers = {_buffer(c) for c in flat_c if isinstance(c, torch.Tensor)} - {0}
 
         def wrap(o: Any) -> Any:
             if not isinstance(o, torch.Tensor):
@@ -305,7 +405,17 @@ class Handler:
             for a, c in zip(flat_a, flat_c):
                 if o is c:  # a written argument returned: the caller's tensor
                     return a
-            return self.mod.from_cpu(o.detach())
+            # a view of a value (as_strided, ...) shares its buffer: it and the tensors whose
+            # buffer it views are marked, so that writes to either run on the values and land in
+            # that buffer, seen by both (never write_back / upload).  (Below autograd here,
+            # o._is_view() does not say: compare buffers.)
+            b = _buffer(o)
+            if b == 0 or b not in buffers:
+                return self.mod.from_cpu(o.detach())
+            for a, c in zip(flat_a, flat_c):
+                if isinstance(c, torch.Tensor) and _buffer(c) == b and is_native(a):
+                    self.mod.lend(a)
+            return self.mod.from_cpu(o.detach(), True)
 
         return tree_map(wrap, out)
 
@@ -325,13 +435,49 @@ class Handler:
         error, naming both."""
         flat = [*args, *kwargs.values()]
         flat += [y for a in flat if isinstance(a, (list, tuple)) for y in a]
+        strict = func is not None and _device_active()  # the kiln device's rules for CPU operands
         for a in flat:
+            if strict and isinstance(a, torch.Tensor) and a.device == _CPU:
+                check_cpu_operand(func, a)
             if isinstance(a, torch.Tensor) and not self.mod.is_native(a) and a.device != _CPU:
                 raise RuntimeError(
                     f"Kiln native recorder: {func} got a native kiln tensor and a tensor on "
                     f"{a.device} (of type {type(a).__name__}); expected all tensors on one "
                     "device (a CPU tensor is taken as a graph input)"
                 )
+
+
+# ops that take CPU tensors with dimensions next to kiln tensors, as on the Python device
+CPU_OPERANDS_OK = frozenset(
+    {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index", "copy_", "copy"}
+)
+
+
+def _device_active() -> bool:
+    """The native recorder is the kiln device's (``config.lazy_recorder``): its rules apply."""
+    return config.lazy_recorder == "native"
+
+
+def check_cpu_operand(func: Any, a: torch.Tensor) -> None:
+    """A CPU tensor with dimensions next to native kiln tensors, with the native recorder as the
+    kiln device's: eager's mixed-device error (the Python device's ``tensor._check_one``), except
+    for 0-dim tensors and the ops in :data:`CPU_OPERANDS_OK`.  (Without the switch, native
+    tensors made by ``native.tensor`` take any CPU tensor as a graph input.)"""
+    if a.dim() == 0 or func._schema.name.split("::")[1] in CPU_OPERANDS_OK:
+        return
+    raise RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two devices, "
+        f"kiln:0 and {a.device}! (when checking arguments for {func}); move the "
+        f"{a.device} tensor with .to(kiln.device()) or the kiln tensor with .cpu()"
+    )
+
+
+_NOT_DONE = object()
+_TENSOR = object()  # a tensor output's slot in a recipe's output shape (others: their value)
+
+
+def _call(op: Any, args: tuple, kwargs: dict) -> Any:
+    return op(*args, **kwargs)
 
 
 def _split_tensor(x: torch.Tensor, size: int, dim: int = 0) -> list[torch.Tensor]:
@@ -394,6 +540,13 @@ def _same(v: Any, d: Any) -> bool:
         return bool(type(v) is type(d) and v == d)
     except Exception:  # noqa: BLE001
         return False
+
+
+def _buffer(t: torch.Tensor) -> int:
+    """The address of ``t``'s buffer (0: none, or not a strided tensor)."""
+    if t.layout != torch.strided or not torch._C._has_storage(t):
+        return 0
+    return t.untyped_storage().data_ptr()
 
 
 def _geo(m: torch.Tensor) -> tuple:

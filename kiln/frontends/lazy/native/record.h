@@ -88,6 +88,22 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
   stack->emplace_back(std::move(out));
 }
 
+// `_reshape_alias(x, size, stride)` -- what `reshape` of a tensor that is not a Python subclass
+// calls when a view will do -- recorded as `view(x, size)`, the op the Python recorder sees.  The
+// strides it carries are worked out from `x`'s strides as the recorder's geometry claims them; a
+// computed value's buffer is laid out by the graph, not necessarily in those strides, so replaying
+// them (an as_strided) would read the wrong elements.  `view` is a logical reshape: the same
+// elements whatever the buffer's layout, and the same geometry on the recorder's side.
+void reshape_alias_as_view(const c10::OperatorHandle&, c10::DispatchKeySet,
+                           torch::jit::Stack* stack) {
+  stack->pop_back();  // stride
+  c10::IValue size = std::move(stack->back());
+  stack->pop_back();
+  at::Tensor self = std::move(stack->back()).toTensor();
+  stack->pop_back();
+  stack->emplace_back(self.view(size.toDimVector()));
+}
+
 // ---------------------------------------------------------------------------------------------
 // the boxed fallback to Python: ops outside the table, and table ops with arguments the native
 // path does not record, go to the handler Python installs (native/fallback.py), counted
@@ -95,8 +111,24 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
 py::object* py_handler = nullptr;  // leaked on purpose: never destroyed after the interpreter
 std::atomic<int64_t> n_python{0};
 
+// `detach` / `alias` of a native tensor: a new tensor on the same storage and chain, made here
+// and not in Python, so that it has no Python object yet (nn.Parameter(x) detaches x and makes
+// the result a Parameter, which PyTorch refuses for a tensor Python already wrapped).
+bool alias_here(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& name = op.schema().operator_name();
+  if (name.overload_name != "" || (name.name != "aten::detach" && name.name != "aten::alias"))
+    return false;
+  const IValue& v = stack->back();
+  NativeImpl* x = v.isTensor() ? native_of(v.toTensor()) : nullptr;
+  if (!x) return false;
+  at::Tensor out(x->copy());
+  stack->back() = IValue(std::move(out));
+  return true;
+}
+
 void to_python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
+  if (alias_here(op, stack)) return;
   TORCH_CHECK_NOT_IMPLEMENTED(py_handler != nullptr, "kiln native recorder: ",
                               schema.operator_name(),
                               " is not in its op table and no Python fallback is installed");
@@ -142,6 +174,36 @@ void unsupported(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 TORCH_LIBRARY_IMPL(_, PrivateUse2, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&unsupported>());
+}
+
+// A sparse tensor whose parts are native tensors (`csr.to(kiln)` with the native recorder as the
+// kiln device's): nothing records it; an op on it names the layout and the fix, as the Python
+// recorder's device check does.
+void sparse_unsupported(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  std::string layout = "sparse";
+  for (const IValue& v : *stack) {
+    if (!v.isTensor() || !v.toTensor().defined()) continue;
+    switch (v.toTensor().layout()) {  // as Python spells torch.layout
+      case c10::kSparseCsr: layout = "sparse_csr"; break;
+      case c10::kSparseCsc: layout = "sparse_csc"; break;
+      case c10::kSparseBsr: layout = "sparse_bsr"; break;
+      case c10::kSparseBsc: layout = "sparse_bsc"; break;
+      case c10::kSparse: layout = "sparse_coo"; break;
+      default: continue;
+    }
+    break;
+  }
+  TORCH_CHECK(false, "torch.", layout, " tensors are not supported on the kiln device (when ",
+              "checking arguments for ", op.schema().operator_name(),
+              "): it records dense, strided tensors only; run this op on the CPU");
+}
+
+TORCH_LIBRARY_IMPL(_, SparseCsrPrivateUse2, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&sparse_unsupported>());
+}
+
+TORCH_LIBRARY_IMPL(_, SparsePrivateUse2, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&sparse_unsupported>());
 }
 
 }  // namespace

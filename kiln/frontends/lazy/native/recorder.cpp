@@ -82,7 +82,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // written in Python).
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("configure", &configure, py::arg("ops"), py::arg("structural"), nogil());
-  m.def("from_cpu", &from_cpu, nogil());
+  m.def("from_cpu", &from_cpu, py::arg("t"), py::arg("aliased") = false, nogil());
   m.def("value", &value, nogil());
   m.def("is_native", [](const at::Tensor& t) { return native_of(t) != nullptr; });
   m.def("recipe_info", &recipe_info);
@@ -92,6 +92,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("alias_of", &alias_of);
   m.def("upload", &upload, nogil());
   m.def("become", &become, nogil());
+  m.def("writable", &writable, nogil());
+  m.def("lend", &lend, nogil());
+  m.def("write_back", &write_back, nogil());
+  m.def("held_bytes", &held_bytes, nogil());
   m.def("python_calls", [] { return n_python.load(); });
   m.def("geo_of", [](const at::Tensor& t) -> int64_t {
     NativeImpl* x = native_of(t);

@@ -63,7 +63,27 @@ struct Storage {
   bool pending = false;  // `node` is computed and `data` does not hold it yet
   at::Tensor data;       // concrete CPU value, when materialized
   int32_t geo = -1;      // the base's geometry
+  // `data` is a view of another storage's buffer (an op run on the values returned a view):
+  // writes must land in that buffer, so it never takes a new value or buffer (write_back, upload)
+  bool aliased = false;
+  // an aliased storage views this one's buffer: for the same reason, its value stays in it
+  bool lent = false;
 };
+
+// Storages that hold data (from_cpu, uploads, step results), weakly, for the kiln device's
+// memory statistics (`held_bytes`); compacted as they die.
+std::vector<std::weak_ptr<Storage>> holding;
+size_t holding_live = 0;
+
+void note_holding(const std::shared_ptr<Storage>& st) {
+  holding.emplace_back(st);
+  if (holding.size() > 1024 && holding.size() > 4 * holding_live) {
+    holding.erase(std::remove_if(holding.begin(), holding.end(),
+                                 [](const std::weak_ptr<Storage>& w) { return w.expired(); }),
+                  holding.end());
+    holding_live = holding.size();
+  }
+}
 
 struct NativeImpl final : c10::TensorImpl {
   std::shared_ptr<Storage> st;
@@ -77,8 +97,12 @@ struct NativeImpl final : c10::TensorImpl {
   NativeImpl(std::shared_ptr<Storage> s, std::vector<int32_t> c, int32_t g,
              c10::ScalarType dtype, c10::IntArrayRef sizes, c10::IntArrayRef strides,
              int64_t offset)
-      // (TensorImpl adds AutogradPrivateUse2 and ADInplaceOrView, as for any backend)
-      : c10::TensorImpl(c10::DispatchKeySet(c10::DispatchKey::PrivateUse2),
+      // (TensorImpl adds AutogradPrivateUse2 and ADInplaceOrView, as for any backend.  The
+      // autocast key is the kiln device's, AutocastPrivateUse1 -- PyTorch gives PrivateUse2 none
+      // -- so `torch.autocast("kiln")` reaches the kiln autocast kernels, lazy/autocast.py; it
+      // is excluded, costing nothing, outside autocast regions.)
+      : c10::TensorImpl(c10::DispatchKeySet(c10::DispatchKey::PrivateUse2) |
+                            c10::DispatchKeySet(c10::DispatchKey::AutocastPrivateUse1),
                         c10::scalarTypeToTypeMeta(dtype),
                         c10::Device(c10::DeviceType::PrivateUse1, 0)),
         st(std::move(s)),

@@ -1,0 +1,166 @@
+"""The native recorder as the kiln device's recorder (stage 2's remainder, behind a switch).
+
+With ``kiln.config.lazy_recorder == "native"`` (env ``KILN_LAZY_RECORDER=native``; the default is
+``"python"``), the tensors the kiln device makes are native tensors (``recorder.cpp``'s
+``NativeImpl``), not the Python recorder's ``LazyTensor``:
+
+- factories with ``device=kiln`` (``torch.zeros(..., device=dev)``, ``torch.empty``, the composite
+  factories ``arange``/``full``/``randn``/..., ``torch.tensor(data, device=dev)``) reach the kiln
+  device's PrivateUse1 kernels (``lazy/device.py``), which hand them to :func:`factory`: the op
+  runs on the CPU (random factories draw from the CPU generator, as eager does) and its result
+  becomes a native tensor holding that value -- an upload, no graph node, no sync;
+- ``.to(dev)`` is PyTorch's ``_to_copy``: an ``empty`` on the kiln device (a factory, above) and a
+  ``copy_`` from the CPU into it, which the recorder's fallback takes as an upload (the value is
+  copied at copy time; later writes to the CPU tensor are not seen);
+- printing a native tensor runs the pending step (a counted forced sync, reason ``print``) and
+  prints its value with ``device='kiln:0'``, as the Python recorder's ``LazyTensor.__repr__``;
+- ``torch.save`` pickles a native tensor as the CPU tensor it holds (``serialization.reduce_lazy``),
+  so the file is an ordinary CPU checkpoint, as for ``LazyTensor``;
+- a CPU tensor operand with dimensions is eager's mixed-device error
+  (``fallback.check_cpu_operand``), 0-dim CPU tensors and CPU index tensors are allowed, as on the
+  Python recorder's device;
+- ``kiln.mark_step()`` cuts the native trace too (``lazy/device.py``).
+
+Why the native tensor keeps its own dispatch key (PrivateUse2) instead of moving to PrivateUse1:
+the tensor's *device* is already ``kiln:0`` (``DeviceType::PrivateUse1``: device guard, autograd
+engine queue, ``x.device == kiln.device()``), and the dispatch key only decides which kernels see
+it.  On PrivateUse2 the kiln device's Python registrations (its PrivateUse1 factory fallback,
+composite factories, ``copy_`` kernel, autocast kernels) stay where they are and keep serving the
+Python recorder, so the switch is a per-call choice in those kernels and both recorders can live
+in one process (tests switch per module); moving the table to PrivateUse1 would make the two
+recorders exclusive per process (a dispatch key has one fallback) and need the switch before
+``import kiln``.  Nothing else dispatches on the key: every op whose arguments include a native
+tensor reaches the recorder (PrivateUse2 is the highest backend bit), factories reach the device's
+kernels through their ``device=`` argument, and that is where the switch acts.  The one key
+PyTorch derives from the backend that matters here, autocast (PrivateUse2 has none), is given
+explicitly: ``NativeImpl`` carries AutocastPrivateUse1, so ``torch.autocast("kiln")`` reaches the
+kiln autocast kernels (``lazy/autocast.py``).
+
+``data_ptr()`` and ``untyped_storage()`` of a native tensor (no host storage of its own:
+``NativeImpl`` throws on storage access) answer with the host buffer holding its value, pending
+work run first, as ``LazyTensor`` does (libraries that save state dicts -- safetensors,
+``save_pretrained`` -- find shared tensors by them).  PyTorch's methods are C methods of
+``TensorBase``, so this wraps them on ``torch.Tensor`` (once the native device is first used;
+every other tensor goes through the wrapper to PyTorch's method: a CPU tensor's ``data_ptr()``
+59 -> 148 ns of thread CPU, medians of 5, load ~7).
+
+Needs: the recorder extension (``native.load``), the kiln device registered.  Guarantees:
+nothing changes while the switch is off (the kiln device's kernels ask :func:`active` per call,
+and nothing here is installed until the first native factory call).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from kiln.config import config
+
+_CPU = torch.device("cpu")
+_installed = False
+_install_lock = threading.Lock()
+
+
+def active() -> bool:
+    """Whether kiln-device factories make native tensors now."""
+    return config.lazy_recorder == "native"
+
+
+def factory(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A factory op with ``device=kiln`` under the native recorder: computed on the CPU, its
+    result a native tensor holding the value (no node, no sync)."""
+    from kiln.frontends.lazy import native
+
+    mod = native.load()
+    install()
+    kw = {k: (_CPU if _is_kiln(v) else v) for k, v in kwargs.items()}
+    if "device" not in kw:
+        kw["device"] = _CPU
+    out = func(*[(_CPU if _is_kiln(a) else a) for a in args], **kw)
+
+    def wrap(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return mod.from_cpu(o.detach())
+        return o
+
+    return tree_map(wrap, out)
+
+
+def install() -> None:
+    """Printing and pickling of native tensors (once, at the first native factory call)."""
+    global _installed
+    if _installed:
+        return
+    with _install_lock:
+        if _installed:
+            return
+        import torch._tensor_str as tensor_str
+
+        tensor_str._str = _wrap_str(tensor_str._str)
+        torch.Tensor._reduce_ex_internal = _wrap_reduce(torch.Tensor._reduce_ex_internal)
+        torch.Tensor.untyped_storage = _wrap_host(torch.Tensor.untyped_storage)
+        torch.Tensor.data_ptr = _wrap_host(torch.Tensor.data_ptr)
+        _installed = True
+
+
+def _wrap_str(orig: Any) -> Any:
+    def _str(self: torch.Tensor, *, tensor_contents: Any = None) -> str:
+        from kiln.frontends.lazy import native
+
+        if self.device.type == "kiln" and native.is_native(self):
+            v = native.value_for(self, "print")
+            body = orig(v, tensor_contents=tensor_contents)
+            return body[:-1] + ", device='kiln:0')" if body.endswith(")") else body
+        return orig(self, tensor_contents=tensor_contents)
+
+    _str.__kiln_wrapped__ = orig  # type: ignore[attr-defined]
+    return _str
+
+
+def _wrap_reduce(orig: Any) -> Any:
+    def _reduce_ex_internal(self: torch.Tensor, proto: int) -> tuple:
+        from kiln.frontends.lazy import native
+        from kiln.frontends.lazy.serialization import reduce_lazy
+
+        if self.device.type == "kiln" and native.is_native(self):
+            return reduce_lazy(self, proto)
+        return orig(self, proto)
+
+    _reduce_ex_internal.__kiln_wrapped__ = orig  # type: ignore[attr-defined]
+    return _reduce_ex_internal
+
+
+def _wrap_host(orig: Any) -> Any:
+    """``data_ptr`` / ``untyped_storage`` of a native tensor: those of the host buffer holding
+    its value (pending work runs first, a forced sync counted as ``storage``), as
+    ``LazyTensor`` answers them; every other tensor goes to PyTorch's method unchanged."""
+
+    has_storage = torch._C._has_storage
+
+    def method(self: torch.Tensor) -> Any:
+        if has_storage(self):  # (every tensor with a storage: the fast way out)
+            return orig(self)
+        if self.device.type == "kiln" and type(self) is not _lazy_type():
+            from kiln.frontends.lazy import native
+
+            if native.is_native(self):
+                return orig(native.value_for(self, "storage"))
+        return orig(self)
+
+    method.__name__ = orig.__name__
+    method.__doc__ = orig.__doc__
+    method.__kiln_wrapped__ = orig  # type: ignore[attr-defined]
+    return method
+
+
+def _lazy_type() -> type:
+    from kiln.frontends.lazy.tensor import LazyTensor
+
+    return LazyTensor
+
+
+def _is_kiln(v: Any) -> bool:
+    return isinstance(v, torch.device) and v.type == "kiln"
