@@ -40,6 +40,7 @@ from kiln.ir.graph import Graph
 from kiln.passes.cross_entropy import cross_entropy
 from kiln.passes.fuse import Claims, fuse
 from kiln.passes.memory_plan import memory_plan
+from kiln.passes.sink_expand import sink_expand
 from kiln.precision import cpp as lowp
 from kiln.precision.aten_sr import in_float, sr_call, sr_wanted
 
@@ -187,6 +188,7 @@ def _passes() -> list[tuple[str, Pass]]:
     """This backend's policy after the generic pipeline: fuse what it claims, then plan buffers."""
     return [
         ("cross_entropy", cross_entropy),  # the loss backward's one-hot + log-softmax backward
+        ("sink_expand", sink_expand),  # elementwise ops read an expand's source (rows epilogues)
         ("fuse", fuse_claimed),
         ("memory_plan", memory_plan),  # fused outputs reuse dead buffers
     ]
