@@ -37,6 +37,7 @@ which its readers then join.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -388,7 +389,7 @@ def _epilogue_fits(g: Graph, n: Node, gr: _Group, group_of: dict[int, int], gid:
     ``g * w * x``, then the elementwise gradient) each become one kernel."""
     if not ROW_EPILOGUE or gr.kind is not LoopKind.ROWS or gr.roll is not None:
         return False
-    if _has_special(g, gr) or not gr.shape:
+    if _has_special(g, gr) or not gr.shape or not _nonempty(gr.shape[-1]):
         return False
     row = tuple(gr.shape[:-1]) + (1,)
     t = _tensor_type(n)
@@ -403,6 +404,17 @@ def _epilogue_fits(g: Graph, n: Node, gr: _Group, group_of: dict[int, int], gid:
             return False  # a row value must broadcast along the last dim only
         reads_row_value = True
     return reads_row_value
+
+
+def _nonempty(size: Any) -> bool:
+    """A reduced dim known to hold elements: over an empty row the kernel only fills its
+    reductions' identities (sum 0, mean NaN) and would skip the once-per-row epilogue.  A plain
+    symbol is never 0 (Dynamo and the lazy device specialize sizes 0 and 1)."""
+    if isinstance(size, bool):
+        return False
+    if isinstance(size, int):
+        return size > 0
+    return re.fullmatch(r"s\d+", str(size)) is not None
 
 
 def _merge_into_epilogues(g: Graph, groups: list[_Group], group_of: dict[int, int]) -> None:

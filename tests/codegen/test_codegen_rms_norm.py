@@ -133,3 +133,17 @@ def test_epilogue_kernel_with_row_and_full_outputs(monkeypatch, epilogue):
     rows = [k for k in info["kernels"] if k["kind"] == "rows"]
     assert len(rows) == 1
     assert len(info["kernels"]) == (1 if epilogue else 3), [k["kind"] for k in info["kernels"]]
+
+
+def test_reduction_over_an_empty_dim_keeps_its_readers():
+    """Found by the fuzzer: a sum over a zero-size dim (keepdim) read by an add.  Over an empty
+    row the kernel only writes its reductions' identities, so such a group takes no epilogue."""
+
+    def program(x0, x1, x2):
+        v1 = torch.sum(x0, dim=[0], keepdim=True) + x1 * 0.5
+        return torch.cat([v1, x2]).mean(0, keepdim=True) + v1.sum()
+
+    check_compiled_vs_eager(program, torch.randn(0), torch.randn(()), torch.randn(2))
+    check_compiled_vs_eager(
+        lambda x, c: x.sum(-1, keepdim=True) * c, torch.randn(3, 0), torch.randn(3, 1)
+    )
