@@ -25,6 +25,13 @@ A ``roll`` along the last dim (:mod:`kiln.passes.rotate`) joins a pointwise grou
 kernel input at a rotated index: never a group that computes its input, one shift per group,
 and no reduction joins a group holding one (the kernel splits its last-dim loop at the shift).
 
+A rows group may take an epilogue (``ROW_EPILOGUE``): elementwise nodes that read its keepdim
+reductions (directly or through other epilogue members), of the group's shape (computed in a
+second pass over the row) or of its shape with the last dim 1 (once per row), and pointwise groups
+read by nothing but that group; no reduction joins after an epilogue member, and a group whose
+reduced dim may be empty takes none (RMS norm forward: one kernel; backward: the row sum and the
+elementwise gradient in one).
+
 Groups may also join independent nodes of the same shape (horizontal fusion), which turns e.g.
 the per-parameter AdamW updates of equal-shaped tensors into one kernel.  A group never becomes
 part of a cycle: a node joins a group only if none of its other inputs depends on that group.

@@ -14,7 +14,9 @@ returned next to the source tells the executor how to marshal the arguments.
 Kernel shapes:
   pointwise  a flat ``parallel for simd`` loop, or rows x last-dim loops when an input broadcasts
   rows       per row (parallel): the pointwise prologue, then sums/means/amaxes over the last dim
-             (vectorized reductions), or one softmax / log_softmax computed in the output row
+             (vectorized reductions), or one softmax / log_softmax computed in the output row;
+             then the epilogue, if any (:mod:`kiln.codegen.cpp.row_phases`): its one-per-row
+             values, and a second pass over the row for the others
   cols       sums over all leading dims: per row, the pointwise prologue in float into a row
              buffer, then added to per-thread double partials over a row range, combined
 
