@@ -3,11 +3,15 @@
 
     python bench/llama_regions.py --region rope     # one layer's rotary embedding of q and k
     python bench/llama_regions.py --region mlp      # two residual SiLU-gated MLP blocks
+    python bench/llama_regions.py --region loss     # the causal-LM cross-entropy loss
+    python bench/llama_regions.py --region rmsnorm  # transformers' LlamaRMSNorm
 
 rope: q (4x4x64x32) and k (4x2x64x32, grouped-query) come out of their projections' outputs
 through ``view`` + ``transpose`` as in transformers' Llama, cos/sin are 64x32; ``rotate_half`` is
 transformers' own.  mlp: ``x + down(silu(gate(x)) * up(x))`` twice, 256 tokens of width 128,
-hidden 512.  Each mode runs ``--calls`` calls per round, rounds interleaved, the first dropped.
+hidden 512.  loss: transformers' ``ForCausalLMLoss`` on logits 4x64x1000 (shift, ``view``,
+cross-entropy with ignore_index -100, a quarter of the labels -100).  rmsnorm: ``LlamaRMSNorm``
+over 4x64x128.  Each mode runs ``--calls`` calls per round, rounds interleaved, the first dropped.
 """
 
 from __future__ import annotations
@@ -52,9 +56,15 @@ class MLP(torch.nn.Module):
         return x
 
 
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--region", choices=("rope", "mlp"), default="rope")
+    ap.add_argument("--region", choices=("rope", "mlp", "loss", "rmsnorm"), default="rope")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=200)
     a = ap.parse_args()
@@ -67,6 +77,21 @@ def main() -> None:
         args = (xq, xk, cos, sin)
         grads = (torch.randn(4, 4, 64, 32), torch.randn(4, 2, 64, 32))
         fn = rope
+    elif a.region == "loss":
+        g = torch.Generator().manual_seed(0)
+        labels = torch.randint(0, 1000, (4, 64), generator=g)
+        labels[torch.rand(4, 64, generator=g) < 0.25] = -100
+        args = (torch.randn(4, 64, 1000, generator=g, requires_grad=True), labels)
+        grads = (torch.tensor(1.0),)
+        fn = causal_lm_loss
+    elif a.region == "rmsnorm":
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        fn = LlamaRMSNorm(128)
+        with torch.no_grad():
+            fn.weight.normal_()
+        args = (torch.randn(4, 64, 128, requires_grad=True),)
+        grads = (torch.randn(4, 64, 128),)
     else:
         fn = MLP()
         args = (torch.randn(4, 64, 128, requires_grad=True),)

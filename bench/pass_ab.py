@@ -1,10 +1,11 @@
 """Same-process A/B of a Kiln pass: compile-mode steps with every pass vs with some switched off.
 
     python bench/pass_ab.py --workload gpt --disable sink_permute --steps 40 [--inductor]
+    python bench/pass_ab.py --workload llama --disable cross_entropy,sink_expand,row_epilogue
 
 One process, one thread: eager, Kiln (all passes), Kiln with ``--disable`` (``KILN_DISABLE_PASSES``
-while it compiles) and optionally Inductor, each with its own copy of the workload's model and
-AdamW, run step by step in alternating order; each step's thread CPU time; medians printed as
+while it compiles; ``row_epilogue`` turns the fuser's rows epilogues off) and optionally
+Inductor, each with its own copy of the workload's model and AdamW, run step by step in alternating order; each step's thread CPU time; medians printed as
 JSON with ``new/old`` (all passes / passes disabled).  Each variant's step function gets a code
 object of its own (Dynamo caches compiled frames per code object) and AOTAutograd's cache is off,
 so the second Kiln variant is really compiled again.  On a shared machine compare ``new/old``
@@ -31,6 +32,7 @@ import torch
 import torch._functorch.config as functorch_config
 
 import kiln
+import kiln.passes.fuse as fuse_module
 from bench.run import use_cache_dir
 from bench.workloads import build
 from kiln.runtime.compiler import clear_memory_cache
@@ -72,10 +74,13 @@ def main() -> None:
     for name, mode, disable in variants:
         clear_memory_cache()
         kiln.config.update(disable_passes=disable)
+        # not a pass: the fuser's rows epilogues (kiln/passes/fuse.py), off with this name
+        fuse_module.ROW_EPILOGUE = "row_epilogue" not in disable.split(",")
         fns[name] = make_step(copy.deepcopy(wl.model), wl.loss, mode, name)
         for _ in range(a.warmup):
             fns[name](*batch).item()
     kiln.config.update(disable_passes="")
+    fuse_module.ROW_EPILOGUE = True
     times: dict[str, list[float]] = {n: [] for n in fns}
     order = list(fns)
     for i in range(a.steps):

@@ -377,7 +377,30 @@ defop(
 # prims::fma (a * b + c, one rounding): Dynamo writes in-place ``addcmul_`` / ``addcdiv_`` with a
 # ``value`` (every single-tensor Adam/AdamW step) and ``add_`` with a tensor ``alpha`` through it.
 defop("fma", Category.ELEMENTWISE, namespace="prims", impl=lambda op: _fma)
-defop("fused", Category.ELEMENTWISE, opaque_types=True)  # built by fusion; its backend runs it
+defop("fused", Category.ELEMENTWISE, opaque_types=True)
+
+
+def _nll_log_softmax_backward(
+    y: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, checked: torch.Tensor, value: float
+) -> torch.Tensor:
+    """Reference for ``nll_log_softmax_backward`` (built by :mod:`kiln.passes.cross_entropy`):
+    the gradient of a log-softmax over dim 1 of ``y`` (its output, ``[R, V]``) for an incoming
+    gradient that is ``value * scale`` at column ``target[r]`` of row ``r`` and ``0 * scale``
+    elsewhere, i.e. ``_log_softmax_backward_data(scatter(zeros_like(y), 1, target, value) * scale,
+    y, 1, float32)``, the nll_loss backward's one-hot and the log-softmax backward in one op.
+    ``checked`` is ``gather(y, 1, target)``: computed (and so the target indices validated, with
+    ATen's error) before the op runs; the value itself is not used."""
+    dy = torch.zeros_like(y).scatter_(1, target, value) * scale
+    return torch.ops.aten._log_softmax_backward_data.default(dy, y, 1, y.dtype)
+
+
+# The causal-LM loss backward as one op (kiln/passes/cross_entropy.py; the C++ backend has a kernel)
+defop(
+    "nll_log_softmax_backward",
+    Category.REDUCTION,
+    impl=lambda op: _nll_log_softmax_backward,
+    namespace="kiln",
+)  # built by fusion; its backend runs it
 defop("writeback", Category.META, impl=lambda op: writeback, side_effects=True)
 
 # Ops whose value depends on data and which no pass may duplicate or drop.

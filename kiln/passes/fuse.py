@@ -25,6 +25,13 @@ A ``roll`` along the last dim (:mod:`kiln.passes.rotate`) joins a pointwise grou
 kernel input at a rotated index: never a group that computes its input, one shift per group,
 and no reduction joins a group holding one (the kernel splits its last-dim loop at the shift).
 
+A rows group may take an epilogue (``ROW_EPILOGUE``): elementwise nodes that read its keepdim
+reductions (directly or through other epilogue members), of the group's shape (computed in a
+second pass over the row) or of its shape with the last dim 1 (once per row), and pointwise groups
+read by nothing but that group; no reduction joins after an epilogue member, and a group whose
+reduced dim may be empty takes none (RMS norm forward: one kernel; backward: the row sum and the
+elementwise gradient in one).
+
 Groups may also join independent nodes of the same shape (horizontal fusion), which turns e.g.
 the per-parameter AdamW updates of equal-shaped tensors into one kernel.  A group never becomes
 part of a cycle: a node joins a group only if none of its other inputs depends on that group.
@@ -37,6 +44,7 @@ which its readers then join.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,6 +193,10 @@ class _Group:
     shape: tuple
     members: list[int]
     closed: bool = False  # a reduction was added: no more pointwise members after it
+    # ROWS groups: members that depend on the group's reductions (the reductions themselves and
+    # the epilogue: see _epilogue_fits); once it has an epilogue, no more reductions join
+    row_phase: set = field(default_factory=set)
+    epilogue: bool = False
     roll: int | None = None  # the shift of its roll members (one per kernel)
     # groups this group's members read from (directly or through ungrouped nodes); kept current
     # as members join, so that cycle checks see dependencies that appeared after a snapshot
@@ -219,6 +231,7 @@ def fuse(g: Graph, claims: Claims) -> Graph:
                     if j in group_of:
                         groups[gid].deps.add(group_of[j])
             groups[gid].deps.discard(gid)
+    _merge_into_epilogues(g, groups, group_of)
     groups_kept = [gr for gr in groups if _worth_it(g, gr, lits)]
     if not groups_kept:
         return g
@@ -309,10 +322,12 @@ def _place(g, i, n, groups, group_of, deps, lits, claims: Claims, ancestors) -> 
                 and len(gr.members) < MAX_GROUP
                 and _can_join(gid, n, group_of, deps, groups)
                 and not (kind is LoopKind.ROWS and _has_special(g, gr))
+                and not gr.epilogue
             ):
                 gr.kind, gr.closed = kind, True
+                gr.row_phase.add(i)
                 return gid
-        groups.append(_Group(kind, shape, [], closed=True))
+        groups.append(_Group(kind, shape, [], closed=True, row_phase={i}))
         return len(groups) - 1
     if not _pointwise_ok(g, n, claims):
         return None
@@ -333,6 +348,16 @@ def _place(g, i, n, groups, group_of, deps, lits, claims: Claims, ancestors) -> 
         )
 
     cands = [group_of[j] for j in n.inputs if j in group_of]
+    for gid in cands:
+        if (
+            shift is None
+            and _epilogue_fits(g, n, groups[gid], group_of, gid)
+            and len(groups[gid].members) < MAX_GROUP
+            and _can_join(gid, n, group_of, deps, groups)
+        ):
+            groups[gid].epilogue = True
+            groups[gid].row_phase.add(i)
+            return gid
     for gid in cands:
         if (
             fits(gid)
@@ -357,6 +382,108 @@ def _place(g, i, n, groups, group_of, deps, lits, claims: Claims, ancestors) -> 
             return _joined(gr, gid, shift)
     groups.append(_Group(LoopKind.POINTWISE, shape, [], roll=shift))
     return len(groups) - 1
+
+
+ROW_EPILOGUE = True  # reductions + their elementwise readers in one rows kernel (False: off)
+
+
+def _epilogue_fits(g: Graph, n: Node, gr: _Group, group_of: dict[int, int], gid: int) -> bool:
+    """Whether pointwise node ``n`` may join rows group ``gr`` after its reductions: it reads a
+    value of the group that depends on them (a reduction kept as ``[..., 1]``, or an epilogue
+    member of that shape), and its own shape is the group's (computed per element in a second
+    pass over the row) or the group's with the last dim 1 (computed once per row).  RMS norm
+    forward (mean of squares, ``rsqrt(m + eps)``, ``x * r * w``) and backward (row sum of
+    ``g * w * x``, then the elementwise gradient) each become one kernel."""
+    if not ROW_EPILOGUE or gr.kind is not LoopKind.ROWS or gr.roll is not None:
+        return False
+    if _has_special(g, gr) or not gr.shape or not _nonempty(gr.shape[-1]):
+        return False
+    row = tuple(gr.shape[:-1]) + (1,)
+    t = _tensor_type(n)
+    if t is None or tuple(t.shape) not in (tuple(gr.shape), row):
+        return False
+    reads_row_value = False
+    for j in n.inputs:
+        if group_of.get(j) != gid or j not in gr.row_phase:
+            continue
+        jt = _tensor_type(g.nodes[j])
+        if jt is None or tuple(jt.shape) not in (row, tuple(gr.shape)):
+            return False  # a row value must broadcast along the last dim only
+        reads_row_value = True
+    return reads_row_value
+
+
+def _nonempty(size: Any) -> bool:
+    """A reduced dim known to hold elements: over an empty row the kernel only fills its
+    reductions' identities (sum 0, mean NaN) and would skip the once-per-row epilogue.  A plain
+    symbol is never 0 (Dynamo and the lazy device specialize sizes 0 and 1)."""
+    if isinstance(size, bool):
+        return False
+    if isinstance(size, int):
+        return size > 0
+    return re.fullmatch(r"s\d+", str(size)) is not None
+
+
+def _merge_into_epilogues(g: Graph, groups: list[_Group], group_of: dict[int, int]) -> None:
+    """A pointwise group read by nothing but one rows group's members (of its shape or one value
+    per row, the group having an epilogue) joins that group: its values are then computed where they are read instead of
+    written out and read back (RMS norm backward: ``g * w * rstd`` and ``2 * x``, placed before
+    the row sum whose epilogue reads them).  Not when the rows group depends on it through
+    other nodes or groups (a cycle), nor past ``MAX_GROUP``."""
+    if not ROW_EPILOGUE:
+        return
+    outs = set(g.outputs)
+    for pid, p in enumerate(groups):
+        if p.kind is not LoopKind.POINTWISE or p.roll is not None or not p.members:
+            continue
+        ms = set(p.members)
+        readers = {group_of.get(u) for m in p.members for u in g.users[m] if u not in ms}
+        if len(readers) != 1 or ms & outs:
+            continue
+        gid = readers.pop()
+        if gid is None or gid == pid:
+            continue
+        gr = groups[gid]
+        row = tuple(gr.shape[:-1]) + (1,) if gr.shape else None
+        if not gr.epilogue or tuple(p.shape) not in (tuple(gr.shape), row):
+            continue
+        if len(gr.members) + len(ms) > MAX_GROUP:
+            continue
+        # the rows group reads p directly; through anything else it would be a cycle
+        if _reaches(set(p.deps), gid, groups) or _indirect(g, gr, ms, group_of, groups, pid):
+            continue
+        gr.members = sorted(gr.members + p.members)
+        gr.deps |= p.deps
+        gr.deps.discard(gid)
+        for m in p.members:
+            group_of[m] = gid
+        p.members = []
+        for other in groups:
+            if pid in other.deps:
+                other.deps.discard(pid)
+                other.deps.add(gid)
+
+
+def _indirect(g: Graph, gr: _Group, ms: set, group_of, groups: list[_Group], pid: int) -> bool:
+    """Whether a member of ``gr`` reads a value outside ``gr`` and ``ms`` that depends on ``ms``."""
+    mine = set(gr.members)
+    for m in gr.members:
+        for j in g.nodes[m].inputs:
+            if j in mine or j in ms:
+                continue
+            gj = group_of.get(j)
+            start = set(groups[gj].deps) | {gj} if gj is not None else set()
+            if gj is None:
+                # an ungrouped node: its inputs' groups
+                for q in g.nodes[j].inputs:
+                    if q in ms:
+                        return True
+                    if group_of.get(q) is not None:
+                        start.add(group_of[q])
+                        start |= groups[group_of[q]].deps
+            if pid in start or _reaches(start, pid, groups):
+                return True
+    return False
 
 
 def _joined(gr: _Group, gid: int, shift: int | None) -> int:

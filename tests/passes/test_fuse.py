@@ -30,11 +30,10 @@ def test_pointwise_chain_and_row_reduction():
         graph(%0: f32[8,16], %1: f32[16], %2: f32[16,16]) {
           %3 = fused(kind='pointwise', shape=[8, 16], body=[['add.Tensor', [%0, %1], [], 'f32'], ['relu.default', [Val(0)], [], 'f32']], outputs=[1], members=[3, 4]) : f32[8,16]
           %4 = mm.default(%3, %2) : f32[8,16]
-          %5 = fused(kind='rows', shape=[8, 16], body=[['exp.default', [%4], [], 'f32'], ['sum.dim_IntList', [Val(0), [-1], True], [], 'f32']], outputs=[0, 1], members=[6, 7]) : f32[8,16], f32[8,1]
-          %6 = getitem(%5, 0) : f32[8,16]
-          %7 = getitem(%5, 1) : f32[8,1]
-          %8 = fused(kind='pointwise', shape=[8, 16], body=[['div.Tensor', [%6, %7], [], 'f32']], outputs=[0], members=[8]) : f32[8,16]
-          return (%8)
+          %5 = fused(kind='rows', shape=[8, 16], body=[['exp.default', [%4], [], 'f32'], ['sum.dim_IntList', [Val(0), [-1], True], [], 'f32'], ['div.Tensor', [Val(0), Val(1)], [], 'f32']], outputs=[1, 2], members=[6, 7, 8]) : f32[8,1], f32[8,16]
+          %6 = getitem(%5, 0) : f32[8,1]
+          %7 = getitem(%5, 1) : f32[8,16]
+          return (%7)
         }""",  # noqa: E501
     )
 

@@ -25,6 +25,10 @@ from kiln import metrics
 from kiln.codegen.base import Backend, Pass, register_backend
 from kiln.codegen.cpp.aten_call import prepare_aten_call
 from kiln.codegen.cpp.build import start_kernels
+from kiln.codegen.cpp.cross_entropy import (
+    emit_nll_log_softmax_backward,
+    nll_log_softmax_backward_ok,
+)
 from kiln.codegen.cpp.deferred import Deferred
 from kiln.codegen.cpp.emit import KernelSpec, emit_kernel
 from kiln.codegen.cpp.executor import Executor, make_fused_call
@@ -33,8 +37,10 @@ from kiln.codegen.cpp.ops import CTYPE, PRELUDE, supported
 from kiln.codegen.cpp.softmax_backward import emit_softmax_backward, softmax_backward_ok
 from kiln.config import config
 from kiln.ir.graph import Graph
+from kiln.passes.cross_entropy import cross_entropy
 from kiln.passes.fuse import Claims, fuse
 from kiln.passes.memory_plan import memory_plan
+from kiln.passes.sink_expand import sink_expand
 from kiln.precision import cpp as lowp
 from kiln.precision.aten_sr import in_float, sr_call, sr_wanted
 
@@ -47,6 +53,10 @@ _DIRECT = {
     "native_layer_norm_backward.default": (layer_norm_ok, emit_layer_norm),
     "_softmax_backward_data.default": (softmax_backward_ok, emit_softmax_backward),
     "_log_softmax_backward_data.default": (softmax_backward_ok, emit_softmax_backward),
+    "nll_log_softmax_backward.default": (
+        nll_log_softmax_backward_ok,
+        emit_nll_log_softmax_backward,
+    ),
 }
 SPLIT_AT = 8  # more new kernels than this: two units, compiled by two g++ in parallel
 # or more new kernel source than this (characters; g++ -O2 takes ~0.1 s per 10,000 of them):
@@ -177,6 +187,8 @@ def fuse_claimed(g: Graph) -> Graph:
 def _passes() -> list[tuple[str, Pass]]:
     """This backend's policy after the generic pipeline: fuse what it claims, then plan buffers."""
     return [
+        ("cross_entropy", cross_entropy),  # the loss backward's one-hot + log-softmax backward
+        ("sink_expand", sink_expand),  # elementwise ops read an expand's source (rows epilogues)
         ("fuse", fuse_claimed),
         ("memory_plan", memory_plan),  # fused outputs reuse dead buffers
     ]
