@@ -17,12 +17,17 @@ from kiln_codegen_testlib import cpp_only, poison_outputs
 import kiln  # noqa: F401 - registers the backend
 
 
+_GEN = torch.Generator().manual_seed(20261201)
+
+
 def _t(*shape):
-    return torch.randn(*shape)
+    # a generator of this file's own, so a case's inputs do not depend on the tests that ran
+    # (or were collected) before it
+    return torch.randn(*shape, generator=_GEN)
 
 
 def _causal_scores(n):
-    s = torch.randn(2, n, n)
+    s = torch.randn(2, n, n, generator=_GEN)
     return s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
 
 
@@ -89,6 +94,24 @@ def _grads(fn, xs, cot=None):
     return out.detach(), torch.autograd.grad(out, xs, cot), cot
 
 
+def _close_or_closer_to_float64(name, what, a, b, ref_fn):
+    """``a`` (Kiln) equals eager's ``b`` within float32 tolerance, or -- where eager's own rounding
+    is the larger error (GELU's erf tail: Kiln 4.6e-7 off a float64 run, eager 1.2e-6; a
+    one-element layer norm: rstd = 1/sqrt(eps) ~ 316 amplifies rounding) -- Kiln is no further
+    from a float64 run (``ref_fn()``) than 4x eager's error, as tests/fuzz judges."""
+    try:
+        torch.testing.assert_close(
+            a, b, rtol=1e-5, atol=1e-6 if what == "forward" else 1e-5, equal_nan=True
+        )
+    except AssertionError:
+        ref = ref_fn()
+        if ref is None:
+            raise
+        assert ((a.double() - ref).abs() <= 4 * (b.double() - ref).abs() + 1e-6).all(), (
+            f"{name}: {what} is further from float64 than 4x eager's error"
+        )
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_kept_whole_op_matches_eager(name, monkeypatch):
     poison_outputs(monkeypatch)
@@ -97,22 +120,20 @@ def test_kept_whole_op_matches_eager(name, monkeypatch):
     torch._dynamo.reset()
     eo, eg, cot = _grads(fn, xs)
     ko, kg, _ = _grads(torch.compile(fn, backend="kiln"), xs, cot)
-    torch.testing.assert_close(ko, eo, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+    def float64_run():
+        x64 = [x.double() for x in xs if x.is_floating_point()]
+        return _grads(fn, x64, cot.double()) if len(x64) == len(xs) else None
+
+    def ref(i):
+        run = float64_run()
+        if run is None:
+            return None
+        return run[0] if i is None else run[1][i]
+
+    _close_or_closer_to_float64(name, "forward", ko, eo, lambda: ref(None))
     for i, (a, b) in enumerate(zip(kg, eg)):
-        try:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
-        except AssertionError:
-            # Ill-conditioned gradients (a one-element layer norm: rstd = 1/sqrt(eps) ~ 316
-            # amplifies float rounding) differ from eager by more than eager's own error allows
-            # only if Kiln is further from a float64 run than 4x eager's error (as tests/fuzz).
-            x64 = [x.double() for x in xs if x.is_floating_point()]
-            if len(x64) != len(xs):
-                raise
-            _, rg, _ = _grads(fn, x64, cot.double())
-            ref = rg[i]
-            assert ((a.double() - ref).abs() <= 4 * (b.double() - ref).abs() + 1e-6).all(), (
-                f"{name}: gradient {i} is further from float64 than 4x eager's error"
-            )
+        _close_or_closer_to_float64(name, f"gradient {i}", a, b, lambda i=i: ref(i))
 
 
 @cpp_only
