@@ -56,6 +56,9 @@ class Config:
     # cache does not rebuild it)
     launcher_dir: str = field(default_factory=lambda: str(Path(_default_cache_dir()) / "launcher"))
     disable_passes: str = ""  # comma-separated pass names to switch off
+    # glibc: set malloc's mmap/trim thresholds to their ceilings at the first compile, so that a
+    # step's large buffers are not unmapped and faulted in again every step (kiln/runtime/malloc.py)
+    malloc_tuning: bool = True
     # compile mode: AOTAutograd's min-cut partitioner (as Inductor uses it) recomputes cheap
     # pointwise work in backward instead of saving it (0: save every value backward reads)
     recompute: bool = True
