@@ -29,7 +29,8 @@
 ``.to(dev)`` under ``"python"`` and under ``"native"``, the same chain, the fallback-op chain
 (cumsum + softmax), the functional training step, and an ``nn.Module`` step with ``AdamW``
 (library defaults: the foreach path; forward, ``backward()``, ``step()``, ``zero_grad()``, timed
-up to and then including ``mark_step``), interleaved, thread CPU medians; eager beside them.
+up to and then including ``mark_step``; and ``step()`` + ``zero_grad()`` alone), interleaved,
+thread CPU medians; eager beside them.
 
 Medians over ``--reps`` repetitions (after one warm-up); the machine is shared, so numbers vary.
 """
@@ -287,6 +288,7 @@ def device_switch_cost(n: int, reps: int) -> dict[tuple[str, str], float]:
                 mod, opt = models[rec]
                 c4 = time.thread_time()
                 torch.nn.functional.cross_entropy(mod(xb), yb).backward()
+                c4b = time.thread_time()
                 opt.step()
                 opt.zero_grad()
                 c5 = time.thread_time()
@@ -296,6 +298,7 @@ def device_switch_cost(n: int, reps: int) -> dict[tuple[str, str], float]:
                 if r:
                     out.setdefault(("adamw-step", rec), []).append((c5 - c4) * 1e3)
                     out.setdefault(("adamw-step+mark_step", rec), []).append((c6 - c4) * 1e3)
+                    out.setdefault(("adamw-opt.step", rec), []).append((c5 - c4b) * 1e3)
                     out.setdefault(("chain", rec), []).append((c1 - c0) / n * 1e6)
                     out.setdefault(("python-fallback", rec), []).append((c2 - c1) / (n // 4) * 1e6)
                     out.setdefault(("train-step", rec), []).append((c3 - c2) * 1e3)
@@ -315,6 +318,7 @@ def main_device(a: argparse.Namespace) -> None:
         ("train-step", "ms/step"),
         ("adamw-step", "ms/step"),
         ("adamw-step+mark_step", "ms/step"),
+        ("adamw-opt.step", "ms/step"),
     )
     for what, unit in parts:
         line = ", ".join(f"{rec} {dc[(what, rec)]:.3f}" for rec in (*RECORDERS, "eager"))

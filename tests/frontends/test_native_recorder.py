@@ -192,8 +192,15 @@ def test_structural_floats_stay_in_the_node():
         lambda x, w: (torch.relu(x @ w + 0.5) * 2.0).sum(0),
         lambda x, w: (x.t().t() @ w).mean(1, keepdim=True) - 0.25,
         lambda x, w: x.view(2, 6).t().sum(1) + w.sum(),
+        # the ops the optimizers' foreach ops split into (lifted floats: value=, weight)
+        lambda x, w: torch.addcdiv(
+            torch.addcmul(x, x, x, value=0.5).lerp(x * 2.0, 0.25),
+            x,
+            x.abs() + 1.0,
+            value=-0.1,
+        ).lerp(x, torch.sigmoid(x)),
     ],
-    ids=["mlp", "views", "reshape"],
+    ids=["mlp", "views", "reshape", "optimizer-ops"],
 )
 def test_same_graph_as_the_python_recorder(program):
     """The converted graph is node for node the Python recorder's graph of the same program

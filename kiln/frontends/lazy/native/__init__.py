@@ -51,7 +51,7 @@ __all__ = [
 
 _HERE = Path(__file__).parent
 # recorder.cpp includes these (one translation unit); all of them are in the build's cache key
-HEADERS = ("tensor.h", "trace.h", "op_table.h", "record.h", "cut.h", "api.h")
+HEADERS = ("tensor.h", "trace.h", "op_table.h", "record.h", "foreach.h", "cut.h", "api.h")
 _EXT = Extension(
     "kiln_native_recorder",
     _HERE / "recorder.cpp",
@@ -88,9 +88,12 @@ def load() -> ModuleType:
                 "compiler (g++) and PyTorch's headers. The kiln device's Python recorder is "
                 "unaffected."
             ) from None
-        mod.configure(table.OPS, table.STRUCTURAL)
+        mod.configure(table.OPS, table.STRUCTURAL, table.foreach_splits())
         handler = fallback.Handler(mod, mark_step)
         mod.set_fallback(handler)
+        mod.set_foreach_hooks(
+            fallback._device_active, lambda: metrics.incr("native_inplace_writes")
+        )
         _handler.append(handler)
         _configured.append(mod)
         return mod

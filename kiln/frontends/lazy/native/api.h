@@ -10,7 +10,10 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Python-facing helpers
 
-void configure(const std::vector<std::string>& ops, const std::vector<std::string>& structural) {
+// `ops`: the table (`record`); `foreach`: (foreach overload, its per-tensor overload, in-place)
+// triples recorded by `foreach_split` (foreach.h); both as "name.overload".
+void configure(const std::vector<std::string>& ops, const std::vector<std::string>& structural,
+               const std::vector<std::tuple<std::string, std::string, bool>>& foreach) {
   std::lock_guard<std::mutex> lock(mu);
   TORCH_CHECK(!table_lib, "kiln native recorder: configure() runs once per process");
   std::unordered_set<std::string> keep(structural.begin(), structural.end());
@@ -33,6 +36,20 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
     else
       table_lib->impl(reg.c_str(), torch::CppFunction::makeFromBoxedFunction<&record>());
   }
+  auto handle = [](const std::string& full) {
+    auto dot = full.find('.');
+    std::string overload = dot == std::string::npos ? "" : full.substr(dot + 1);
+    if (overload == "default") overload = "";
+    return c10::Dispatcher::singleton().findSchemaOrThrow(
+        ("aten::" + full.substr(0, dot)).c_str(), overload.c_str());
+  };
+  for (const auto& [fe_name, per_name, inplace] : foreach) {
+    auto fe = handle(fe_name);
+    if (!add_foreach_split(fe, handle(per_name), inplace)) continue;
+    std::string reg = fe.schema().name().substr(6);
+    if (!fe.schema().overload_name().empty()) reg += "." + fe.schema().overload_name();
+    table_lib->impl(reg.c_str(), torch::CppFunction::makeFromBoxedFunction<&foreach_split>());
+  }
   // An aten op with a CompositeExplicitAutograd kernel would run that kernel instead of the
   // fallback (the alias covers every backend key): it may decompose into other ops or make new
   // tensors with the input's options, which on the kiln device reach the Python device's
@@ -40,7 +57,7 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
   for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
     if (name.name.rfind("aten::", 0) != 0) continue;
     auto op = c10::Dispatcher::singleton().findOp(name);
-    if (!op || table.count(op_key(*op))) continue;
+    if (!op || table.count(op_key(*op)) || foreach_splits.count(op_key(*op))) continue;
     if (op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) continue;
     if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
         !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
@@ -264,13 +281,6 @@ int64_t held_bytes() {
   return total;
 }
 
-// Stage 3 (in-place ops recorded as functional + writeback), whole storages only: `dst` can take
-// a recorded value when it is a native tensor over its whole storage (no view chain, the
-// storage's geometry).
-bool writable_locked(NativeImpl* x) {
-  return x && x->chain.empty() && x->geo == x->st->geo && !x->st->aliased && !x->st->lent;
-}
-
 // `t`'s buffer is viewed by a tensor an op made on the values (an aliased storage): from now on
 // writes to `t`'s storage run on the values too, so that the view sees them.
 void lend(const at::Tensor& t) {
@@ -292,12 +302,7 @@ bool write_back(const at::Tensor& dst, const at::Tensor& src) {
   NativeImpl* d = native_of(dst);
   NativeImpl* s = native_of(src);
   if (!writable_locked(d) || !s || s->geo != d->geo) return false;
-  int32_t node = read(s);
-  auto& st = d->st;
-  st->gen = trace.gen;
-  st->node = node;
-  st->pending = true;
-  trace.pending.emplace_back(st);
+  write_back_locked(d, s);
   return true;
 }
 

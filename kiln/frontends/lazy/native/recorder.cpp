@@ -32,6 +32,7 @@
 //   trace.h     recipes (node templates), the trace and its structural hash, `read`
 //   op_table.h  the op table, call signatures, make_recipe (meta kernel, node template)
 //   record.h    `record` (the table ops' boxed kernel) and the boxed fallback to Python
+//   foreach.h   `_foreach_*` ops split into per-tensor ops, in-place ones written back
 //   cut.h       graphs seen before, the Cut, cut()
 //   api.h       the functions the module binds (configure, value, the fallback's bridge ...)
 
@@ -53,7 +54,9 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -71,6 +74,7 @@ TORCH_PYTHON_API IValue toIValue(py::handle obj, const c10::TypePtr& type,
 #include "trace.h"
 #include "op_table.h"
 #include "record.h"
+#include "foreach.h"
 #include "cut.h"
 #include "api.h"
 
@@ -81,7 +85,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // (PyTorch's bindings release it) and may need it while holding the lock (a meta kernel
   // written in Python).
   using nogil = py::call_guard<py::gil_scoped_release>;
-  m.def("configure", &configure, py::arg("ops"), py::arg("structural"), nogil());
+  m.def("configure", &configure, py::arg("ops"), py::arg("structural"), py::arg("foreach"),
+        nogil());
+  m.def("set_foreach_hooks", &set_foreach_hooks);
+  m.def("foreach_calls", [] { return n_foreach.load(); });
   m.def("from_cpu", &from_cpu, py::arg("t"), py::arg("aliased") = false, nogil());
   m.def("value", &value, nogil());
   m.def("is_native", [](const at::Tensor& t) { return native_of(t) != nullptr; });

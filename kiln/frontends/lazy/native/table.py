@@ -10,6 +10,11 @@ Python float is lifted into a scalar graph input.
 
 from __future__ import annotations
 
+import torch
+
+from kiln.frontends.lazy.foreach import split_of
+from kiln.frontends.lazy.tensor import _facts
+
 UNARY = [
     "abs.default",
     "neg.default",
@@ -55,6 +60,31 @@ VIEWS = [
     "unfold.default",
 ]
 OTHER = ["_unsafe_view.default"]
+# what the optimizers' foreach ops split into beyond the ops above (foreach.h)
+OPTIMIZER = ["lerp.Scalar", "lerp.Tensor", "addcmul.default", "addcdiv.default"]
 
-OPS = UNARY + BINARY + MATMUL + REDUCTIONS + VIEWS + OTHER
+OPS = UNARY + BINARY + MATMUL + REDUCTIONS + VIEWS + OTHER + OPTIMIZER
 STRUCTURAL = ["pow", "gelu", "clamp", "clamp_min", "clamp_max"]
+
+
+def foreach_splits() -> list[tuple[str, str, bool]]:
+    """(foreach overload, per-tensor overload, in-place) for every ``_foreach_*`` overload that
+    ``lazy/foreach.py`` records as per-tensor ops (in-place ones through their functional
+    variant), as "name.overload": the recorder records these in C++ (``foreach.h``)."""
+    out = []
+    for name in dir(torch.ops.aten):
+        if not name.startswith("_foreach_"):
+            continue
+        packet = getattr(torch.ops.aten, name)
+        for ov in packet.overloads():
+            func = getattr(packet, ov)
+            if ov.endswith("out"):
+                continue
+            inplace = name.endswith("_")
+            functional = _facts(func).functional if inplace else func
+            split = split_of(functional) if functional is not None else None
+            if split is None:
+                continue
+            per = split.op
+            out.append((f"{name}.{ov}", f"{per._schema.name[6:]}.{per._overloadname}", inplace))
+    return out
