@@ -33,6 +33,7 @@ from kiln.codegen.cpp.ops import CTYPE, PRELUDE, supported
 from kiln.codegen.cpp.softmax_backward import emit_softmax_backward, softmax_backward_ok
 from kiln.config import config
 from kiln.ir.graph import Graph
+from kiln.ir.ops import fresh_buffer
 from kiln.passes.fuse import Claims, fuse
 from kiln.passes.memory_plan import memory_plan
 from kiln.precision import cpp as lowp
@@ -61,7 +62,7 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
     for i, n in enumerate(g.nodes):
         if n.op == "fused":
             in_types = [g.nodes[j].types[0] for j in n.inputs]
-            src, spec = emit_kernel("KILN_KERNEL", n, in_types)
+            src, spec = emit_kernel("KILN_KERNEL", n, in_types, _input_slots(g, n))
         elif n.op in _DIRECT:
             ok, emit = _DIRECT[n.op]
             in_types = [g.nodes[j].types[0] if g.nodes[j].types else None for j in n.inputs]
@@ -145,6 +146,25 @@ def _executor(
             calls[i] = sr_call(g.nodes[i], prepare_aten_call(in_float(g.nodes[i])), casts)
         metrics.incr("sr_aten_nodes", len(sr_nodes))
     return Executor(g, calls, slots)
+
+
+def _input_slots(g: Graph, n) -> tuple:
+    """Per input of ``n``: the memory-plan slot its value sits in (a fused node's output), None
+    (a graph input, a constant, an op's fresh result: never in a slot) or ``"?"`` (anything else, a view of a slot's
+    value perhaps: may share a buffer with any slot)."""
+    res: list = []
+    for j in n.inputs:
+        src, idx = g.nodes[j], 0
+        if src.op == "getitem" and g.nodes[src.inputs[0]].op == "fused":
+            src, idx = g.nodes[src.inputs[0]], src.args[1]
+        if src.op != "fused":
+            fresh = src.op in ("input", "scalar", "constant") or fresh_buffer(src.op, src.category)
+            res.append(None if fresh else "?")
+            continue
+        place = src.kwarg("placement") or ()
+        slot = place[idx] if isinstance(idx, int) and idx < len(place) else None
+        res.append(slot if isinstance(slot, int) else "?" if slot is not None else None)
+    return tuple(res)
 
 
 def _memory_plan(g: Graph):
