@@ -178,15 +178,39 @@ def lane_source(
         return None
     p_of = {k: p for p, k in enumerate(spec.tensor_inputs)}
     nin = len(spec.tensor_inputs)
-    lines = [f'extern "C" void {spec.name}(void** P, const int64_t* I, const double* D) {{']
+    lines: list[str] = []
+    tables, calls = [], []
+    for c, lanes in enumerate(classes):
+        lines += _class_function(c, lanes, spec, node, in_types, body, modes)
+        rows = [
+            "{" + ", ".join([str(p_of[k]) for k in ins] + [str(nin + o) for o in outs]) + "}"
+            for _, ins, outs, _ in lanes
+        ]
+        width = len(lanes[0][1]) + len(lanes[0][2])
+        tables.append(
+            f"  static const int32_t T{c}_[{len(lanes)}][{max(width, 1)}] = {{{', '.join(rows)}}};"
+        )
+        calls.append(
+            f"for (int64_t g_ = 0; g_ < {len(lanes)}; ++g_) {spec.name}_c{c}(P, T{c}_[g_], i0_, i1_);"
+        )
+    lines.append(f'extern "C" void {spec.name}(void** P, const int64_t* I, const double* D) {{')
+    lines += tables
     lines += [f"  const int64_t s{d} = I[{d}];" for d in range(spec.rank)]
     n = " * ".join(f"s{d}" for d in range(spec.rank)) or "1"
     lines.append(f"  const int64_t N = {n};")
     lines.append("  if (N == 0) return;")
-    lines.append(f"  #pragma omp parallel if(N >= {PARALLEL_MIN})")
+    # small: lane after lane on this thread (no OpenMP region); large: each thread takes one
+    # range of elements of every lane
+    lines.append(f"  if (N < {PARALLEL_MIN}) {{")
+    lines.append("    const int64_t i0_ = 0, i1_ = N;")
+    lines += [f"    {x}" for x in calls]
+    lines.append("    return;")
+    lines.append("  }")
+    lines.append("  #pragma omp parallel")
     lines.append("  {")
-    for c, lanes in enumerate(classes):
-        lines += _class_loop(c, lanes, spec, node, in_types, body, modes, p_of, nin)
+    lines.append("    const int64_t nt_ = omp_get_num_threads(), t_ = omp_get_thread_num();")
+    lines.append("    const int64_t i0_ = N * t_ / nt_, i1_ = N * (t_ + 1) / nt_;")
+    lines += [f"    {x}" for x in calls]
     lines.append("  }")
     lines.append("}")
     spec.out_kinds[:] = [OutKind.FULL] * len(outs)
@@ -194,7 +218,7 @@ def lane_source(
     return "\n".join(lines) + "\n"
 
 
-def _class_loop(
+def _class_function(
     c: int,
     lanes: list[tuple],
     spec: Any,
@@ -202,12 +226,17 @@ def _class_loop(
     in_types: list,
     body: tuple,
     modes: dict[int, tuple],
-    p_of: dict[int, int],
-    nin: int,
 ) -> list[str]:
-    """One class's loop over its lanes: each lane's pointers from the table ``T<c>_``, then the
-    chain (emitted once, by the flat kernel's emitter, on lane 0's renumbered body)."""
-    from kiln.codegen.cpp.emit import _ABBR_CT, _STORE_CT, KernelSpec, _Emitter
+    """One class's chain as a function of one lane's pointer table row and an element range
+    (the chain emitted once, by the flat kernel's emitter, on lane 0's renumbered body)."""
+    from kiln.codegen.cpp.emit import (
+        _ABBR_CT,
+        _STORE_CT,
+        WIDE_VECTOR_OPS,
+        WIDE_VECTORS,
+        KernelSpec,
+        _Emitter,
+    )
     from kiln.precision import cpp as lowp
 
     sub_body, sub_outs = lane_body(body, lanes[0])
@@ -224,29 +253,26 @@ def _class_loop(
     )
     e = _Emitter(sub, node, [in_types[k] for k in ins0], sub_body, sub_outs)
     a, b = len(ins0), len(sub_outs)
-    rows = []
-    for _, ins, outs, _ in lanes:
-        rows.append(
-            "{" + ", ".join([str(p_of[k]) for k in ins] + [str(nin + o) for o in outs]) + "}"
-        )
-    t = f"T{c}_"
-    e.w(f"  static const int32_t {t}[{len(lanes)}][{max(a + b, 1)}] = {{{', '.join(rows)}}};")
-    e.w(f"  for (int64_t g_ = 0; g_ < {len(lanes)}; ++g_) {{")
+    math = any(op.split(".", 1)[0] in WIDE_VECTOR_OPS for op, *_ in sub_body)
+    attr = WIDE_VECTORS if math else ""  # as the flat kernel's (kiln.codegen.cpp.emit)
+    e.w(
+        f"static {attr}void {spec.name}_c{c}(void** P, const int32_t* T, int64_t i0_, int64_t i1_) {{"
+    )
     for k in range(a):
         ct = e.storage_of_input(k)
-        e.w(f"    const {ct}* in{k} = (const {ct}*)P[{t}[g_][{k}]];")
+        e.w(f"  const {ct}* in{k} = (const {ct}*)P[T[{k}]];")
     for o in range(b):
         abbr = sub_body[sub_outs[o]][3]
         ct = lowp.STORAGE.get(abbr) or _STORE_CT.get(_ABBR_CT[abbr], _ABBR_CT[abbr])
-        e.w(f"    {ct}* out{o} = ({ct}*)P[{t}[g_][{a + o}]];")
+        e.w(f"  {ct}* out{o} = ({ct}*)P[T[{a + o}]];")
     for p in range(a):
         if sub.input_modes[p] == "one":
-            e.w(f"    const {e.ctype_of_input(p)} one{p} = {e.wrap_load(p, f'in{p}[0]')};")
-    e.w("    #pragma omp for simd nowait")
-    e.w("    for (int64_t i = 0; i < N; ++i) {")
+            e.w(f"  const {e.ctype_of_input(p)} one{p} = {e.wrap_load(p, f'in{p}[0]')};")
+    e.w("  #pragma omp simd")
+    e.w("  for (int64_t i = i0_; i < i1_; ++i) {")
     vals: dict = {}
-    e.pointwise(vals, "      ")
-    e.store_full(vals, "      ")
-    e.w("    }")
+    e.pointwise(vals, "    ")
+    e.store_full(vals, "    ")
     e.w("  }")
+    e.w("}")
     return e.lines
