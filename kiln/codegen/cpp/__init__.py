@@ -3,7 +3,9 @@ own passes (``fuse`` with this backend's :data:`CLAIMS`, then ``memory_plan``).
 
 Every ``fused`` node of the graph becomes one generated C++ function (so does each layer norm,
 forward and backward, see :mod:`kiln.codegen.cpp.layer_norm`, and each last-dim (log_)softmax
-backward, :mod:`kiln.codegen.cpp.softmax_backward`); identical kernels are shared.
+backward, :mod:`kiln.codegen.cpp.softmax_backward`); identical kernels are shared, and a kernel
+made of identical independent chains (horizontally fused per-parameter optimizer updates) emits
+the chain once, looped over the lanes (:mod:`kiln.codegen.cpp.lanes`).
 A kernel built before (by an earlier graph, in this process or another sharing the cache) is
 loaded from the unit that holds it; the graph's new kernels go into one translation unit (two,
 compiled in parallel, when there are many or they are long), built with g++ through the kernel
@@ -28,6 +30,7 @@ from kiln.codegen.cpp.build import start_kernels
 from kiln.codegen.cpp.deferred import Deferred
 from kiln.codegen.cpp.emit import KernelSpec, emit_kernel
 from kiln.codegen.cpp.executor import Executor, make_fused_call
+from kiln.codegen.cpp.lanes import lane_kernel
 from kiln.codegen.cpp.layer_norm import emit_layer_norm, layer_norm_ok
 from kiln.codegen.cpp.ops import CTYPE, PRELUDE, supported
 from kiln.codegen.cpp.softmax_backward import emit_softmax_backward, softmax_backward_ok
@@ -62,7 +65,9 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
     for i, n in enumerate(g.nodes):
         if n.op == "fused":
             in_types = [g.nodes[j].types[0] for j in n.inputs]
-            src, spec = emit_kernel("KILN_KERNEL", n, in_types, _input_slots(g, n))
+            src, spec = emit_kernel("KILN_KERNEL", n, in_types)
+            # identical per-parameter chains (horizontal fusion): the chain once, looped
+            src = lane_kernel(spec, n, in_types, _input_slots(g, n)) or src
         elif n.op in _DIRECT:
             ok, emit = _DIRECT[n.op]
             in_types = [g.nodes[j].types[0] if g.nodes[j].types else None for j in n.inputs]

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from kiln.codegen.cpp import lanes
 from kiln.codegen.cpp.ops import CTYPE, FORMULAS, Operand, literal
 from kiln.ir.graph import In, Node, dtype_abbr
 from kiln.ir.kernel import FusedKernel, Lit, LoopKind, OutKind, Val
@@ -122,11 +121,8 @@ def _mode(shape: tuple, it: tuple) -> str:
     return "bcast"  # last dim broadcast: one value per row
 
 
-def emit_kernel(
-    name: str, node: Node, in_types: list, in_slots: tuple | None = None
-) -> tuple[str, KernelSpec]:
-    """C++ source and call spec for one ``fused`` node; ``in_types`` = its inputs' types,
-    ``in_slots`` their memory-plan slots (known: a horizontally fused kernel may become lanes)."""
+def emit_kernel(name: str, node: Node, in_types: list) -> tuple[str, KernelSpec]:
+    """C++ source and call spec for one ``fused`` node; ``in_types`` = its inputs' types."""
     kernel = FusedKernel.of(node)
     kind, shape, body, outs = kernel.kind, kernel.shape, kernel.body, kernel.outputs
     rank = len(shape)
@@ -144,13 +140,8 @@ def emit_kernel(
         name, kind, rank, shape, tensor_inputs, modes, scalars, [], members=kernel.members
     )
     spec.sr = rounding.enabled() and any(e[3] in lowp.LOWP for e in body)
-    src = None
-    if lanes.ENABLED and lanes.lanes_ok(kind, modes, len(scalars), body, spec.sr):
-        src = lanes.lane_source(
-            spec, node, in_types, body, outs, in_slots
-        )  # one chain, looped per lane
-    if src is None:
-        src = _Emitter(spec, node, in_types, body, outs).source()
+    e = _Emitter(spec, node, in_types, body, outs)
+    src = e.source()
     math = any(op.split(".", 1)[0] in WIDE_VECTOR_OPS for op, *_ in body)
     if math and kind in (LoopKind.POINTWISE, LoopKind.COLS):
         src = src.replace('extern "C" ', 'extern "C" ' + WIDE_VECTORS, 1)

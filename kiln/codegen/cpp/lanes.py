@@ -8,24 +8,38 @@ kernels of ~19,000 characters, one g++ unit each), and a graph whose parameters 
 compiles another copy.  Such a body splits into *lanes*: connected components of the body (linked
 by values and by shared inputs) that are the same computation on their own inputs.
 
-:func:`find_lanes` finds them; :func:`emit_lanes` emits the chain once, inside a loop over the
-lanes that takes each lane's pointers from a table (``P`` index per lane input and output).  The
-calling convention is unchanged (same ``P``/``I``/``D``, same :class:`KernelSpec`), so executors
-and the native launcher call it as any pointwise kernel; the source no longer grows with the
-number of lanes (the table does, a few characters per pointer).
+:func:`find_lanes` finds them; :func:`lane_kernel` emits each class of identical lanes as one
+function of (a lane's row of a ``P``-index table, an element range), called lane after lane
+(below ``PARALLEL_MIN`` elements, with no OpenMP region) or, in one parallel region, by each
+thread for its range of every lane.  The calling convention is unchanged (same ``P``/``I``/``D``,
+same :class:`KernelSpec`), so executors and the native launcher call it as any pointwise kernel;
+the source no longer grows with the number of lanes (the table does, a few characters a pointer)
+and every kernel with the same chain and lane count is one compiled function, whatever the sizes.
 
 Needs: a pointwise kernel without rolls, broadcast/strided inputs, Python-number inputs or
 stochastic rounding (others are emitted as before).  Guarantees: each lane computes exactly the
 formulas the flat kernel computed (same emitter, same element order per lane); lanes are
-independent (no shared input, no value crossing lanes), so their order does not matter.
+independent (no shared input, no value crossing lanes, no output placed by the memory plan over
+another lane's input), so their order does not matter.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kiln.ir.graph import In
-from kiln.ir.kernel import LoopKind, OutKind, Val
+from kiln.codegen.cpp.emit import (
+    _ABBR_CT,
+    _DTYPE,
+    _STORE_CT,
+    PARALLEL_MIN,
+    WIDE_VECTOR_OPS,
+    WIDE_VECTORS,
+    KernelSpec,
+    _Emitter,
+)
+from kiln.ir.graph import In, Node
+from kiln.ir.kernel import FusedKernel, LoopKind, OutKind, Val
+from kiln.precision import cpp as lowp
 
 MIN_LANES = 2
 ENABLED = True  # off: every kernel is emitted flat (A/B measurements, tests)
@@ -156,14 +170,24 @@ def lanes_ok(kind: LoopKind, modes: list[str], n_scalars: int, body: tuple, sr: 
     )
 
 
+def lane_kernel(spec: KernelSpec, node: Node, in_types: list, in_slots: tuple) -> str | None:
+    """The lane form of the kernel :func:`~kiln.codegen.cpp.emit.emit_kernel` emitted for
+    ``node`` (its ``spec``), or None where it has none.  ``in_slots``: per node input, the
+    memory-plan slot its value sits in (None: none, ``"?"``: unknown)."""
+    if not ENABLED:
+        return None
+    kernel = FusedKernel.of(node)
+    if not lanes_ok(kernel.kind, spec.input_modes, len(spec.scalar_inputs), kernel.body, spec.sr):
+        return None
+    return lane_source(spec, node, in_types, kernel.body, kernel.outputs, in_slots)
+
+
 def lane_source(
     spec: Any, node: Any, in_types: list, body: tuple, outs: tuple, in_slots: tuple | None
 ) -> str | None:
     """The lane kernel's source for the kernel ``spec`` describes (its ``out_kinds`` and
     ``out_dtypes`` filled in as the flat kernel's), or None when its body is not lanes.
     ``in_slots``: per node input, its memory-plan slot (None: none); unknown (None): no lanes."""
-    from kiln.codegen.cpp.emit import _DTYPE, PARALLEL_MIN
-
     if in_slots is None:
         return None
     modes = {k: (str(in_types[k].dtype), m) for k, m in zip(spec.tensor_inputs, spec.input_modes)}
@@ -229,16 +253,6 @@ def _class_function(
 ) -> list[str]:
     """One class's chain as a function of one lane's pointer table row and an element range
     (the chain emitted once, by the flat kernel's emitter, on lane 0's renumbered body)."""
-    from kiln.codegen.cpp.emit import (
-        _ABBR_CT,
-        _STORE_CT,
-        WIDE_VECTOR_OPS,
-        WIDE_VECTORS,
-        KernelSpec,
-        _Emitter,
-    )
-    from kiln.precision import cpp as lowp
-
     sub_body, sub_outs = lane_body(body, lanes[0])
     ins0 = lanes[0][1]
     sub = KernelSpec(
