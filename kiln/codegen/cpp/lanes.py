@@ -13,9 +13,9 @@ function of (a lane's row of a ``P``-index table, an element range), called lane
 (below ``PARALLEL_MIN`` elements, with no OpenMP region) or, in one parallel region, by each
 thread for its range of every lane.  The calling convention is unchanged (same ``P``/``I``/``D``,
 same :class:`KernelSpec`), so executors and the native launcher call it as any pointwise kernel;
-the source no longer grows with the number of lanes (the table does, a few characters a pointer)
-(sizes are run-time arguments, as in every kernel: the same chains, lane count and table are one
-compiled function for any parameter sizes).
+the source no longer grows with the number of lanes (the table does, a few characters a pointer),
+and sizes stay run-time arguments: the same chains, lane count and table are one compiled
+function for any parameter sizes.
 
 Needs: a pointwise kernel without rolls, broadcast/strided inputs, Python-number inputs or
 stochastic rounding (others are emitted as before).  Guarantees: each lane computes exactly the
