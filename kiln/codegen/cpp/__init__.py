@@ -3,7 +3,9 @@ own passes (``fuse`` with this backend's :data:`CLAIMS`, then ``memory_plan``).
 
 Every ``fused`` node of the graph becomes one generated C++ function (so does each layer norm,
 forward and backward, see :mod:`kiln.codegen.cpp.layer_norm`, and each last-dim (log_)softmax
-backward, :mod:`kiln.codegen.cpp.softmax_backward`); identical kernels are shared.
+backward, :mod:`kiln.codegen.cpp.softmax_backward`); identical kernels are shared, and a kernel
+made of identical independent chains (horizontally fused per-parameter optimizer updates) emits
+the chain once, looped over the lanes (:mod:`kiln.codegen.cpp.lanes`).
 A kernel built before (by an earlier graph, in this process or another sharing the cache) is
 loaded from the unit that holds it; the graph's new kernels go into one translation unit (two,
 compiled in parallel, when there are many or they are long), built with g++ through the kernel
@@ -32,11 +34,13 @@ from kiln.codegen.cpp.cross_entropy import (
 from kiln.codegen.cpp.deferred import Deferred
 from kiln.codegen.cpp.emit import KernelSpec, emit_kernel
 from kiln.codegen.cpp.executor import Executor, make_fused_call
+from kiln.codegen.cpp.lanes import lane_kernel
 from kiln.codegen.cpp.layer_norm import emit_layer_norm, layer_norm_ok
 from kiln.codegen.cpp.ops import CTYPE, PRELUDE, supported
 from kiln.codegen.cpp.softmax_backward import emit_softmax_backward, softmax_backward_ok
 from kiln.config import config
 from kiln.ir.graph import Graph
+from kiln.ir.ops import fresh_buffer
 from kiln.passes.cross_entropy import cross_entropy
 from kiln.passes.fuse import Claims, fuse
 from kiln.passes.memory_plan import memory_plan
@@ -72,6 +76,8 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
         if n.op == "fused":
             in_types = [g.nodes[j].types[0] for j in n.inputs]
             src, spec = emit_kernel("KILN_KERNEL", n, in_types)
+            # identical per-parameter chains (horizontal fusion): the chain once, looped
+            src = lane_kernel(spec, n, in_types, _input_slots(g, n)) or src
         elif n.op in _DIRECT:
             ok, emit = _DIRECT[n.op]
             in_types = [g.nodes[j].types[0] if g.nodes[j].types else None for j in n.inputs]
@@ -155,6 +161,25 @@ def _executor(
             calls[i] = sr_call(g.nodes[i], prepare_aten_call(in_float(g.nodes[i])), casts)
         metrics.incr("sr_aten_nodes", len(sr_nodes))
     return Executor(g, calls, slots)
+
+
+def _input_slots(g: Graph, n) -> tuple:
+    """Per input of ``n``: the memory-plan slot its value sits in (a fused node's output), None
+    (a graph input, a constant, an op's fresh result: never in a slot) or ``"?"`` (anything else, a view of a slot's
+    value perhaps: may share a buffer with any slot)."""
+    res: list = []
+    for j in n.inputs:
+        src, idx = g.nodes[j], 0
+        if src.op == "getitem" and g.nodes[src.inputs[0]].op == "fused":
+            src, idx = g.nodes[src.inputs[0]], src.args[1]
+        if src.op != "fused":
+            fresh = src.op in ("input", "scalar", "constant") or fresh_buffer(src.op, src.category)
+            res.append(None if fresh else "?")
+            continue
+        place = src.kwarg("placement") or ()
+        slot = place[idx] if isinstance(idx, int) and idx < len(place) else None
+        res.append(slot if isinstance(slot, int) else "?" if slot is not None else None)
+    return tuple(res)
 
 
 def _memory_plan(g: Graph):
