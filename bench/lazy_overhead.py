@@ -17,7 +17,7 @@
    timed in each repetition too.
 
 3. Other ops, per op: pairs of views of one 8x8 tensor (``x.t().unsqueeze(0)``: no node, a view
-   link each), ``relu(x @ w)`` chains on 8x8 tensors, and ``softmax(x.cumsum(1), 1)`` chains (a
+   link each), ``relu(x @ w)`` chains on 8x8 tensors, and ``x.cumsum(1).flip(1)`` chains (a
    quarter as long: ops outside the native recorder's table, recorded by its Python fallback), on
    the kiln device, the native recorder and eager, interleaved.
 4. A training step recorded (an MLP with layer norm: forward, backward, a functional SGD
@@ -27,7 +27,7 @@
 ``--mode device`` measures the kiln device itself with its recorder switch
 (``config.lazy_recorder``, docs/native_recorder.md) on and off: ``kiln.device()`` tensors made by
 ``.to(dev)`` under ``"python"`` and under ``"native"``, the same chain, the fallback-op chain
-(cumsum + softmax), the functional training step, and an ``nn.Module`` step with ``AdamW``
+(cumsum + flip), the functional training step, and an ``nn.Module`` step with ``AdamW``
 (library defaults: the foreach path; forward, ``backward()``, ``step()``, ``zero_grad()``, timed
 up to and then including ``mark_step``; and ``step()`` + ``zero_grad()`` alone), interleaved,
 thread CPU medians; eager beside them.
@@ -151,7 +151,7 @@ def _mm_relu(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
 
 def _fallback_ops(x: torch.Tensor, n: int) -> torch.Tensor:
     for _ in range(n // 2):
-        x = torch.softmax(x.cumsum(1), 1)
+        x = x.cumsum(1).flip(1)  # (softmax is in the C++ table since the training ops moved)
     return x
 
 
@@ -160,7 +160,7 @@ MIXES = {"views": 1, "mm+relu": 1, "python-fallback": 4}  # ops / this = the cha
 
 def mix_cost(n: int, reps: int) -> dict[tuple[str, str], float]:
     """Medians, us/op of thread CPU time, per (ops, recorder): views, mm + relu, and ops outside
-    the native table (cumsum, softmax: the native recorder's Python fallback)."""
+    the native table (cumsum, flip: the native recorder's Python fallback)."""
     dev = kiln.device()
     base, wb = torch.randn(8, 8), torch.randn(8, 8)
     makers = {"lazy": lambda t: t.to(dev), "eager": lambda t: t}
@@ -211,8 +211,8 @@ def _train_step(m: torch.nn.Module, state: dict, x: torch.Tensor, y: torch.Tenso
 def train_step_cost(reps: int) -> dict[str, float]:
     """Medians, ms of thread CPU time per training step recorded (an MLP 64-128-10 with GELU and
     layer norm, batch 32: forward, backward, a functional SGD update), up to mark_step: the kiln
-    device, the native recorder (its table and its Python fallback: layer norm, log-softmax, the
-    loss and the backward ops), and eager running it; interleaved."""
+    device, the native recorder (its C++ table, which holds layer norm, log-softmax, the loss and
+    their backward ops, and its Python fallback), and eager running it; interleaved."""
     dev = kiln.device()
     m = _mlp()
     cpu_state = {k: v.detach().clone() for k, v in m.named_parameters()}
