@@ -29,7 +29,8 @@
 ``.to(dev)`` under ``"python"`` and under ``"native"``, the same chain, the fallback-op chain
 (cumsum + flip), the functional training step, and an ``nn.Module`` step with ``AdamW``
 (library defaults: the foreach path; forward, ``backward()``, ``step()``, ``zero_grad()``, timed
-up to and then including ``mark_step``; and ``step()`` + ``zero_grad()`` alone), interleaved,
+up to and then including ``mark_step``; and ``step()`` + ``zero_grad()`` alone), then per call
+of a training step's ops (layer norm, log-softmax, NLL loss, GELU's backward), interleaved,
 thread CPU medians; eager beside them.
 
 Medians over ``--reps`` repetitions (after one warm-up); the machine is shared, so numbers vary.
@@ -307,6 +308,44 @@ def device_switch_cost(n: int, reps: int) -> dict[tuple[str, str], float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def _training_ops(dev: Any) -> dict[str, Any]:
+    """One call each of a training step's ops (no autograd), on tensors on ``dev``."""
+    x, w, b = torch.randn(32, 128).to(dev), torch.randn(128).to(dev), torch.randn(128).to(dev)
+    y = torch.randint(0, 128, (32,)).to(dev)
+    return {
+        "layer_norm": lambda: torch.nn.functional.layer_norm(x, (128,), w, b),
+        "log_softmax": lambda: torch.nn.functional.log_softmax(x, -1),
+        "nll_loss": lambda: torch.nn.functional.nll_loss(x, y),
+        "gelu_backward": lambda: torch.ops.aten.gelu_backward(x, x),
+    }
+
+
+def training_op_cost(reps: int, calls: int = 200) -> dict[tuple[str, str], float]:
+    """Medians of thread CPU us per call of a training step's ops (layer norm: three outputs;
+    NLL loss: two), per (op, recorder) on ``kiln.device()`` and eager, interleaved per rep."""
+    dev = kiln.device()
+    before = kiln.config.lazy_recorder
+    out: dict[tuple[str, str], list[float]] = {}
+    try:
+        for r in range(reps + 1):
+            for rec in (*RECORDERS, "eager"):
+                if rec != "eager":
+                    kiln.config.update(lazy_recorder=rec)
+                ops = _training_ops(torch.device("cpu") if rec == "eager" else dev)
+                for name, fn in ops.items():
+                    kiln.mark_step()
+                    c0 = time.thread_time()
+                    res = [fn() for _ in range(calls)]
+                    c1 = time.thread_time()
+                    del res
+                    kiln.mark_step()
+                    if r:
+                        out.setdefault((name, rec), []).append((c1 - c0) / calls * 1e6)
+    finally:
+        kiln.config.update(lazy_recorder=before)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def main_device(a: argparse.Namespace) -> None:
     if not native.available():
         print("native recorder: unavailable here (no C++ compiler or a failed build)")
@@ -323,6 +362,10 @@ def main_device(a: argparse.Namespace) -> None:
     for what, unit in parts:
         line = ", ".join(f"{rec} {dc[(what, rec)]:.3f}" for rec in (*RECORDERS, "eager"))
         print(f"kiln.device() {what}, thread CPU {unit}: lazy_recorder={line}")
+    tc = training_op_cost(a.reps)
+    for what in _training_ops(torch.device("cpu")):
+        line = ", ".join(f"{rec} {tc[(what, rec)]:.3f}" for rec in (*RECORDERS, "eager"))
+        print(f"kiln.device() {what}, thread CPU us/call: lazy_recorder={line}")
     c = metrics.counters()
     print(
         f"graphs compiled: {c.get('graphs_compiled', 0)}, forced syncs: {c.get('forced_syncs', 0)}"
