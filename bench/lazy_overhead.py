@@ -17,7 +17,7 @@
    timed in each repetition too.
 
 3. Other ops, per op: pairs of views of one 8x8 tensor (``x.t().unsqueeze(0)``: no node, a view
-   link each), ``relu(x @ w)`` chains on 8x8 tensors, and ``softmax(x.cumsum(1), 1)`` chains (a
+   link each), ``relu(x @ w)`` chains on 8x8 tensors, and ``x.cumsum(1).flip(1)`` chains (a
    quarter as long: ops outside the native recorder's table, recorded by its Python fallback), on
    the kiln device, the native recorder and eager, interleaved.
 4. A training step recorded (an MLP with layer norm: forward, backward, a functional SGD
@@ -27,9 +27,10 @@
 ``--mode device`` measures the kiln device itself with its recorder switch
 (``config.lazy_recorder``, docs/native_recorder.md) on and off: ``kiln.device()`` tensors made by
 ``.to(dev)`` under ``"python"`` and under ``"native"``, the same chain, the fallback-op chain
-(cumsum + softmax), the functional training step, and an ``nn.Module`` step with ``AdamW``
+(cumsum + flip), the functional training step, and an ``nn.Module`` step with ``AdamW``
 (library defaults: the foreach path; forward, ``backward()``, ``step()``, ``zero_grad()``, timed
-up to and then including ``mark_step``; and ``step()`` + ``zero_grad()`` alone), interleaved,
+up to and then including ``mark_step``; and ``step()`` + ``zero_grad()`` alone), then per call
+of a training step's ops (layer norm, log-softmax, NLL loss, GELU's backward), interleaved,
 thread CPU medians; eager beside them.
 
 Medians over ``--reps`` repetitions (after one warm-up); the machine is shared, so numbers vary.
@@ -151,7 +152,7 @@ def _mm_relu(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
 
 def _fallback_ops(x: torch.Tensor, n: int) -> torch.Tensor:
     for _ in range(n // 2):
-        x = torch.softmax(x.cumsum(1), 1)
+        x = x.cumsum(1).flip(1)  # (softmax is in the C++ table since the training ops moved)
     return x
 
 
@@ -160,7 +161,7 @@ MIXES = {"views": 1, "mm+relu": 1, "python-fallback": 4}  # ops / this = the cha
 
 def mix_cost(n: int, reps: int) -> dict[tuple[str, str], float]:
     """Medians, us/op of thread CPU time, per (ops, recorder): views, mm + relu, and ops outside
-    the native table (cumsum, softmax: the native recorder's Python fallback)."""
+    the native table (cumsum, flip: the native recorder's Python fallback)."""
     dev = kiln.device()
     base, wb = torch.randn(8, 8), torch.randn(8, 8)
     makers = {"lazy": lambda t: t.to(dev), "eager": lambda t: t}
@@ -211,8 +212,8 @@ def _train_step(m: torch.nn.Module, state: dict, x: torch.Tensor, y: torch.Tenso
 def train_step_cost(reps: int) -> dict[str, float]:
     """Medians, ms of thread CPU time per training step recorded (an MLP 64-128-10 with GELU and
     layer norm, batch 32: forward, backward, a functional SGD update), up to mark_step: the kiln
-    device, the native recorder (its table and its Python fallback: layer norm, log-softmax, the
-    loss and the backward ops), and eager running it; interleaved."""
+    device, the native recorder (its C++ table, which holds layer norm, log-softmax, the loss and
+    their backward ops, and its Python fallback), and eager running it; interleaved."""
     dev = kiln.device()
     m = _mlp()
     cpu_state = {k: v.detach().clone() for k, v in m.named_parameters()}
@@ -307,6 +308,44 @@ def device_switch_cost(n: int, reps: int) -> dict[tuple[str, str], float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def _training_ops(dev: Any) -> dict[str, Any]:
+    """One call each of a training step's ops (no autograd), on tensors on ``dev``."""
+    x, w, b = torch.randn(32, 128).to(dev), torch.randn(128).to(dev), torch.randn(128).to(dev)
+    y = torch.randint(0, 128, (32,)).to(dev)
+    return {
+        "layer_norm": lambda: torch.nn.functional.layer_norm(x, (128,), w, b),
+        "log_softmax": lambda: torch.nn.functional.log_softmax(x, -1),
+        "nll_loss": lambda: torch.nn.functional.nll_loss(x, y),
+        "gelu_backward": lambda: torch.ops.aten.gelu_backward(x, x),
+    }
+
+
+def training_op_cost(reps: int, calls: int = 200) -> dict[tuple[str, str], float]:
+    """Medians of thread CPU us per call of a training step's ops (layer norm: three outputs;
+    NLL loss: two), per (op, recorder) on ``kiln.device()`` and eager, interleaved per rep."""
+    dev = kiln.device()
+    before = kiln.config.lazy_recorder
+    out: dict[tuple[str, str], list[float]] = {}
+    try:
+        for r in range(reps + 1):
+            for rec in (*RECORDERS, "eager"):
+                if rec != "eager":
+                    kiln.config.update(lazy_recorder=rec)
+                ops = _training_ops(torch.device("cpu") if rec == "eager" else dev)
+                for name, fn in ops.items():
+                    kiln.mark_step()
+                    c0 = time.thread_time()
+                    res = [fn() for _ in range(calls)]
+                    c1 = time.thread_time()
+                    del res
+                    kiln.mark_step()
+                    if r:
+                        out.setdefault((name, rec), []).append((c1 - c0) / calls * 1e6)
+    finally:
+        kiln.config.update(lazy_recorder=before)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def main_device(a: argparse.Namespace) -> None:
     if not native.available():
         print("native recorder: unavailable here (no C++ compiler or a failed build)")
@@ -323,6 +362,10 @@ def main_device(a: argparse.Namespace) -> None:
     for what, unit in parts:
         line = ", ".join(f"{rec} {dc[(what, rec)]:.3f}" for rec in (*RECORDERS, "eager"))
         print(f"kiln.device() {what}, thread CPU {unit}: lazy_recorder={line}")
+    tc = training_op_cost(a.reps)
+    for what in _training_ops(torch.device("cpu")):
+        line = ", ".join(f"{rec} {tc[(what, rec)]:.3f}" for rec in (*RECORDERS, "eager"))
+        print(f"kiln.device() {what}, thread CPU us/call: lazy_recorder={line}")
     c = metrics.counters()
     print(
         f"graphs compiled: {c.get('graphs_compiled', 0)}, forced syncs: {c.get('forced_syncs', 0)}"

@@ -59,7 +59,7 @@ def test_ops_outside_the_table_match_eager_and_are_counted(shape):
     )
     assert native.load().python_calls() > calls
     for op in (
-        "aten::_softmax.default",
+        "aten::cumsum.default",
         "aten::max.dim",
         "aten::sort.default",
         "aten::cat.default",
@@ -104,8 +104,8 @@ def test_the_python_recipe_is_made_once_per_signature(monkeypatch):
         handler_cls, "make_recipe", lambda self, *a: made.append(a[0]) or real(self, *a)
     )
 
-    def step(x, w, b):
-        return F.layer_norm(torch.softmax(x, -1) * 0.5, (x.shape[-1],), w, b).sum(0)
+    def step(x, w, b):  # cumsum: outside the C++ table (softmax and layer norm are in it now)
+        return torch.cumsum(torch.cumsum(x, -1) * 0.5 * w + b, 0).sum(0)
 
     inputs = (torch.randn(5, 11), torch.randn(11), torch.randn(11))
     _, c1 = run_native(step, *inputs)

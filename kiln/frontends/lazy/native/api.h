@@ -104,18 +104,30 @@ at::Tensor value(const at::Tensor& t) {
   return v;
 }
 
+// A C++ recipe's node template: (qual, overload, args, kwargs, per-output shapes, per-output
+// dtypes, view, item); a getitem recipe (one output of a multi-output node): qual "getitem",
+// no arguments, `item` the output it takes (-1 for every other recipe).
 py::tuple recipe_info(int64_t id) {
   const Recipe* rp = nullptr;  // recipes never change once made; `recipes` and `geos` may grow
-  Geo g;
+  std::vector<Geo> gs;
   {
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mu);
     TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(recipes.size()), "no recipe ", id);
     rp = recipes[id].get();
     TORCH_CHECK(!rp->python, "kiln native recorder: recipe ", id, " was made in Python");
-    g = geos[rp->out_geo];
+    if (rp->out_geo >= 0) gs.push_back(geos[rp->out_geo]);
+    for (int32_t g : rp->getitems) gs.push_back(geos[recipes[g]->out_geo]);
   }
   const Recipe& r = *rp;
+  py::list shapes, dtypes;
+  for (const Geo& g : gs) {
+    shapes.append(py::tuple(py::cast(g.sizes)));
+    dtypes.append(py::reinterpret_borrow<py::object>(
+        reinterpret_cast<PyObject*>(torch::getTHPDtype(g.dtype))));
+  }
+  if (r.item >= 0)
+    return py::make_tuple("getitem", "", py::list(), py::list(), shapes, dtypes, false, r.item);
   py::list args, kwargs;
   int32_t k = 0;
   for (const Slot& s : r.slots) {
@@ -138,10 +150,8 @@ py::tuple recipe_info(int64_t id) {
     else
       kwargs.append(py::make_tuple(s.name, item));
   }
-  py::object dtype = py::reinterpret_borrow<py::object>(
-      reinterpret_cast<PyObject*>(torch::getTHPDtype(g.dtype)));
   return py::make_tuple(r.op->schema().name(), r.op->schema().overload_name(), args, kwargs,
-                        py::tuple(py::cast(g.sizes)), dtype, r.view);
+                        shapes, dtypes, r.view, -1);
 }
 
 // A recipe the Python fallback made (its node template stays in Python: native/fallback.py):

@@ -76,7 +76,11 @@ def register(
 def template(mod: Any, rid: int) -> _Template:
     t = _templates.get(rid)
     if t is None:
-        qual, overload, args, kwargs, shape, dtype, _view = mod.recipe_info(rid)
+        qual, overload, args, kwargs, shapes, dtypes, _view, item = mod.recipe_info(rid)
+        types = tuple(TensorType(tuple(s), d) for s, d in zip(shapes, dtypes))
+        if item >= 0:  # one output of a multi-output node, as the Python fallback builds it
+            t = _templates[rid] = _Template("getitem", (In(0), item), (), types, None)
+            return t
         packet = getattr(torch.ops.aten, qual.split("::")[1])
         func = getattr(packet, overload or "default")
         name, real = op_name(func)
@@ -84,7 +88,7 @@ def template(mod: Any, rid: int) -> _Template:
             name,
             tuple(_arg(a) for a in args),
             tuple((k, _arg(a)) for k, a in kwargs),
-            (TensorType(tuple(shape), dtype),),
+            types,
             None if real else qual.split("::")[1],
         )
     return t

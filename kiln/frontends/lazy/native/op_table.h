@@ -32,6 +32,7 @@ enum Tag : int64_t {
   T_WRAPPED_INT,
   T_WRAPPED_BOOL,
   T_WRAPPED_DOUBLE,
+  T_BOOL_LIST,
 };
 
 int64_t double_bits(double d) {
@@ -50,7 +51,11 @@ bool sig_of(const IValue& v, bool lift, std::vector<int64_t>& sig) {
       sig.push_back(n->geo);
       return true;
     }
-    if (t.defined() && t.unsafeGetTensorImpl()->is_wrapped_number() && t.device().is_cpu()) {
+    if (!t.defined()) {  // an absent optional tensor (autograd passes None as an undefined one)
+      sig.push_back(T_NONE);
+      return true;
+    }
+    if (t.unsafeGetTensorImpl()->is_wrapped_number() && t.device().is_cpu()) {
       switch (t.scalar_type()) {
         case at::kDouble: {
           double d = *static_cast<const double*>(t.unsafeGetTensorImpl()->data());
@@ -88,6 +93,11 @@ bool sig_of(const IValue& v, bool lift, std::vector<int64_t>& sig) {
     sig.push_back(T_LIST);
     sig.push_back(static_cast<int64_t>(l.size()));
     for (int64_t x : l) sig.push_back(x);
+  } else if (v.isBoolList()) {  // output_mask of the norms' backward ops
+    auto l = v.toBoolList();
+    sig.push_back(T_BOOL_LIST);
+    sig.push_back(static_cast<int64_t>(l.size()));
+    for (bool x : l) sig.push_back(x);
   } else if (v.isString()) {
     const std::string& s = v.toStringRef();
     sig.push_back(T_STR);
@@ -107,6 +117,7 @@ bool sig_of(const IValue& v, bool lift, std::vector<int64_t>& sig) {
 IValue const_of(const IValue& v) {
   if (v.isTensor()) {
     const at::Tensor& t = v.toTensor();
+    if (!t.defined()) return IValue();  // None, as Python passes an absent optional tensor
     auto* impl = t.unsafeGetTensorImpl();
     switch (t.scalar_type()) {
       case at::kDouble:
@@ -127,7 +138,7 @@ bool is_lifted(const IValue& v, bool lift) {
   if (v.isDouble()) return true;
   if (v.isTensor()) {
     const at::Tensor& t = v.toTensor();
-    return native_of(t) == nullptr && t.scalar_type() == at::kDouble;
+    return t.defined() && native_of(t) == nullptr && t.scalar_type() == at::kDouble;
   }
   return false;
 }
@@ -169,9 +180,13 @@ Recipe* make_recipe(const c10::OperatorHandle& op, const torch::jit::Stack& stac
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   const size_t n = args.size();
-  TORCH_CHECK_NOT_IMPLEMENTED(schema.returns().size() == 1 && !schema.is_mutable(),
-                              "kiln native recorder: ", schema.operator_name(),
-                              " (in-place or multi-output) is not supported yet (stage 1)");
+  const size_t n_out = schema.returns().size();
+  TORCH_CHECK_NOT_IMPLEMENTED(n_out >= 1 && !schema.is_mutable(), "kiln native recorder: ",
+                              schema.operator_name(), " (in-place) is not supported yet");
+  for (size_t k = 0; n_out > 1 && k < n_out; ++k)
+    TORCH_CHECK_NOT_IMPLEMENTED(schema.returns()[k].alias_info() == nullptr,
+                                "kiln native recorder: ", schema.operator_name(),
+                                " (a multi-output view) is not in its op table's reach");
   torch::jit::Stack meta;
   meta.reserve(n);
   for (size_t i = 0; i < n; ++i) {
@@ -183,15 +198,27 @@ Recipe* make_recipe(const c10::OperatorHandle& op, const torch::jit::Stack& stac
     at::AutoDispatchBelowADInplaceOrView guard;
     op.callBoxed(meta);
   }
-  TORCH_CHECK(meta.size() == 1 && meta[0].isTensor(),
-              "kiln native recorder: ", schema.operator_name(), " does not return one tensor");
-  const at::Tensor& out = meta[0].toTensor();
+  TORCH_CHECK(meta.size() == n_out, "kiln native recorder: ", schema.operator_name(),
+              " returned ", meta.size(), " values, not ", n_out);
   auto r = std::make_unique<Recipe>();
   r->id = static_cast<int32_t>(recipes.size());
   r->op = op;
-  r->out_geo = intern_geo(out.sizes(), out.strides(), out.storage_offset(), out.scalar_type());
+  r->out_geo = -1;
+  std::vector<int32_t> out_geos;
+  for (const IValue& m : meta) {
+    if (!m.isTensor() || !m.toTensor().defined()) {
+      // not one tensor per output (an absent output of native_layer_norm_backward, a tensor
+      // list): the Python fallback records such a call, as it does every op outside the table
+      r->to_python = true;
+      break;
+    }
+    const at::Tensor& out = m.toTensor();
+    out_geos.push_back(
+        intern_geo(out.sizes(), out.strides(), out.storage_offset(), out.scalar_type()));
+  }
+  if (!r->to_python && n_out == 1) r->out_geo = out_geos[0];
   const auto& ret_alias = schema.returns()[0].alias_info();
-  r->view = ret_alias != nullptr && !ret_alias->isWrite();
+  r->view = n_out == 1 && ret_alias != nullptr && !ret_alias->isWrite();
   // which arguments __torch_dispatch__ would pass: trailing positional defaults and defaulted
   // keyword-only arguments are left out (torch::jit::parseIValuesToPyArgsKwargs)
   size_t kw_start = n;
@@ -230,7 +257,22 @@ Recipe* make_recipe(const c10::OperatorHandle& op, const torch::jit::Stack& stac
                               schema.operator_name(), " with more than one input");
   r->n_inputs = n_in;
   r->hash = h;
-  return recipes.emplace_back(std::move(r)).get();
+  Recipe* main = recipes.emplace_back(std::move(r)).get();
+  if (!main->to_python && n_out > 1) {
+    // one getitem recipe per output, as the Python fallback makes them (fallback.py)
+    for (size_t k = 0; k < n_out; ++k) {
+      auto g = std::make_unique<Recipe>();
+      g->id = static_cast<int32_t>(recipes.size());
+      g->out_geo = out_geos[k];
+      g->n_inputs = 1;
+      g->view = false;
+      g->item = static_cast<int32_t>(k);
+      g->hash = mix(0x6765746974656dULL + k, geos[out_geos[k]].hash);
+      main->getitems.push_back(g->id);
+      recipes.emplace_back(std::move(g));
+    }
+  }
+  return main;
 }
 
 }  // namespace

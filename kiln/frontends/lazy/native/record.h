@@ -47,10 +47,27 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
       }
     }
     for (size_t k = 2; k < sig.size(); ++k) h = mix(h, static_cast<uint64_t>(sig[k]) * 31);
-    r->hash = mix(h, geos[r->out_geo].hash);
+    if (r->out_geo >= 0) h = mix(h, geos[r->out_geo].hash);
+    for (int32_t g : r->getitems) h = mix(h, recipes[g]->hash);
+    r->hash = h;
     recipe_of.emplace(sig, r);
   }
+  if (r->to_python) {
+    lock.unlock();
+    to_python(op, stack);
+    return;
+  }
   at::Tensor out;
+  std::vector<at::Tensor> outs;  // a multi-output op's results
+  auto pending = [&](int32_t node, int32_t geo) {
+    auto st = std::make_shared<Storage>();
+    st->gen = trace.gen;
+    st->node = node;
+    st->pending = true;
+    st->geo = geo;
+    trace.pending.emplace_back(st);
+    return make_tensor(std::move(st), {}, geo);
+  };
   if (r->view) {
     NativeImpl* x = native_of((*stack)[first + r->slots[0].stack_index].toTensor());
     std::vector<int32_t> chain(x->chain);
@@ -76,16 +93,21 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
       }
     }
     int32_t node = add_node(r->id, in, r->n_inputs);
-    auto st = std::make_shared<Storage>();
-    st->gen = trace.gen;
-    st->node = node;
-    st->pending = true;
-    st->geo = r->out_geo;
-    trace.pending.emplace_back(st);
-    out = make_tensor(std::move(st), {}, r->out_geo);
+    if (r->getitems.empty()) {
+      out = pending(node, r->out_geo);
+    } else {
+      for (int32_t g : r->getitems) {  // one getitem node per output, reading the op's node
+        int64_t item_in[1] = {node};
+        outs.push_back(pending(add_node(g, item_in, 1), recipes[g]->out_geo));
+      }
+    }
   }
   stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
-  stack->emplace_back(std::move(out));
+  if (outs.empty()) {
+    stack->emplace_back(std::move(out));
+  } else {
+    for (at::Tensor& o : outs) stack->emplace_back(std::move(o));
+  }
 }
 
 // `_reshape_alias(x, size, stride)` -- what `reshape` of a tensor that is not a Python subclass

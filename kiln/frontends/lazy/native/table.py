@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kiln.frontends.lazy.foreach import split_of
-from kiln.frontends.lazy.tensor import _facts
+from kiln.frontends.lazy.tensor import _STRUCTURAL_FLOATS, _facts
 
 UNARY = [
     "abs.default",
@@ -63,8 +63,30 @@ OTHER = ["_unsafe_view.default"]
 # what the optimizers' foreach ops split into beyond the ops above (foreach.h)
 OPTIMIZER = ["lerp.Scalar", "lerp.Tensor", "addcmul.default", "addcdiv.default"]
 
-OPS = UNARY + BINARY + MATMUL + REDUCTIONS + VIEWS + OTHER + OPTIMIZER
-STRUCTURAL = ["pow", "gelu", "clamp", "clamp_min", "clamp_max"]
+# ops of a training step's forward and backward (softmax / log-softmax, GELU's
+# backward, the NLL loss's backward, embedding, the causal mask's masked_fill), recorded by the
+# Python fallback as one plain node each before (no Kiln decomposition, no special path)
+TRAINING = [
+    "_softmax.default",
+    "_softmax_backward_data.default",
+    "_log_softmax.default",
+    "_log_softmax_backward_data.default",
+    "gelu_backward.default",
+    "nll_loss_backward.default",
+    "embedding.default",
+    "embedding_dense_backward.default",
+    "masked_fill.Scalar",
+    "bitwise_not.default",
+    # several outputs: one getitem node each (an absent output: the Python fallback)
+    "native_layer_norm.default",
+    "native_layer_norm_backward.default",
+    "nll_loss_forward.default",
+]
+
+OPS = UNARY + BINARY + MATMUL + REDUCTIONS + VIEWS + OTHER + OPTIMIZER + TRAINING
+# ops whose Python floats stay in the node: the Python recorder's own set (pow's exponent,
+# masked_fill's value, the norms' eps, ...), so both recorders build the same nodes
+STRUCTURAL = sorted(_STRUCTURAL_FLOATS)
 
 
 def foreach_splits() -> list[tuple[str, str, bool]]:

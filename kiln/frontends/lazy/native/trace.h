@@ -21,9 +21,13 @@ struct Recipe {
   std::optional<c10::OperatorHandle> op;
   std::vector<Slot> slots;  // positional first, then keyword, as __torch_dispatch__ passes them
   int32_t n_inputs;         // TENSOR and LIFTED slots
-  int32_t out_geo;
+  int32_t out_geo;          // one output: its geometry; several: -1 (see getitems)
   bool view;                // a view op: the result is a link of its input's chain
   bool python = false;      // made by the Python fallback (its template lives in Python)
+  bool to_python = false;   // a call the C++ path does not record (an absent output): Python's
+  // a multi-output op: per output, the recipe of its `getitem` node (one output geometry each)
+  std::vector<int32_t> getitems;
+  int32_t item = -1;        // a getitem recipe: which output of its node it takes
   uint64_t hash;            // content hash (op name, constants, geometries): stable per process
 };
 
