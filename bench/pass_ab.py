@@ -5,14 +5,15 @@
 
 One process, one thread: eager, Kiln (all passes), Kiln with ``--disable`` (``KILN_DISABLE_PASSES``
 while it compiles; ``row_epilogue`` turns the fuser's rows epilogues off) and optionally
-Inductor, each with its own copy of the workload's model and AdamW, run step by step in rotating order; each step's thread CPU time; medians printed as
+Inductor, each with its own copy of the workload's model and AdamW, run step by step in rotating
+order; each step's thread CPU time; medians printed as
 JSON with ``new/old`` (all passes / passes disabled).  Each variant's step function gets a code
 object of its own (Dynamo caches compiled frames per code object) and AOTAutograd's cache is off,
 so the second Kiln variant is really compiled again.  On a shared machine compare ``new/old``
 across a few runs: both variants see the same load, step by step.  Run a null A/B beside it
 (``--disable nothing``: two identical Kiln variants): on 2026-12-01 it still gave new/old
-0.995-1.041 on GPT-2 (median 1.012 of 7), 1.023 on BERT, 1.019 on the tiny GPT: effects under ~2% are not
-resolved by this script.
+0.995-1.041 on GPT-2 (median 1.012 of 7), 1.023 on BERT, 1.019 on the tiny GPT: effects under
+~2% are not resolved by this script.
 """
 
 from __future__ import annotations
