@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.config import config
 from kiln.ir.graph import Graph, In, Node, TensorType
 from kiln.passes._util import Rewriter
 from kiln.passes.rewrite import Rule, apply_rules
@@ -211,5 +212,7 @@ RULES: tuple[Rule, ...] = (
 
 
 def layout(g: Graph) -> Graph:
-    """Apply the layout :data:`RULES` (bounded, see :mod:`kiln.passes.rewrite`)."""
-    return apply_rules(g, RULES)
+    """Apply the layout :data:`RULES` (bounded, see :mod:`kiln.passes.rewrite`); a rule named
+    ``layout.NAME`` in ``config.disable_passes`` is skipped (for same-process A/B of one rule)."""
+    off = config.disabled_passes
+    return apply_rules(g, tuple(r for r in RULES if f"layout.{r.name}" not in off))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from _passes_testlib import V, call, capture, check_pass, f32
 
+from kiln.config import config as kiln_config
 from kiln.ir import GraphBuilder
 from kiln.passes.dce import dce
 from kiln.passes.layout import layout
@@ -59,6 +60,28 @@ def test_reshape_of_a_contiguous_copy_becomes_reshape():
           return (%4, %7)
         }""",
     )
+
+
+def test_one_rule_can_be_switched_off_by_name():
+    """``layout.NAME`` in ``disable_passes`` skips that rule only (for bench/pass_ab.py)."""
+    g = capture(
+        lambda x, w: (x.permute(1, 0, 2).reshape(6, 4).exp(), x[0].t().contiguous() @ w),
+        torch.randn(2, 3, 4),
+        torch.randn(3, 5),
+    )
+    before = kiln_config.disable_passes
+    try:
+        kiln_config.update(disable_passes="layout.reshape_of_copy")
+        off = dce(layout(g))
+    finally:
+        kiln_config.update(disable_passes=before)
+    on = dce(layout(g))
+    assert off.count(lambda n: n.op == "reshape.default") == 0
+    assert off.count(lambda n: n.op.startswith("clone")) == 1  # the permute's copy stays
+    assert on.count(lambda n: n.op == "reshape.default") == 1
+    for out in (off, on):  # the other rules still apply: the matmul reads without a copy
+        mm = next(n for n in out.nodes if n.op == "mm.default")
+        assert not out.nodes[mm.inputs[0]].op.startswith("clone")
 
 
 def test_reshape_returned_to_the_caller_keeps_its_copy():
