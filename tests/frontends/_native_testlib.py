@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kiln
 from kiln.frontends.lazy import native
 
 
@@ -16,6 +17,23 @@ def recorder():
     except native.NativeUnavailable as e:
         pytest.skip(f"native recorder unavailable: {e}")
     native.mark_step()  # nothing pending from elsewhere
+
+
+@pytest.fixture(scope="module")
+def native_device():
+    """The kiln device with the native recorder as its recorder (``config.lazy_recorder =
+    "native"``) for a module's tests; a module uses it with ``pytestmark =
+    pytest.mark.usefixtures("native_device")`` after importing it."""
+    try:
+        native.load()
+    except native.NativeUnavailable as e:
+        pytest.skip(f"native recorder unavailable: {e}")
+    before = kiln.config.lazy_recorder
+    kiln.mark_step()
+    kiln.config.update(lazy_recorder="native")
+    yield
+    kiln.mark_step()
+    kiln.config.update(lazy_recorder=before)
 
 
 def run_native(fn, *inputs):

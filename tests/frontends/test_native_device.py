@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from _native_testlib import native_device  # noqa: F401 - the module fixture
 
 import kiln
 from kiln import metrics
@@ -18,18 +19,7 @@ from kiln.frontends.lazy.tensor import LazyTensor
 dev = kiln.device()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def native_device():
-    try:
-        native.load()
-    except native.NativeUnavailable as e:
-        pytest.skip(f"native recorder unavailable: {e}")
-    before = kiln.config.lazy_recorder
-    kiln.mark_step()
-    kiln.config.update(lazy_recorder="native")
-    yield
-    kiln.mark_step()
-    kiln.config.update(lazy_recorder=before)
+pytestmark = pytest.mark.usefixtures("native_device")
 
 
 def lazy(t: torch.Tensor) -> torch.Tensor:

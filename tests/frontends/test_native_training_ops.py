@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from _native_testlib import run_native
+from _native_testlib import native_device, run_native  # noqa: F401 - native_device: the module fixture
 
 import kiln
 from kiln.frontends.lazy import native
@@ -26,18 +26,7 @@ dev = kiln.device()
 CPP_OPS = {f"aten::{op}" for op in table.TRAINING}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def native_device():
-    try:
-        native.load()
-    except native.NativeUnavailable as e:
-        pytest.skip(f"native recorder unavailable: {e}")
-    before = kiln.config.lazy_recorder
-    kiln.mark_step()
-    kiln.config.update(lazy_recorder="native")
-    yield
-    kiln.mark_step()
-    kiln.config.update(lazy_recorder=before)
+pytestmark = pytest.mark.usefixtures("native_device")
 
 
 def _python_calls_of_table_ops(before: dict[str, int]) -> dict[str, int]:
