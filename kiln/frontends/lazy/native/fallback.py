@@ -126,6 +126,16 @@ class _Op:
         return tuple(args[:n]), kwargs
 
 
+def _written(op: _Op, args: tuple, kwargs: dict) -> list:
+    """The tensors an in-place or out= call writes (its schema's mutated arguments, tensor lists
+    flattened), in argument order."""
+    targets: list = []
+    for i in op.facts.mutated:
+        a = args[i] if i < len(args) else kwargs.get(op.func._schema.arguments[i].name)
+        targets.extend(a if isinstance(a, (list, tuple)) else [a])
+    return targets
+
+
 class Handler:
     """The callable the recorder calls for an op it hands to Python."""
 
@@ -230,10 +240,7 @@ class Handler:
         buffers (a view's value is a view of its storage's buffer) and every tensor on them
         stays right."""
         func = op.func
-        targets = []
-        for i in op.facts.mutated:
-            a = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
-            targets.extend(a if isinstance(a, (list, tuple)) else [a])
+        targets = _written(op, args, kwargs)
         is_native = self.mod.is_native
         if not targets or not all(isinstance(t, torch.Tensor) and is_native(t) for t in targets):
             return False
@@ -259,10 +266,7 @@ class Handler:
         ``_NOT_DONE`` when a written tensor is a view (a chain to write back through), or the
         result's geometry is not the target's: the caller runs the op on the values instead."""
         func = op.func
-        targets: list = []
-        for i in op.facts.mutated:
-            a = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
-            targets.extend(a if isinstance(a, (list, tuple)) else [a])
+        targets = _written(op, args, kwargs)
         writable = self.mod.writable
         if not targets or not all(isinstance(t, torch.Tensor) and writable(t) for t in targets):
             return _NOT_DONE
