@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -31,10 +32,15 @@ import torch
 from kiln import metrics
 from kiln.codegen.cpp.build import BuildError
 from kiln.codegen.cpp.extension import Extension, Unavailable
+from kiln.config import config
+from kiln.frontends.lazy import dynamic
 from kiln.frontends.lazy.memory import update_peak
 from kiln.frontends.lazy.native import fallback, table
 from kiln.frontends.lazy.native.convert import Converted, convert
+from kiln.frontends.lazy.trace import _settle_heap as settle_heap
+from kiln.ir.graph import Graph
 from kiln.runtime.compiler import compile_graph
+from kiln.runtime.steps import Recompiles, Signature, call_site, python_frames, step_end
 
 __all__ = [
     "NativeUnavailable",
@@ -59,9 +65,29 @@ _EXT = Extension(
     "native lazy recorder",
     headers=tuple(_HERE / h for h in HEADERS),
 )
+
+
+@dataclass
+class _Entry:
+    """What a native graph id runs, worked out once per id (a steady step only looks it up): its
+    Kiln graph, the recompile signature, and the shape-generic decision ``run`` =
+    (``config.dynamic_shapes`` when made, graph to compile, its extra symbol ints), as the Python
+    recorder's ``trace._Entry``."""
+
+    conv: Converted
+    signature: Signature = field(init=False)
+    run: tuple[bool, Graph, list[int]] | None = None
+
+    def __post_init__(self) -> None:
+        g = self.conv.graph
+        types = tuple(g.nodes[i].types[0] for i in g.inputs)
+        self.signature = Signature(types, g.hash, len(g))
+
+
 _lock = threading.Lock()
+_recompiles = Recompiles()  # the native recorder's call sites (as trace._recompiles)
 _configured: list[ModuleType] = []
-_graphs: dict[int, Converted] = {}  # native graph id -> its Kiln graph
+_graphs: dict[int, _Entry] = {}  # native graph id -> its Kiln graph and how it runs
 _handler: list[fallback.Handler] = []  # the Python fallback installed by load()
 
 
@@ -89,7 +115,7 @@ def load() -> ModuleType:
                 "unaffected."
             ) from None
         mod.configure(table.OPS, table.STRUCTURAL, table.foreach_splits())
-        handler = fallback.Handler(mod, mark_step)
+        handler = fallback.Handler(mod, lambda: mark_step(forced=True))
         mod.set_fallback(handler)
         mod.set_foreach_hooks(
             fallback._device_active, lambda: metrics.incr("native_inplace_writes")
@@ -149,23 +175,18 @@ def trace_len() -> int:
     return load().trace_len()
 
 
-def mark_step() -> Any:
+def mark_step(forced: bool = False) -> Any:
     """Cut the pending trace and run it: every native tensor still alive that holds a value
     computed in this step gets it.  A graph seen before is recognised by the recorder (hash, then
-    node keys) and not converted again.  Returns the cut (``graph_id``, ``is_new``, ``hash``), or
-    None when nothing was pending."""
+    node keys) and not converted again.  ``forced``: a sync the program did not ask for (a
+    ``.cpu()``, a data-dependent op), which does not end a step.  Returns the cut (``graph_id``,
+    ``is_new``, ``hash``), or None when nothing was pending."""
     mod = load()
     c = mod.cut()
     if c.graph_id < 0:
         return None
-    conv = _graphs.get(c.graph_id)
-    if conv is None:
-        conv = _graphs[c.graph_id] = convert(mod, c)
     values = c.values()
-    exe = compile_graph(conv.graph)
-    t0 = time.perf_counter()
-    results = exe([values[k] for k in conv.picks])
-    metrics.executed(time.perf_counter() - t0)  # (graphs_executed, execute_s)
+    results, compiled = _run(mod, c, values)
     seen: set[int] = {id(v) for v in values if isinstance(v, torch.Tensor)}
     outs = []
     for val in results:
@@ -174,8 +195,45 @@ def mark_step() -> Any:
         seen.add(id(val))
         outs.append(val)
     c.assign(outs)
+    del values, results, outs
     update_peak()
+    if compiled:
+        settle_heap()  # config.gc_freeze; one process-wide cap shared with the Python recorder
+    if not forced:
+        step_end(metrics.get("mark_steps"))
     return c
+
+
+def _run(mod: ModuleType, c: Any, values: list[Any]) -> tuple[list[Any], bool]:
+    """Run the cut ``c`` (its input ``values``): its graph id's Kiln graph, converted on first
+    sight, or the shape-generic graph of its family (:mod:`kiln.frontends.lazy.dynamic`) with the
+    symbol ints; the recompile accounting of the call site.  Returns (results, whether a graph was
+    compiled or loaded from the disk cache for it)."""
+    e = _graphs.get(c.graph_id)
+    if e is None:
+        e = _graphs[c.graph_id] = _Entry(convert(mod, c))
+    g = e.conv.graph
+    run = e.run
+    if run is None or run[0] != config.dynamic_shapes:
+        gen, extra = dynamic.choose(g) if config.dynamic_shapes else (g, [])
+        run = e.run = (config.dynamic_shapes, gen, extra)
+    before = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
+    try:
+        exe = compile_graph(run[1])
+    except Exception as err:  # a shape-generic graph that does not compile: the graph itself
+        if run[1] is g:
+            raise
+        dynamic.disable(run[1], err)
+        run = e.run = (config.dynamic_shapes, g, [])
+        exe = compile_graph(g)
+    compiled = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk") > before
+    site = call_site("lazy", python_frames()) or "lazy:<unknown>"
+    _recompiles.seen(site, e.signature, compiled=compiled)
+    args = [values[k] for k in e.conv.picks] + run[2]
+    t0 = time.perf_counter()
+    results = exe(args)
+    metrics.executed(time.perf_counter() - t0)  # (graphs_executed, execute_s)
+    return results, compiled
 
 
 def python_ops() -> dict[str, int]:
@@ -185,4 +243,4 @@ def python_ops() -> dict[str, int]:
 
 def graph_of(graph_id: int) -> Any:
     """The Kiln IR graph a native graph id was converted to (tests, tools)."""
-    return _graphs[graph_id].graph
+    return _graphs[graph_id].conv.graph
