@@ -86,6 +86,7 @@ class _Entry:
 
 _lock = threading.Lock()
 _recompiles = Recompiles()  # the native recorder's call sites (as trace._recompiles)
+_run_lock = threading.Lock()  # _graphs and lazy.dynamic's families: one cut decides at a time
 _configured: list[ModuleType] = []
 _graphs: dict[int, _Entry] = {}  # native graph id -> its Kiln graph and how it runs
 _handler: list[fallback.Handler] = []  # the Python fallback installed by load()
@@ -209,24 +210,25 @@ def _run(mod: ModuleType, c: Any, values: list[Any]) -> tuple[list[Any], bool]:
     sight, or the shape-generic graph of its family (:mod:`kiln.frontends.lazy.dynamic`) with the
     symbol ints; the recompile accounting of the call site.  Returns (results, whether a graph was
     compiled or loaded from the disk cache for it)."""
-    e = _graphs.get(c.graph_id)
-    if e is None:
-        e = _graphs[c.graph_id] = _Entry(convert(mod, c))
-    g = e.conv.graph
-    run = e.run
-    if run is None or run[0] != config.dynamic_shapes:
-        gen, extra = dynamic.choose(g) if config.dynamic_shapes else (g, [])
-        run = e.run = (config.dynamic_shapes, gen, extra)
-    before = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
-    try:
-        exe = compile_graph(run[1])
-    except Exception as err:  # a shape-generic graph that does not compile: the graph itself
-        if run[1] is g:
-            raise
-        dynamic.disable(run[1], err)
-        run = e.run = (config.dynamic_shapes, g, [])
-        exe = compile_graph(g)
-    compiled = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk") > before
+    with _run_lock:
+        e = _graphs.get(c.graph_id)
+        if e is None:
+            e = _graphs[c.graph_id] = _Entry(convert(mod, c))
+        g = e.conv.graph
+        run = e.run
+        if run is None or run[0] != config.dynamic_shapes:
+            gen, extra = dynamic.choose(g) if config.dynamic_shapes else (g, [])
+            run = e.run = (config.dynamic_shapes, gen, extra)
+        before = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
+        try:
+            exe = compile_graph(run[1])
+        except Exception as err:  # a shape-generic graph that does not compile: the graph itself
+            if run[1] is g:
+                raise
+            dynamic.disable(run[1], err)
+            run = e.run = (config.dynamic_shapes, g, [])
+            exe = compile_graph(g)
+        compiled = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk") > before
     site = call_site("lazy", python_frames()) or "lazy:<unknown>"
     _recompiles.seen(site, e.signature, compiled=compiled)
     args = [values[k] for k in e.conv.picks] + run[2]
