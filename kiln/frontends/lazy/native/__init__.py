@@ -131,8 +131,9 @@ def held_bytes() -> int:
 
 def tensor(value: torch.Tensor) -> torch.Tensor:
     """A native kiln tensor holding ``value`` (a CPU tensor; used as a graph input, not copied:
-    do not change it in place before the step that reads it has run)."""
-    return load().from_cpu(value.detach())
+    do not change it in place before the step that reads it has run).  A step never writes into
+    ``value``: an in-place update of the native tensor gives it a buffer of its own."""
+    return load().from_cpu(value.detach(), borrowed=True)
 
 
 def cpu(x: torch.Tensor) -> torch.Tensor:
@@ -166,16 +167,17 @@ def mark_step() -> Any:
     t0 = time.perf_counter()
     results = exe([values[k] for k in conv.picks])
     metrics.executed(time.perf_counter() - t0)  # (graphs_executed, execute_s)
-    seen: set[int] = {id(v) for v in values if isinstance(v, torch.Tensor)}
-    outs = []
-    for val in results:
-        if id(val) in seen:  # never let two storages share a buffer (as lazy/trace.py)
-            val = val.clone()
-        seen.add(id(val))
-        outs.append(val)
-    c.assign(outs)
-    update_peak()
+    _assign(c, results)
     return c
+
+
+def _assign(c: Any, results: Any) -> None:
+    """The live storages take the step's results.  An updated storage that came into the step as
+    a graph input got its new value written into its own buffer by the graph (a ``writeback``,
+    ``convert.py``): it keeps that buffer; a result sharing a buffer with an input or another
+    result is copied (the recorder's ``Cut.assign``)."""
+    c.assign(list(results))
+    update_peak()
 
 
 def python_ops() -> dict[str, int]:

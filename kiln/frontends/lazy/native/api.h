@@ -68,13 +68,15 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
   }
 }
 
-at::Tensor from_cpu(const at::Tensor& t, bool aliased) {
+// `borrowed`: `t` is the caller's tensor (`native.tensor`), which a step must not write into.
+at::Tensor from_cpu(const at::Tensor& t, bool aliased, bool borrowed) {
   TORCH_CHECK(t.device().is_cpu() && !t.requires_grad(),
               "kiln native recorder: from_cpu takes a CPU tensor that does not require grad");
   std::lock_guard<std::mutex> lock(mu);
   auto st = std::make_shared<Storage>();
   st->data = t;
   st->aliased = aliased;
+  st->borrowed = borrowed;
   const int32_t geo = intern_geo(t.sizes(), t.strides(), t.storage_offset(), t.scalar_type());
   st->geo = geo;
   note_holding(st);
@@ -265,6 +267,7 @@ bool upload(const at::Tensor& dst, const at::Tensor& src) {
   data.copy_(src);
   Storage& st = *x->st;
   st.data = std::move(data);
+  st.borrowed = false;
   st.pending = false;
   st.node = -1;
   st.gen = -1;

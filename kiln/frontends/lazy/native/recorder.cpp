@@ -89,7 +89,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil());
   m.def("set_foreach_hooks", &set_foreach_hooks);
   m.def("foreach_calls", [] { return n_foreach.load(); });
-  m.def("from_cpu", &from_cpu, py::arg("t"), py::arg("aliased") = false, nogil());
+  m.def("from_cpu", &from_cpu, py::arg("t"), py::arg("aliased") = false,
+        py::arg("borrowed") = false, nogil());
   m.def("value", &value, nogil());
   m.def("is_native", [](const at::Tensor& t) { return native_of(t) != nullptr; });
   m.def("recipe_info", &recipe_info);
@@ -129,6 +130,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("is_new", &Cut::is_new)
       .def_readonly("hash", &Cut::hash)
       .def_readonly("outputs", &Cut::outs)
+      .def_readonly("writes", &Cut::writes)
       .def("nodes", &Cut::nodes)
       .def("values", &Cut::values)
       .def("assign", &Cut::assign, nogil());

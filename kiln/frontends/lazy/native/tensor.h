@@ -68,6 +68,12 @@ struct Storage {
   bool aliased = false;
   // an aliased storage views this one's buffer: for the same reason, its value stays in it
   bool lent = false;
+  // `data` is the caller's own CPU tensor (`native.tensor(t)`): a step never writes into it
+  bool borrowed = false;
+  // the graph-input node that reads `data` in trace `gen` (-1: none).  A pending storage with
+  // one gets its new value written into `data` by the step (a writeback; cut.h), so that its
+  // buffer -- a parameter's, an optimizer state's -- keeps its address across steps
+  int32_t input = -1;
 };
 
 // Storages that hold data (from_cpu, uploads, step results), weakly, for the kiln device's
