@@ -199,3 +199,84 @@ def test_a_step_never_writes_into_a_tensor_given_to_native_tensor():
         kiln.mark_step()
     torch.testing.assert_close(t, keep)
     torch.testing.assert_close(native.cpu(x), keep + 2)
+
+
+# -- writes through views: functional + write-back through the view chain (no forced sync) -------
+
+VIEW_WRITES: dict[str, Callable] = {
+    "select-copy": lambda x, y: x[:, 0].copy_(y[:, 1]),
+    "slice-setitem": lambda x, y: x.__setitem__((slice(1, 3),), y[:2]),
+    "transposed-slice-chain": lambda x, y: x.t()[1:3].mul_(3).add_(1),
+    "diagonal-zero": lambda x, y: x.diagonal().zero_(),
+    "view-slice": lambda x, y: x.view(-1)[3:9].mul_(-2),
+    "unsqueeze-permute-select": lambda x, y: x.unsqueeze(0).permute(2, 0, 1)[1].sub_(y[0, 1]),
+    "split-fill": lambda x, y: x.split(2, dim=1)[1].fill_(-1),
+    "unbind-add": lambda x, y: x.unbind(0)[2].add_(100),
+    "strided-slice": lambda x, y: x[::2, 1::2].add_(y[::2, : x.shape[1] // 2]),
+    "size-0-slice": lambda x, y: x[2:2].add_(1),
+}
+
+
+@pytest.mark.parametrize("name", list(VIEW_WRITES))
+def test_writes_through_views_are_recorded_and_seen_by_every_alias(name):
+    torch.manual_seed(7)
+    x, y = torch.randn(5, 5), torch.randn(5, 5)
+    lx, ly = x.to(dev), y.to(dev)
+    kiln.mark_step()
+    alias, other_view = lx.detach(), lx.t()[0]
+    before = lx * 1.0  # recorded before the write: the old value
+    metrics.reset()
+    writes = metrics.get("native_inplace_writes")
+    want_before = x.clone()
+    VIEW_WRITES[name](x, y)
+    VIEW_WRITES[name](lx, ly)
+    assert metrics.counters().get("forced_syncs", 0) == 0
+    assert not metrics.counters().get("fallbacks")  # nothing ran on the values
+    assert metrics.get("native_inplace_writes") > writes
+    kiln.mark_step()
+    torch.testing.assert_close(lx.cpu(), x)
+    torch.testing.assert_close(alias.cpu(), x)
+    torch.testing.assert_close(other_view.cpu(), x.t()[0])
+    torch.testing.assert_close(before.cpu(), want_before)
+
+
+def test_a_write_through_a_view_of_a_parameter_keeps_its_buffer():
+    w0 = torch.randn(4, 3)
+    w = w0.to(dev)
+    kiln.mark_step()
+    ptr = w.data_ptr()
+    ref = w0.clone()
+    for _ in range(3):
+        w[1].mul_(2)
+        w.t()[2].add_(0.5)
+        kiln.mark_step()
+        ref[1].mul_(2)
+        ref.t()[2].add_(0.5)
+        torch.testing.assert_close(w.cpu(), ref)
+        assert w.data_ptr() == ptr
+
+
+def test_writes_through_views_without_an_inverse_run_on_the_values():
+    """``unfold`` has no inverse rule: the write runs on the values (counted), still eager's
+    result; a write through ``expand`` raises eager's error."""
+    x = torch.randn(6, 3)
+    lx = x.to(dev)
+    metrics.reset()
+    x.unfold(0, 2, 2).mul_(2)
+    lx.unfold(0, 2, 2).mul_(2)
+    assert metrics.counters()["fallbacks"].get("mul_") == 1
+    torch.testing.assert_close(lx.cpu(), x)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        torch.randn(1, 3).expand(4, 3).add_(1)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        lx[:1].expand(4, 3).add_(1)
+
+
+def test_a_write_through_a_view_of_a_non_contiguous_base():
+    x = torch.randn(4, 6).t()  # (6, 4), column-major
+    lx = x.to(dev)
+    assert lx.stride() == x.stride()
+    lx[1:4, 2].mul_(-1)
+    x[1:4, 2].mul_(-1)
+    torch.testing.assert_close(lx.cpu(), x)
+    assert lx.stride() == x.stride()

@@ -306,6 +306,26 @@ bool writable(const at::Tensor& dst) {
   return writable_locked(native_of(dst));
 }
 
+// A view's way back to its storage (stage 3, writes through views): the base (a new tensor over
+// the whole storage, its geometry, no chain) and the view recipes from it to `t`.  None for a
+// storage a write cannot take a recorded value into (aliased, lent).
+py::object view_chain(const at::Tensor& t) {
+  at::Tensor base;
+  std::vector<int32_t> chain;
+  {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu);
+    NativeImpl* x = native_of(t);
+    TORCH_CHECK(x, "kiln native recorder: not a native kiln tensor");
+    if (!x->st->aliased && !x->st->lent) {
+      base = make_tensor(x->st, {}, x->st->geo);
+      chain = x->chain;
+    }
+  }
+  if (!base.defined()) return py::none();
+  return py::make_tuple(base, chain);
+}
+
 // `dst`'s storage takes the value of `src` (the functional result of an in-place op, same
 // geometry) as its pending value in this trace: nodes recorded before read the old value,
 // everything recorded after (`dst`, its aliases and views) the new one; the cut computes it as an

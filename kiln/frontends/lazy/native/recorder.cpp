@@ -103,6 +103,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("writable", &writable, nogil());
   m.def("lend", &lend, nogil());
   m.def("write_back", &write_back, nogil());
+  m.def("view_chain", &view_chain);
   m.def("held_bytes", &held_bytes, nogil());
   m.def("python_calls", [] { return n_python.load(); });
   m.def("geo_of", [](const at::Tensor& t) -> int64_t {
