@@ -69,8 +69,10 @@ def test_default_optimizers_update_parameters_and_state_in_place(name, set_to_no
     kiln.mark_step()
     params = list(lz.parameters())
     ptrs = None
-    copies = metrics.get("input_update_copies")
+    copies = 0
     for i in range(4):
+        if i == 2:
+            copies = metrics.get("input_update_copies")
         torch.manual_seed(10 + i)
         x = torch.randn(5, 6)
         for m, o, xx in ((ref, opt_r, x), (lz, opt_l, x.to(dev))):
@@ -95,8 +97,10 @@ def test_default_optimizers_update_parameters_and_state_in_place(name, set_to_no
         for k, v in sa.items():
             if isinstance(v, torch.Tensor):
                 torch.testing.assert_close(sb[k].cpu(), v, msg=f"state {k}")
-    # the updates are computed into the parameters' own buffers (the memory plan), not copied
-    assert metrics.get("input_update_copies") - copies < len(ptrs) * 4
+    # steady steps compute every parameter and state update into its own buffer (the memory
+    # plan): nothing copied; zeroed gradients (a fill, not a pointwise kernel) may be copied in
+    allowed = 0 if set_to_none else 2 * len(params)
+    assert metrics.get("input_update_copies") - copies <= allowed
 
 
 def test_an_updated_tensor_read_before_and_after_the_update():
