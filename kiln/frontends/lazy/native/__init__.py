@@ -41,6 +41,7 @@ __all__ = [
     "available",
     "cpu",
     "graph_of",
+    "last_graph",
     "load",
     "mark_step",
     "python_ops",
@@ -177,7 +178,16 @@ def _assign(c: Any, results: Any) -> None:
     ``convert.py``): it keeps that buffer; a result sharing a buffer with an input or another
     result is copied (the recorder's ``Cut.assign``)."""
     c.assign(list(results))
+    _last_graph[0] = c.graph_id
     update_peak()
+
+
+_last_graph = [-1]  # the native graph id of the last step run
+
+
+def last_graph() -> Any:
+    """The Kiln IR graph of the last native step run (tests, tools), or None."""
+    return _graphs[_last_graph[0]].graph if _last_graph[0] in _graphs else None
 
 
 def python_ops() -> dict[str, int]:
