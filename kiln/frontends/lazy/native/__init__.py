@@ -138,7 +138,9 @@ def tensor(value: torch.Tensor) -> torch.Tensor:
 
 
 def cpu(x: torch.Tensor) -> torch.Tensor:
-    """The CPU value of a native tensor whose step has run (``mark_step``)."""
+    """The CPU value of a native tensor whose step has run (``mark_step``): its storage's buffer
+    (a view of it), not a copy -- a later step that updates ``x`` in place writes into it, as into
+    an eager tensor's storage (``x.cpu()`` on the kiln device copies)."""
     return load().value(x)
 
 
