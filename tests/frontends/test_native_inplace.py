@@ -73,6 +73,7 @@ def test_default_optimizers_update_parameters_and_state_in_place(name, set_to_no
     for i in range(4):
         if i == 2:
             copies = metrics.get("input_update_copies")
+            compiled = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
         torch.manual_seed(10 + i)
         x = torch.randn(5, 6)
         for m, o, xx in ((ref, opt_r, x), (lz, opt_l, x.to(dev))):
@@ -101,6 +102,8 @@ def test_default_optimizers_update_parameters_and_state_in_place(name, set_to_no
     # plan): nothing copied; zeroed gradients (a fill, not a pointwise kernel) may be copied in
     allowed = 0 if set_to_none else 2 * len(params)
     assert metrics.get("input_update_copies") - copies <= allowed
+    # the steady step's graph is recognised and reused (not compiled or loaded again)
+    assert metrics.get("graphs_compiled") + metrics.get("cache_hits_disk") == compiled
 
 
 def test_an_updated_tensor_read_before_and_after_the_update():
