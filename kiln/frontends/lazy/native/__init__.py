@@ -47,6 +47,7 @@ __all__ = [
     "available",
     "cpu",
     "graph_of",
+    "last_graph",
     "load",
     "mark_step",
     "python_ops",
@@ -158,12 +159,15 @@ def held_bytes() -> int:
 
 def tensor(value: torch.Tensor) -> torch.Tensor:
     """A native kiln tensor holding ``value`` (a CPU tensor; used as a graph input, not copied:
-    do not change it in place before the step that reads it has run)."""
-    return load().from_cpu(value.detach())
+    do not change it in place before the step that reads it has run).  A step never writes into
+    ``value``: an in-place update of the native tensor gives it a buffer of its own."""
+    return load().from_cpu(value.detach(), borrowed=True)
 
 
 def cpu(x: torch.Tensor) -> torch.Tensor:
-    """The CPU value of a native tensor whose step has run (``mark_step``)."""
+    """The CPU value of a native tensor whose step has run (``mark_step``): its storage's buffer
+    (a view of it), not a copy -- a later step that updates ``x`` in place writes into it, as into
+    an eager tensor's storage (``x.cpu()`` on the kiln device copies)."""
     return load().value(x)
 
 
@@ -188,16 +192,8 @@ def mark_step(forced: bool = False) -> Any:
         return None
     values = c.values()
     results, compiled = _run(mod, c, values)
-    seen: set[int] = {id(v) for v in values if isinstance(v, torch.Tensor)}
-    outs = []
-    for val in results:
-        if id(val) in seen:  # never let two storages share a buffer (as lazy/trace.py)
-            val = val.clone()
-        seen.add(id(val))
-        outs.append(val)
-    c.assign(outs)
-    del values, results, outs
-    update_peak()
+    _assign(c, results)
+    del values, results
     if compiled:
         settle_heap()  # config.gc_freeze; one process-wide cap shared with the Python recorder
     if not forced:
@@ -236,6 +232,25 @@ def _run(mod: ModuleType, c: Any, values: list[Any]) -> tuple[list[Any], bool]:
     results = exe(args)
     metrics.executed(time.perf_counter() - t0)  # (graphs_executed, execute_s)
     return results, compiled
+
+
+def _assign(c: Any, results: Any) -> None:
+    """The live storages take the step's results.  An updated storage that came into the step as
+    a graph input got its new value written into its own buffer by the graph (a ``writeback``,
+    ``convert.py``): it keeps that buffer; a result sharing a buffer with an input or another
+    result is copied (the recorder's ``Cut.assign``)."""
+    c.assign(list(results))
+    _last_graph[0] = c.graph_id
+    update_peak()
+
+
+_last_graph = [-1]  # the native graph id of the last step run
+
+
+def last_graph() -> Any:
+    """The Kiln IR graph of the last native step run (tests, tools), or None."""
+    e = _graphs.get(_last_graph[0])
+    return e.conv.graph if e is not None else None
 
 
 def python_ops() -> dict[str, int]:

@@ -68,13 +68,15 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
   }
 }
 
-at::Tensor from_cpu(const at::Tensor& t, bool aliased) {
+// `borrowed`: `t` is the caller's tensor (`native.tensor`), which a step must not write into.
+at::Tensor from_cpu(const at::Tensor& t, bool aliased, bool borrowed) {
   TORCH_CHECK(t.device().is_cpu() && !t.requires_grad(),
               "kiln native recorder: from_cpu takes a CPU tensor that does not require grad");
   std::lock_guard<std::mutex> lock(mu);
   auto st = std::make_shared<Storage>();
   st->data = t;
   st->aliased = aliased;
+  st->borrowed = borrowed;
   const int32_t geo = intern_geo(t.sizes(), t.strides(), t.storage_offset(), t.scalar_type());
   st->geo = geo;
   note_holding(st);
@@ -265,6 +267,7 @@ bool upload(const at::Tensor& dst, const at::Tensor& src) {
   data.copy_(src);
   Storage& st = *x->st;
   st.data = std::move(data);
+  st.borrowed = false;
   st.pending = false;
   st.node = -1;
   st.gen = -1;
@@ -301,6 +304,26 @@ void lend(const at::Tensor& t) {
 bool writable(const at::Tensor& dst) {
   std::lock_guard<std::mutex> lock(mu);
   return writable_locked(native_of(dst));
+}
+
+// A view's way back to its storage (stage 3, writes through views): the base (a new tensor over
+// the whole storage, its geometry, no chain) and the view recipes from it to `t`.  None for a
+// storage a write cannot take a recorded value into (aliased, lent).
+py::object view_chain(const at::Tensor& t) {
+  at::Tensor base;
+  std::vector<int32_t> chain;
+  {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu);
+    NativeImpl* x = native_of(t);
+    TORCH_CHECK(x, "kiln native recorder: not a native kiln tensor");
+    if (!x->st->aliased && !x->st->lent) {
+      base = make_tensor(x->st, {}, x->st->geo);
+      chain = x->chain;
+    }
+  }
+  if (!base.defined()) return py::none();
+  return py::make_tuple(base, chain);
 }
 
 // `dst`'s storage takes the value of `src` (the functional result of an in-place op, same

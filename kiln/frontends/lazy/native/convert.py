@@ -18,8 +18,10 @@ import torch
 
 from kiln import metrics
 from kiln.frontends.lazy.trace import prune_nodes
-from kiln.ir.graph import Graph, In, Node, TensorType
+from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType
+from kiln.ir.ops import fresh_buffer
 from kiln.lowering.aten import op_name
+from kiln.runtime.writebacks import Update, add_writebacks
 
 _MEMORY_FORMATS = (
     torch.contiguous_format,
@@ -98,7 +100,8 @@ def convert(mod: Any, cut: Any) -> Converted:
     """The Kiln graph of a cut trace (``mod``: the recorder extension)."""
     raw = cut.nodes()
     values = cut.values()
-    nodes: list[Node] = []
+    b = GraphBuilder()
+    nodes = b.nodes
     n_inputs = 0
     for head, ins in raw:
         if head == INPUT:
@@ -115,7 +118,48 @@ def convert(mod: Any, cut: Any) -> Converted:
             if t.fallback is not None:
                 metrics.fallback(t.fallback)
             nodes.append(Node(t.op, tuple(ins), t.args, t.kwargs, t.types))
-    return _prune(nodes, list(cut.outputs))
+    outs = _writebacks(b, list(cut.outputs), list(cut.writes))
+    return _prune(nodes, outs)
+
+
+def _writebacks(b: GraphBuilder, outs: list[int], writes: list[int]) -> list[int]:
+    """The graph's outputs with write-backs: a storage that came into the trace as graph input
+    ``writes[k]`` (>= 0) and got a freshly computed value ``outs[k]`` gets a ``writeback`` of it
+    into that input's buffer, so that the buffer (a parameter's, an optimizer state's) keeps its
+    address and the kernel computing the value can write it there (:mod:`kiln.runtime.writebacks`,
+    the memory plan).  Not when another output may alias that input (an input returned as is, or
+    a view of it: it must keep the old value), nor for a source that may alias an input or a type
+    that differs (``add_writebacks``): then the storage takes the result as a new buffer."""
+    nodes = b.nodes
+    roots: list[frozenset[int]] = []  # the graph inputs whose buffer each node's value may be
+    for i, n in enumerate(nodes):
+        if n.op == "input":
+            roots.append(frozenset((i,)))
+        elif n.op == "scalar" or fresh_buffer(n.op, n.category):
+            roots.append(frozenset())
+        else:
+            r: frozenset[int] = frozenset()
+            for j in n.inputs:
+                r |= roots[j]
+            roots.append(r)
+    ok = [
+        w >= 0 and not roots[o] and nodes[o].types == nodes[w].types for o, w in zip(outs, writes)
+    ]
+    kept: set[int] = set()  # inputs some plain output may alias
+    for o, good in zip(outs, ok):
+        if not good:
+            kept |= roots[o]
+    updates: list[Update] = []
+    where: list[int] = []
+    for k, (o, w) in enumerate(zip(outs, writes)):
+        if ok[k] and w not in kept:
+            updates.append(Update(w, o, True))
+            where.append(k)
+    outs = list(outs)
+    for k, wb in zip(where, add_writebacks(b, updates, clone_aliased=False)):
+        if wb is not None:
+            outs[k] = wb
+    return outs
 
 
 def _prune(nodes: list[Node], outs: list[int]) -> Converted:

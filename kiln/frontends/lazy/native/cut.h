@@ -12,6 +12,7 @@ namespace {
 struct Seen {
   std::vector<int64_t> keys;
   std::vector<int64_t> outs;
+  std::vector<int64_t> writes;
   int64_t id;
   int32_t n_nodes;
 };
@@ -42,6 +43,9 @@ struct Cut {
   Trace trace;                               // the cut trace (nodes kept only when new)
   std::vector<std::shared_ptr<Storage>> live;  // storages whose values the graph computes
   std::vector<int64_t> outs;                 // their nodes, in node order
+  // per output: the graph-input node holding its storage's buffer, which the graph may write the
+  // new value into (a writeback, convert.py), or -1 (the storage takes the result as a new buffer)
+  std::vector<int64_t> writes;
 
   py::list nodes() const {
     py::list out;
@@ -67,13 +71,30 @@ struct Cut {
     return out;
   }
 
+  // Each live storage takes its result.  A result that is the storage's own buffer (a
+  // writeback wrote the new value into it) stays as it is; any other result whose buffer is a
+  // graph input's or an earlier result's is copied, so that no two storages share a buffer (a
+  // later writeback into one would change the other; as lazy/trace.py's sync).
   void assign(const std::vector<at::Tensor>& results) {
     std::lock_guard<std::mutex> lock(mu);
     TORCH_CHECK(results.size() == live.size(), "kiln native recorder: ", live.size(),
                 " results expected, got ", results.size());
+    std::unordered_set<const void*> taken;
+    auto buffer = [](const at::Tensor& t) -> const void* {
+      return t.defined() && t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+    };
+    for (const IValue& v : trace.values)
+      if (v.isTensor()) taken.insert(buffer(v.toTensor()));
     for (size_t i = 0; i < live.size(); ++i) {
       Storage& st = *live[i];
-      st.data = laid_out(results[i], st.geo);
+      at::Tensor r = results[i];
+      const void* b = buffer(r);
+      if (b && !(st.data.defined() && r.unsafeGetTensorImpl() == st.data.unsafeGetTensorImpl())) {
+        if (!taken.insert(b).second) r = r.clone(at::MemoryFormat::Preserve);
+        taken.insert(buffer(r));
+        st.borrowed = false;  // a buffer of the step's own
+      }
+      st.data = laid_out(r, st.geo);
       st.pending = false;
       st.node = -1;
       st.gen = -1;
@@ -98,11 +119,17 @@ std::shared_ptr<Cut> cut() {
   for (auto& st : c->live) {
     c->outs.push_back(st->node);
     h = mix(h, static_cast<uint64_t>(st->node) ^ 0x6f7574ULL);
+    // its buffer, when it came in as a graph input and may take the new value (take_value_locked)
+    const bool own = st->input >= 0 && st->input != st->node && st->data.defined() &&
+                     !st->borrowed && !st->aliased && !st->lent;
+    c->writes.push_back(own ? st->input : -1);
+    h = mix(h, static_cast<uint64_t>(c->writes.back()) ^ 0x7772ULL);
   }
   c->hash = h;
   auto& bucket = seen[h];
   for (const Seen& s : bucket) {
-    if (s.n_nodes == trace.size() && s.keys == trace.keys && s.outs == c->outs) {
+    if (s.n_nodes == trace.size() && s.keys == trace.keys && s.outs == c->outs &&
+        s.writes == c->writes) {
       c->graph_id = s.id;
       break;
     }
@@ -110,7 +137,7 @@ std::shared_ptr<Cut> cut() {
   if (c->graph_id < 0 && !c->live.empty()) {
     c->graph_id = n_graphs++;
     c->is_new = true;
-    bucket.push_back(Seen{trace.keys, c->outs, c->graph_id, trace.size()});
+    bucket.push_back(Seen{trace.keys, c->outs, c->writes, c->graph_id, trace.size()});
   }
   int64_t gen = trace.gen;
   c->trace = std::move(trace);

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from kiln import metrics
 from kiln.config import config
 from kiln.frontends.lazy.foreach import record_split
-from kiln.frontends.lazy.native import convert
+from kiln.frontends.lazy.native import convert, viewwrite
 from kiln.frontends.lazy.shapes import infer_typed
 from kiln.frontends.lazy.tensor import _BIT_VIEWS, _facts, _with_defaults
 from kiln.ir.graph import In
@@ -260,16 +260,25 @@ class Handler:
         return all(m.shape == t.shape and m.stride() == t.stride() for m, t in zip(metas, targets))
 
     def inplace(self, op: _Op, args: tuple, kwargs: dict) -> Any:
-        """Stage 3, whole storages: an in-place op (``add_``, ``copy_``, ``_foreach_mul_``, ...)
-        recorded as its functional variant, each written tensor's storage then taking the result
-        as its new pending value (``write_back``: no sync; ops recorded before read the old value).
-        ``_NOT_DONE`` when a written tensor is a view (a chain to write back through), or the
-        result's geometry is not the target's: the caller runs the op on the values instead."""
+        """Stage 3: an in-place op (``add_``, ``copy_``, ``_foreach_mul_``, ...) recorded as its
+        functional variant, each written tensor's storage then taking the result as its new
+        pending value (``write_back``: no sync; ops recorded before read the old value).  One
+        written view is written back through its chain (``viewwrite``).  ``_NOT_DONE`` when a
+        written tensor is neither (several views, a storage shared with a view made on the
+        values, a link with no inverse) or the result's geometry is not the target's: the caller
+        runs the op on the values instead."""
         func = op.func
         targets = _written(op, args, kwargs)
         writable = self.mod.writable
-        if not targets or not all(isinstance(t, torch.Tensor) and writable(t) for t in targets):
+        if not targets or not all(isinstance(t, torch.Tensor) for t in targets):
             return _NOT_DONE
+        through = None  # a written view: its base and chain
+        if not all(writable(t) for t in targets):
+            if len(targets) != 1 or not self.mod.is_native(targets[0]):
+                return _NOT_DONE
+            through = viewwrite.chain_of(self.mod, targets[0])
+            if through is None:
+                return _NOT_DONE
         fn = op.facts.functional
         out = fn(*args, **_with_defaults(func, fn, args, kwargs))
         outs = list(out) if isinstance(out, (list, tuple)) else [out]
@@ -281,6 +290,11 @@ class Handler:
                 return _NOT_DONE
             if v.dtype != t.dtype:
                 v = v.to(t.dtype)
+            if through is not None and v.shape == t.shape:
+                if not viewwrite.write_through(self.mod, through[0], through[1], v):
+                    return _NOT_DONE
+                metrics.incr("native_inplace_writes")
+                return args[0] if func._schema.returns else None
             if self.mod.geo_of(v) != self.mod.geo_of(t):
                 return _NOT_DONE
             vals.append(v)

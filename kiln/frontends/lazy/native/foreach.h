@@ -42,12 +42,7 @@ bool writable_locked(NativeImpl* x) {
 // `d`'s storage takes `s`'s value as its pending value in this trace.  Under `mu`; `d` writable,
 // the geometries equal (checked by the caller).
 void write_back_locked(NativeImpl* d, NativeImpl* s) {
-  int32_t node = read(s);
-  auto& st = d->st;
-  st->gen = trace.gen;
-  st->node = node;
-  st->pending = true;
-  trace.pending.emplace_back(st);
+  take_value_locked(d->st, read(s));
 }
 
 // Registers one foreach overload; false when its schema is not the shape this path handles

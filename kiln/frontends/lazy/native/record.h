@@ -9,6 +9,25 @@ namespace {
 
 thread_local std::vector<int64_t> sig_buf;
 
+// Stage 3: storage `st` takes `node` (recorded in this trace) as its pending value -- an in-place
+// write recorded as functional + write-back.  Nodes recorded before read the old value.  When
+// the storage holds a buffer the recorder may write into (not the caller's own tensor, not
+// shared with a view made on the values) it comes into the trace as a graph input if it is not
+// one yet, so that the cut can have the step write the new value into that buffer (a writeback:
+// its address stays, no new buffer per step).  Under `mu`.
+void take_value_locked(const std::shared_ptr<Storage>& st, int32_t node) {
+  if (st->gen != trace.gen) {
+    st->input = -1;
+    if (st->data.defined() && !st->borrowed && !st->aliased && !st->lent) {
+      st->input = add_input(IValue(st->data), st->geo);
+    }
+  }
+  st->gen = trace.gen;
+  st->node = node;
+  st->pending = true;
+  trace.pending.emplace_back(st);
+}
+
 void to_python(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
 void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {

@@ -89,7 +89,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil());
   m.def("set_foreach_hooks", &set_foreach_hooks);
   m.def("foreach_calls", [] { return n_foreach.load(); });
-  m.def("from_cpu", &from_cpu, py::arg("t"), py::arg("aliased") = false, nogil());
+  m.def("from_cpu", &from_cpu, py::arg("t"), py::arg("aliased") = false,
+        py::arg("borrowed") = false, nogil());
   m.def("value", &value, nogil());
   m.def("is_native", [](const at::Tensor& t) { return native_of(t) != nullptr; });
   m.def("recipe_info", &recipe_info);
@@ -102,6 +103,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("writable", &writable, nogil());
   m.def("lend", &lend, nogil());
   m.def("write_back", &write_back, nogil());
+  m.def("view_chain", &view_chain);
   m.def("held_bytes", &held_bytes, nogil());
   m.def("python_calls", [] { return n_python.load(); });
   m.def("geo_of", [](const at::Tensor& t) -> int64_t {
@@ -129,6 +131,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("is_new", &Cut::is_new)
       .def_readonly("hash", &Cut::hash)
       .def_readonly("outputs", &Cut::outs)
+      .def_readonly("writes", &Cut::writes)
       .def("nodes", &Cut::nodes)
       .def("values", &Cut::values)
       .def("assign", &Cut::assign, nogil());

@@ -68,6 +68,13 @@ struct Storage {
   bool aliased = false;
   // an aliased storage views this one's buffer: for the same reason, its value stays in it
   bool lent = false;
+  // `data` is the caller's own CPU tensor (`native.tensor(t)`): a step never writes into it
+  bool borrowed = false;
+  // the graph-input node that reads `data` in trace `gen` (-1: none).  A pending storage with
+  // one gets its new value written into `data` by the step (a writeback; cut.h), so that its
+  // buffer -- a parameter's, an optimizer state's -- keeps its address across steps
+  int32_t input = -1;
+  bool held = false;  // listed in `holding`
 };
 
 // Storages that hold data (from_cpu, uploads, step results), weakly, for the kiln device's
@@ -76,6 +83,8 @@ std::vector<std::weak_ptr<Storage>> holding;
 size_t holding_live = 0;
 
 void note_holding(const std::shared_ptr<Storage>& st) {
+  if (st->held) return;  // listed once for its life (a parameter is assigned every step)
+  st->held = true;
   holding.emplace_back(st);
   if (holding.size() > 1024 && holding.size() > 4 * holding_live) {
     holding.erase(std::remove_if(holding.begin(), holding.end(),

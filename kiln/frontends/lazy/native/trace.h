@@ -88,6 +88,7 @@ int32_t read(NativeImpl* x) {
     node = add_input(IValue(st.data), st.geo);
     st.gen = trace.gen;
     st.node = node;
+    st.input = node;
     st.pending = false;
   }
   for (int32_t r : x->chain) {
