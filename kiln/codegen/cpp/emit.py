@@ -129,8 +129,17 @@ def _mode(shape: tuple, it: tuple) -> str:
 
 def emit_kernel(name: str, node: Node, in_types: list) -> tuple[str, KernelSpec]:
     """C++ source and call spec for one ``fused`` node; ``in_types`` = its inputs' types."""
+    spec = kernel_spec(name, node, in_types)
+    return emit_flat(spec, node, in_types), spec
+
+
+def kernel_spec(name: str, node: Node, in_types: list) -> KernelSpec:
+    """The call spec of the kernel for one ``fused`` node, before any source is emitted: its
+    inputs' modes, scalars and rounding (``out_kinds`` and ``out_dtypes`` are filled in by the
+    emitter that writes the source: :func:`emit_flat`, or the lane form of
+    :mod:`kiln.codegen.cpp.lanes`)."""
     kernel = FusedKernel.of(node)
-    kind, shape, body, outs = kernel.kind, kernel.shape, kernel.body, kernel.outputs
+    kind, shape, body = kernel.kind, kernel.shape, kernel.body
     rank = len(shape)
     tensor_inputs, modes, scalars = [], [], []
     strided = set(kernel.strided)
@@ -146,6 +155,14 @@ def emit_kernel(name: str, node: Node, in_types: list) -> tuple[str, KernelSpec]
         name, kind, rank, shape, tensor_inputs, modes, scalars, [], members=kernel.members
     )
     spec.sr = rounding.enabled() and any(e[3] in lowp.LOWP for e in body)
+    return spec
+
+
+def emit_flat(spec: KernelSpec, node: Node, in_types: list) -> str:
+    """The kernel's source as one loop nest over its whole body (``spec`` from
+    :func:`kernel_spec`; its ``out_kinds``, ``out_dtypes`` and ``source`` are filled in)."""
+    kernel = FusedKernel.of(node)
+    kind, body, outs = kernel.kind, kernel.body, kernel.outputs
     e = _Emitter(spec, node, in_types, body, outs)
     src = e.source()
     math = any(op.split(".", 1)[0] in WIDE_VECTOR_OPS for op, *_ in body)
@@ -153,7 +170,7 @@ def emit_kernel(name: str, node: Node, in_types: list) -> tuple[str, KernelSpec]
     if (math and kind in (LoopKind.POINTWISE, LoopKind.COLS)) or wide_row:
         src = src.replace('extern "C" ', 'extern "C" ' + WIDE_VECTORS, 1)
     spec.source = src
-    return src, spec
+    return src
 
 
 class _Emitter:
