@@ -2,6 +2,7 @@
 
     python bench/compile_split.py --workloads gpt2,llama-large,bert
     python bench/compile_split.py --workloads mlp --quick
+    python bench/compile_split.py --workloads gpt2 --nested-graph-breaks   # Dynamo's option on
 
 Each workload runs in its own process with empty Kiln and Inductor caches (a temporary folder, as
 bench/compile_stages.py).  The process compiles ``torch.compile(step, backend="kiln")`` and runs
@@ -36,10 +37,13 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def child(name: str, quick: bool, repeat: int) -> None:
-    """Measure one workload in this process (its caches set by the parent) and print the report."""
+def child(name: str, quick: bool, repeat: int, nested: bool = False) -> None:
+    """Measure one workload in this process (its caches set by the parent) and print the report;
+    ``nested``: Dynamo's ``nested_graph_breaks`` on (torch's default is off)."""
     sys.path.insert(0, ROOT)
     import torch
+
+    torch._dynamo.config.nested_graph_breaks = nested
 
     from bench.run import make_step
     from bench.workloads import build
@@ -141,10 +145,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny sizes")
     ap.add_argument("--repeat", type=int, default=5, help="runs of Kiln's stages per graph")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
+    ap.add_argument(
+        "--nested-graph-breaks",
+        action="store_true",
+        help="torch._dynamo.config.nested_graph_breaks = True (a graph break in a nested call "
+        "resumes there instead of re-tracing each enclosing frame)",
+    )
     ap.add_argument("--child", default="", help="internal: measure this workload in-process")
     a = ap.parse_args(argv)
     if a.child:
-        child(a.child, a.quick, a.repeat)
+        child(a.child, a.quick, a.repeat, a.nested_graph_breaks)
         return
     for name in a.workloads.split(","):
         with tempfile.TemporaryDirectory(prefix="kiln-split-") as cache:
@@ -155,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             }
             cmd = [sys.executable, os.path.abspath(__file__), "--child", name]
             cmd += ["--repeat", str(a.repeat)] + (["--quick"] if a.quick else [])
+            cmd += ["--nested-graph-breaks"] if a.nested_graph_breaks else []
             p = subprocess.run(
                 cmd, env=env, capture_output=True, text=True, timeout=a.timeout, check=False
             )
