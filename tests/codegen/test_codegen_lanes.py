@@ -105,12 +105,13 @@ def test_lane_kernel_is_emitted_without_the_flat_source(monkeypatch):
     """A lane kernel's flat source is never made; its source is the lane form of the spec the flat
     emitter would have filled in (as when lanes were made from the flat kernel's spec)."""
     from kiln.codegen import cpp
-    from kiln.codegen.cpp.emit import emit_kernel
+    from kiln.codegen.cpp.emit import emit_flat, kernel_spec
 
     g = fuse(_lanes_graph((7, 13)))
     node = next(n for n in g.nodes if n.op == "fused")
     in_types = [g.nodes[j].types[0] for j in node.inputs]
-    _, old_spec = emit_kernel("KILN_KERNEL", node, in_types)  # flat first, then lanes
+    old_spec = kernel_spec("KILN_KERNEL", node, in_types)
+    emit_flat(old_spec, node, in_types)  # flat first (fills the spec in), then lanes, as before
     old_src = lanes.lane_kernel(old_spec, node, in_types, cpp._input_slots(g, node))
     flat_calls = []
 

@@ -127,17 +127,10 @@ def _mode(shape: tuple, it: tuple) -> str:
     return "bcast"  # last dim broadcast: one value per row
 
 
-def emit_kernel(name: str, node: Node, in_types: list) -> tuple[str, KernelSpec]:
-    """C++ source and call spec for one ``fused`` node; ``in_types`` = its inputs' types."""
-    spec = kernel_spec(name, node, in_types)
-    return emit_flat(spec, node, in_types), spec
-
-
 def kernel_spec(name: str, node: Node, in_types: list) -> KernelSpec:
-    """The call spec of the kernel for one ``fused`` node, before any source is emitted: its
-    inputs' modes, scalars and rounding (``out_kinds`` and ``out_dtypes`` are filled in by the
-    emitter that writes the source: :func:`emit_flat`, or the lane form of
-    :mod:`kiln.codegen.cpp.lanes`)."""
+    """The call spec of one ``fused`` node's kernel (``in_types``: its inputs' types), before any
+    source: ``out_kinds``/``out_dtypes`` are filled in by the emitter that writes the source
+    (:func:`emit_flat`, or the lane form of :mod:`kiln.codegen.cpp.lanes`)."""
     kernel = FusedKernel.of(node)
     kind, shape, body = kernel.kind, kernel.shape, kernel.body
     rank = len(shape)
@@ -159,11 +152,11 @@ def kernel_spec(name: str, node: Node, in_types: list) -> KernelSpec:
 
 
 def emit_flat(spec: KernelSpec, node: Node, in_types: list) -> str:
-    """The kernel's source as one loop nest over its whole body (``spec`` from
-    :func:`kernel_spec`; its ``out_kinds``, ``out_dtypes`` and ``source`` are filled in)."""
+    """The kernel's C++ source, one loop nest over its whole body (``spec``: :func:`kernel_spec`'s,
+    its ``out_kinds``, ``out_dtypes`` and ``source`` filled in here)."""
     kernel = FusedKernel.of(node)
-    kind, body, outs = kernel.kind, kernel.body, kernel.outputs
-    e = _Emitter(spec, node, in_types, body, outs)
+    kind, body = kernel.kind, kernel.body
+    e = _Emitter(spec, node, in_types, body, kernel.outputs)
     src = e.source()
     math = any(op.split(".", 1)[0] in WIDE_VECTOR_OPS for op, *_ in body)
     wide_row = kind is LoopKind.ROWS and any(op in WIDE_ROW_OPS for op, *_ in body)
