@@ -36,9 +36,9 @@ import torch
 import torch._functorch.config as functorch_config
 
 import kiln
-import kiln.passes.fuse as fuse_module
 from bench.run import use_cache_dir
 from bench.workloads import build
+from kiln.passes import row_epilogue
 from kiln.runtime.compiler import clear_memory_cache
 from kiln.runtime.malloc import tune_malloc
 
@@ -82,13 +82,13 @@ def main() -> None:
     for name, mode, disable in variants:
         clear_memory_cache()
         kiln.config.update(disable_passes=disable)
-        # not a pass: the fuser's rows epilogues (kiln/passes/fuse.py), off with this name
-        fuse_module.ROW_EPILOGUE = "row_epilogue" not in disable.split(",")
+        # not a pass: the fuser's rows epilogues (kiln/passes/row_epilogue.py), off with this name
+        row_epilogue.ROW_EPILOGUE = "row_epilogue" not in disable.split(",")
         fns[name] = make_step(copy.deepcopy(wl.model), wl.loss, mode, name)
         for _ in range(a.warmup):
             fns[name](*batch).item()
     kiln.config.update(disable_passes="")
-    fuse_module.ROW_EPILOGUE = True
+    row_epilogue.ROW_EPILOGUE = True
     times: dict[str, list[float]] = {n: [] for n in fns}
     # Rotated each step (e n o, n o e, o e n, ...): every variant follows every other one equally
     # often and never itself.  (Alternating forward/reversed order ran "old" and "eager" twice in

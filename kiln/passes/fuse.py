@@ -25,7 +25,7 @@ A ``roll`` along the last dim (:mod:`kiln.passes.rotate`) joins a pointwise grou
 kernel input at a rotated index: never a group that computes its input, one shift per group,
 and no reduction joins a group holding one (the kernel splits its last-dim loop at the shift).
 
-A rows group may take an epilogue (``ROW_EPILOGUE``): elementwise nodes that read its keepdim
+A rows group may take an epilogue (:mod:`kiln.passes.row_epilogue`): elementwise nodes that read its keepdim
 reductions (directly or through other epilogue members), of the group's shape (computed in a
 second pass over the row) or of its shape with the last dim 1 (once per row), and pointwise groups
 read by nothing but that group; no reduction joins after an epilogue member, and a group whose
@@ -44,17 +44,26 @@ which its readers then join.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kiln import metrics
-from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType, dtype_abbr
+from kiln.ir.graph import Graph, GraphBuilder, In, Node, dtype_abbr
 from kiln.ir.kernel import BodyOp, FusedKernel, Lit, LoopKind, Val
 from kiln.ir.ops import Category
+from kiln.passes._groups import (
+    MAX_GROUP,
+    ROW_OPS,
+    ROW_REDUCE,
+    Group,
+    has_special,
+    reaches,
+    tensor_type,
+)
+from kiln.passes.row_epilogue import epilogue_fits, merge_into_epilogues
 
 
 @dataclass(frozen=True)
@@ -65,18 +74,7 @@ class Claims:
     call: Callable[[str, tuple, dict], bool]  # (op, args, kwargs): may this call be fused?
 
 
-MAX_GROUP = 256  # members per kernel: keeps generated functions small enough to compile fast
 HORIZONTAL_WINDOW = 6  # how many open groups of the same shape a node may join horizontally
-
-
-_ROW_REDUCE = {"sum.dim_IntList", "mean.dim", "amax.default"}
-_ROW_OPS = _ROW_REDUCE | {"_softmax.default", "_log_softmax.default"}
-
-
-def _tensor_type(n: Node) -> TensorType | None:
-    if len(n.types) != 1 or n.types[0] is None or n.types[0].dtype is None:
-        return None
-    return n.types[0]
 
 
 def _broadcastable(src: tuple, dst: tuple) -> bool:
@@ -90,7 +88,7 @@ def _broadcastable(src: tuple, dst: tuple) -> bool:
 
 def inline_literal(n: Node, claims: Claims) -> Lit | None:
     """``full([], v)`` / ``scalar_tensor(v)`` of one element: folded into the kernel as a literal."""
-    t = _tensor_type(n)
+    t = tensor_type(n)
     if t is None or t.dtype not in claims.dtypes or n.inputs:
         return None
     if n.op == "full.default" and all(s == 1 for s in t.shape):
@@ -113,7 +111,7 @@ def inline_literal(n: Node, claims: Claims) -> Lit | None:
 
 
 def _pointwise_ok(g: Graph, n: Node, claims: Claims) -> bool:
-    t = _tensor_type(n)
+    t = tensor_type(n)
     if t is None or t.dtype not in claims.dtypes:
         return False
     if not claims.call(n.op, n.args, dict(n.kwargs)):
@@ -122,7 +120,7 @@ def _pointwise_ok(g: Graph, n: Node, claims: Claims) -> bool:
         src = g.nodes[j]
         if src.op == "scalar":
             continue
-        st = _tensor_type(src)
+        st = tensor_type(src)
         if st is None or st.dtype not in claims.dtypes or not _broadcastable(st.shape, t.shape):
             return False
     return True
@@ -133,7 +131,7 @@ def roll_shift(g: Graph, n: Node) -> int | None:
     input must then be a kernel input: see :func:`_place`), else None."""
     if n.op != "roll.default" or n.kwargs or len(n.args) != 3 or n.args[0] != In(0):
         return None
-    t = _tensor_type(n)
+    t = tensor_type(n)
     shifts, dims = n.args[1], n.args[2]
     if t is None or not t.shape or not isinstance(shifts, (list, tuple)):
         return None
@@ -141,23 +139,23 @@ def roll_shift(g: Graph, n: Node) -> int | None:
         return None
     if not isinstance(shifts[0], int) or dims[0] not in (-1, len(t.shape) - 1):
         return None
-    if isinstance(shifts[0], bool) or _tensor_type(g.nodes[n.inputs[0]]) != t:
+    if isinstance(shifts[0], bool) or tensor_type(g.nodes[n.inputs[0]]) != t:
         return None
     return shifts[0]
 
 
 def _row_reduction(g: Graph, n: Node) -> tuple | None:
     """(input shape) when ``n`` reduces the last dim of a float32 tensor in a way we generate."""
-    if n.op not in _ROW_OPS or len(n.inputs) != 1:
+    if n.op not in ROW_OPS or len(n.inputs) != 1:
         return None
-    src = _tensor_type(g.nodes[n.inputs[0]])
-    t = _tensor_type(n)
+    src = tensor_type(g.nodes[n.inputs[0]])
+    t = tensor_type(n)
     if src is None or t is None or src.dtype != torch.float32 or t.dtype != torch.float32:
         return None
     rank = len(src.shape)
     if rank == 0:
         return None
-    if n.op in _ROW_REDUCE:
+    if n.op in ROW_REDUCE:
         dims = n.args[1] if len(n.args) > 1 else None
         if dims is None or len(dims) != 1 or dims[0] not in (-1, rank - 1):
             return None
@@ -173,8 +171,8 @@ def _col_reduction(g: Graph, n: Node) -> tuple | None:
     """(input shape) when ``n`` sums a float32 tensor over all dims but the last."""
     if n.op != "sum.dim_IntList" or len(n.inputs) != 1 or n.kwarg("dtype") is not None:
         return None
-    src = _tensor_type(g.nodes[n.inputs[0]])
-    t = _tensor_type(n)
+    src = tensor_type(g.nodes[n.inputs[0]])
+    t = tensor_type(n)
     if src is None or t is None or src.dtype != torch.float32 or len(src.shape) < 2:
         return None
     rank = len(src.shape)
@@ -187,26 +185,10 @@ def _col_reduction(g: Graph, n: Node) -> tuple | None:
     return src.shape
 
 
-@dataclass
-class _Group:
-    kind: LoopKind
-    shape: tuple
-    members: list[int]
-    closed: bool = False  # a reduction was added: no more pointwise members after it
-    # ROWS groups: members that depend on the group's reductions (the reductions themselves and
-    # the epilogue: see _epilogue_fits); once it has an epilogue, no more reductions join
-    row_phase: set = field(default_factory=set)
-    epilogue: bool = False
-    roll: int | None = None  # the shift of its roll members (one per kernel)
-    # groups this group's members read from (directly or through ungrouped nodes); kept current
-    # as members join, so that cycle checks see dependencies that appeared after a snapshot
-    deps: set = field(default_factory=set)
-
-
 def fuse(g: Graph, claims: Claims) -> Graph:
     """Group fusible nodes into ``fused`` nodes (see the module docstring); ``claims``: what the
     backend that runs the result generates code for (its ``Backend.claims``)."""
-    groups: list[_Group] = []
+    groups: list[Group] = []
     group_of: dict[int, int] = {}
     deps: list[frozenset[int]] = []
     lits: dict[int, Lit] = {}
@@ -231,7 +213,7 @@ def fuse(g: Graph, claims: Claims) -> Graph:
                     if j in group_of:
                         groups[gid].deps.add(group_of[j])
             groups[gid].deps.discard(gid)
-    _merge_into_epilogues(g, groups, group_of)
+    merge_into_epilogues(g, groups, group_of)
     groups_kept = [gr for gr in groups if _worth_it(g, gr, lits)]
     if not groups_kept:
         return g
@@ -243,7 +225,7 @@ def fuse(g: Graph, claims: Claims) -> Graph:
 
 
 def _can_join(
-    gid: int, n: Node, group_of: dict[int, int], deps: list[frozenset[int]], groups: list[_Group]
+    gid: int, n: Node, group_of: dict[int, int], deps: list[frozenset[int]], groups: list[Group]
 ) -> bool:
     """``n`` may join group ``gid`` unless one of its inputs outside the group depends on the group
     (directly, or through groups that have grown since that input was seen): that is a cycle."""
@@ -254,23 +236,9 @@ def _can_join(
         start = set(deps[j])
         if gj is not None:
             start.add(gj)
-        if _reaches(start, gid, groups):
+        if reaches(start, gid, groups):
             return False
     return True
-
-
-def _reaches(start: set[int], target: int, groups: list[_Group]) -> bool:
-    seen: set[int] = set()
-    stack = list(start)
-    while stack:
-        x = stack.pop()
-        if x == target:
-            return True
-        if x in seen:
-            continue
-        seen.add(x)
-        stack.extend(groups[x].deps)
-    return False
 
 
 def _ancestor_sets(g: Graph) -> list[int]:
@@ -284,7 +252,7 @@ def _ancestor_sets(g: Graph) -> list[int]:
     return anc
 
 
-def _reader_blocked(g: Graph, i: int, gr: _Group, ancestors: list[int], claims: Claims) -> bool:
+def _reader_blocked(g: Graph, i: int, gr: Group, ancestors: list[int], claims: Claims) -> bool:
     """Whether a reader of node ``i`` that could share its kernel (one the fuser takes) also reads
     (through other inputs) a value that depends on a member of ``gr``: joining ``gr`` would then
     make ``i``'s value a kernel output."""
@@ -305,29 +273,29 @@ def _reader_blocked(g: Graph, i: int, gr: _Group, ancestors: list[int], claims: 
 def _place(g, i, n, groups, group_of, deps, lits, claims: Claims, ancestors) -> int | None:
     if i in lits:
         return None  # inlined where used
-    t = _tensor_type(n)
+    t = tensor_type(n)
     row = _row_reduction(g, n)
     col = _col_reduction(g, n) if row is None else None
     if row is not None or col is not None:
         kind, shape = (LoopKind.ROWS, row) if row is not None else (LoopKind.COLS, col)
         src = n.inputs[0]
         gid = group_of.get(src)
-        if gid is not None and g.nodes[src].op not in _ROW_OPS:
+        if gid is not None and g.nodes[src].op not in ROW_OPS:
             gr = groups[gid]
             if (
                 gr.kind in (LoopKind.POINTWISE, kind)
                 and gr.shape == shape
                 and gr.roll is None
-                and not (gr.kind is LoopKind.ROWS and n.op not in _ROW_REDUCE)
+                and not (gr.kind is LoopKind.ROWS and n.op not in ROW_REDUCE)
                 and len(gr.members) < MAX_GROUP
                 and _can_join(gid, n, group_of, deps, groups)
-                and not (kind is LoopKind.ROWS and _has_special(g, gr))
+                and not (kind is LoopKind.ROWS and has_special(g, gr))
                 and not gr.epilogue
             ):
                 gr.kind, gr.closed = kind, True
                 gr.row_phase.add(i)
                 return gid
-        groups.append(_Group(kind, shape, [], closed=True, row_phase={i}))
+        groups.append(Group(kind, shape, [], closed=True, row_phase={i}))
         return len(groups) - 1
     if not _pointwise_ok(g, n, claims):
         return None
@@ -351,7 +319,7 @@ def _place(g, i, n, groups, group_of, deps, lits, claims: Claims, ancestors) -> 
     for gid in cands:
         if (
             shift is None
-            and _epilogue_fits(g, n, groups[gid], group_of, gid)
+            and epilogue_fits(g, n, groups[gid], group_of, gid)
             and len(groups[gid].members) < MAX_GROUP
             and _can_join(gid, n, group_of, deps, groups)
         ):
@@ -380,124 +348,17 @@ def _place(g, i, n, groups, group_of, deps, lits, claims: Claims, ancestors) -> 
             and not _reader_blocked(g, i, gr, ancestors, claims)
         ):
             return _joined(gr, gid, shift)
-    groups.append(_Group(LoopKind.POINTWISE, shape, [], roll=shift))
+    groups.append(Group(LoopKind.POINTWISE, shape, [], roll=shift))
     return len(groups) - 1
 
 
-ROW_EPILOGUE = True  # reductions + their elementwise readers in one rows kernel (False: off)
-
-
-def _epilogue_fits(g: Graph, n: Node, gr: _Group, group_of: dict[int, int], gid: int) -> bool:
-    """Whether pointwise node ``n`` may join rows group ``gr`` after its reductions: it reads a
-    value of the group that depends on them (a reduction kept as ``[..., 1]``, or an epilogue
-    member of that shape), and its own shape is the group's (computed per element in a second
-    pass over the row) or the group's with the last dim 1 (computed once per row).  RMS norm
-    forward (mean of squares, ``rsqrt(m + eps)``, ``x * r * w``) and backward (row sum of
-    ``g * w * x``, then the elementwise gradient) each become one kernel."""
-    if not ROW_EPILOGUE or gr.kind is not LoopKind.ROWS or gr.roll is not None:
-        return False
-    if _has_special(g, gr) or not gr.shape or not _nonempty(gr.shape[-1]):
-        return False
-    row = tuple(gr.shape[:-1]) + (1,)
-    t = _tensor_type(n)
-    if t is None or tuple(t.shape) not in (tuple(gr.shape), row):
-        return False
-    reads_row_value = False
-    for j in n.inputs:
-        if group_of.get(j) != gid or j not in gr.row_phase:
-            continue
-        jt = _tensor_type(g.nodes[j])
-        if jt is None or tuple(jt.shape) not in (row, tuple(gr.shape)):
-            return False  # a row value must broadcast along the last dim only
-        reads_row_value = True
-    return reads_row_value
-
-
-def _nonempty(size: Any) -> bool:
-    """A reduced dim known to hold elements: over an empty row the kernel only fills its
-    reductions' identities (sum 0, mean NaN) and would skip the once-per-row epilogue.  A plain
-    symbol is never 0 (Dynamo and the lazy device specialize sizes 0 and 1)."""
-    if isinstance(size, bool):
-        return False
-    if isinstance(size, int):
-        return size > 0
-    return re.fullmatch(r"s\d+", str(size)) is not None
-
-
-def _merge_into_epilogues(g: Graph, groups: list[_Group], group_of: dict[int, int]) -> None:
-    """A pointwise group read by nothing but one rows group's members (of its shape or one value
-    per row, the group having an epilogue) joins that group: its values are then computed where they are read instead of
-    written out and read back (RMS norm backward: ``g * w * rstd`` and ``2 * x``, placed before
-    the row sum whose epilogue reads them).  Not when the rows group depends on it through
-    other nodes or groups (a cycle), nor past ``MAX_GROUP``."""
-    if not ROW_EPILOGUE:
-        return
-    outs = set(g.outputs)
-    for pid, p in enumerate(groups):
-        if p.kind is not LoopKind.POINTWISE or p.roll is not None or not p.members:
-            continue
-        ms = set(p.members)
-        readers = {group_of.get(u) for m in p.members for u in g.users[m] if u not in ms}
-        if len(readers) != 1 or ms & outs:
-            continue
-        gid = readers.pop()
-        if gid is None or gid == pid:
-            continue
-        gr = groups[gid]
-        row = tuple(gr.shape[:-1]) + (1,) if gr.shape else None
-        if not gr.epilogue or tuple(p.shape) not in (tuple(gr.shape), row):
-            continue
-        if len(gr.members) + len(ms) > MAX_GROUP:
-            continue
-        # the rows group reads p directly; through anything else it would be a cycle
-        if _reaches(set(p.deps), gid, groups) or _indirect(g, gr, ms, group_of, groups, pid):
-            continue
-        gr.members = sorted(gr.members + p.members)
-        gr.deps |= p.deps
-        gr.deps.discard(gid)
-        for m in p.members:
-            group_of[m] = gid
-        p.members = []
-        for other in groups:
-            if pid in other.deps:
-                other.deps.discard(pid)
-                other.deps.add(gid)
-
-
-def _indirect(g: Graph, gr: _Group, ms: set, group_of, groups: list[_Group], pid: int) -> bool:
-    """Whether a member of ``gr`` reads a value outside ``gr`` and ``ms`` that depends on ``ms``."""
-    mine = set(gr.members)
-    for m in gr.members:
-        for j in g.nodes[m].inputs:
-            if j in mine or j in ms:
-                continue
-            gj = group_of.get(j)
-            start = set(groups[gj].deps) | {gj} if gj is not None else set()
-            if gj is None:
-                # an ungrouped node: its inputs' groups
-                for q in g.nodes[j].inputs:
-                    if q in ms:
-                        return True
-                    if group_of.get(q) is not None:
-                        start.add(group_of[q])
-                        start |= groups[group_of[q]].deps
-            if pid in start or _reaches(start, pid, groups):
-                return True
-    return False
-
-
-def _joined(gr: _Group, gid: int, shift: int | None) -> int:
+def _joined(gr: Group, gid: int, shift: int | None) -> int:
     if shift is not None:
         gr.roll = shift
     return gid
 
 
-def _has_special(g: Graph, gr: _Group) -> bool:
-    """A rows group holds at most one softmax-like member and then no plain reductions."""
-    return any(g.nodes[m].op in _ROW_OPS - _ROW_REDUCE for m in gr.members)
-
-
-def _worth_it(g: Graph, gr: _Group, lits: dict[int, Lit]) -> bool:
+def _worth_it(g: Graph, gr: Group, lits: dict[int, Lit]) -> bool:
     if not gr.members:
         return False
     if gr.kind is not LoopKind.POINTWISE:
@@ -508,7 +369,7 @@ def _worth_it(g: Graph, gr: _Group, lits: dict[int, Lit]) -> bool:
     return not ops <= {"clone.default", "alias.default", "copy.default", "_to_copy.default"}
 
 
-def _rebuild(g: Graph, groups: list[_Group], lits: dict[int, Lit]) -> Graph:
+def _rebuild(g: Graph, groups: list[Group], lits: dict[int, Lit]) -> Graph:
     users = g.users
     outs = set(g.outputs)
     member_of: dict[int, int] = {}
@@ -523,7 +384,7 @@ def _rebuild(g: Graph, groups: list[_Group], lits: dict[int, Lit]) -> Graph:
             [
                 m
                 for m in gr.members
-                if m in outs or any(u not in ms for u in users[m]) or g.nodes[m].op in _ROW_OPS
+                if m in outs or any(u not in ms for u in users[m]) or g.nodes[m].op in ROW_OPS
             ]
         )
     # Which original nodes are still needed: members are replaced; inlined literals only if some
@@ -553,7 +414,7 @@ def _rebuild(g: Graph, groups: list[_Group], lits: dict[int, Lit]) -> Graph:
     return b.build(new_id[o] for o in g.outputs)
 
 
-def _unit_order(g: Graph, groups: list[_Group], member_of: dict[int, int]) -> list:
+def _unit_order(g: Graph, groups: list[Group], member_of: dict[int, int]) -> list:
     """Units (node ids, or ("g", group index)) in a topological order of the quotient graph."""
 
     def unit(i: int):
@@ -603,7 +464,7 @@ class _FusionCycle(RuntimeError):
     """Never expected; if grouping ever makes a cycle, the graph is left unfused (counted)."""
 
 
-def _fused_node(g: Graph, gr: _Group, outs: list[int], lits: dict[int, Lit]):
+def _fused_node(g: Graph, gr: Group, outs: list[int], lits: dict[int, Lit]):
     local = {m: k for k, m in enumerate(gr.members)}
     ext: list[int] = []
     ext_idx: dict[int, int] = {}

@@ -101,6 +101,36 @@ def test_lane_kernel_matches_interpreter_and_flat_kernel(shape, monkeypatch):
 
 
 @cpp_only
+def test_lane_kernel_is_emitted_without_the_flat_source(monkeypatch):
+    """A lane kernel's flat source is never made; its source is the lane form of the spec the flat
+    emitter would have filled in (as when lanes were made from the flat kernel's spec)."""
+    from kiln.codegen import cpp
+    from kiln.codegen.cpp.emit import emit_flat, kernel_spec
+
+    g = fuse(_lanes_graph((7, 13)))
+    node = next(n for n in g.nodes if n.op == "fused")
+    in_types = [g.nodes[j].types[0] for j in node.inputs]
+    old_spec = kernel_spec("KILN_KERNEL", node, in_types)
+    emit_flat(old_spec, node, in_types)  # flat first (fills the spec in), then lanes, as before
+    old_src = lanes.lane_kernel(old_spec, node, in_types, cpp._input_slots(g, node))
+    flat_calls = []
+
+    def counting_flat(*args):
+        flat_calls.append(args)
+        return cpp.emit.emit_flat(*args)
+
+    monkeypatch.setattr(cpp, "emit_flat", counting_flat)
+    _, info = build(g)
+    assert not flat_calls
+    (kernel,) = info["kernels"]
+    assert old_src is not None and kernel["source"] == old_src.replace(
+        "KILN_KERNEL", kernel["name"]
+    )
+    build(fuse(_lanes_graph((7, 13), k=1)))  # one chain: no lanes, the flat kernel
+    assert len(flat_calls) == 1
+
+
+@cpp_only
 def test_graphs_of_other_sizes_share_the_lane_kernel():
     _, _, a = run_both(_lanes_graph((5, 3)), _inputs((5, 3)))
     _, _, b = run_both(_lanes_graph((9, 11)), _inputs((9, 11)))

@@ -8,9 +8,9 @@ import pytest
 import torch
 from kiln_codegen_testlib import check_compiled_vs_eager, cpp_only, op, poison_outputs, run_both, t
 
-import kiln.passes.fuse as fuse_module
 from kiln.config import config
 from kiln.ir.graph import GraphBuilder, In
+from kiln.passes import row_epilogue
 from kiln.runtime.compiler import executables
 
 
@@ -113,7 +113,7 @@ def test_epilogue_kernel_with_row_and_full_outputs(monkeypatch, epilogue):
     """Every kind of epilogue member written out: a row value (``[R, 1]``), a full value, read
     by ATen afterwards; a row-shaped external input and a per-column one."""
     poison_outputs(monkeypatch)
-    monkeypatch.setattr(fuse_module, "ROW_EPILOGUE", epilogue)
+    monkeypatch.setattr(row_epilogue, "ROW_EPILOGUE", epilogue)
     b = GraphBuilder()
     x = b.input(t((3, 5, 7)))
     w = b.input(t((7,)))

@@ -16,9 +16,9 @@ def test_dead_buffer_reused_and_outputs_fresh(monkeypatch):
     # gets a fresh buffer (the caller keeps it).  Fused without rows epilogues, so that the
     # row kernel has a full-size output (with them, exp, sum and div are one kernel whose only
     # full-size output is the graph's: tests/passes/test_fuse.py)
-    import kiln.passes.fuse as fuse_module
+    from kiln.passes import row_epilogue
 
-    monkeypatch.setattr(fuse_module, "ROW_EPILOGUE", False)
+    monkeypatch.setattr(row_epilogue, "ROW_EPILOGUE", False)
     check_codegen_pass(
         memory_plan,
         fuse(chain()),

@@ -32,7 +32,7 @@ from kiln.codegen.cpp.cross_entropy import (
     nll_log_softmax_backward_ok,
 )
 from kiln.codegen.cpp.deferred import Deferred
-from kiln.codegen.cpp.emit import KernelSpec, emit_kernel
+from kiln.codegen.cpp.emit import KernelSpec, emit_flat, kernel_spec
 from kiln.codegen.cpp.executor import Executor, make_fused_call
 from kiln.codegen.cpp.lanes import lane_kernel
 from kiln.codegen.cpp.layer_norm import emit_layer_norm, layer_norm_ok
@@ -75,9 +75,12 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
     for i, n in enumerate(g.nodes):
         if n.op == "fused":
             in_types = [g.nodes[j].types[0] for j in n.inputs]
-            src, spec = emit_kernel("KILN_KERNEL", n, in_types)
-            # identical per-parameter chains (horizontal fusion): the chain once, looped
-            src = lane_kernel(spec, n, in_types, _input_slots(g, n)) or src
+            spec = kernel_spec("KILN_KERNEL", n, in_types)
+            # identical per-parameter chains (horizontal fusion): the chain once, looped over
+            # the lanes; else (and only then) the whole body as one loop nest
+            src = lane_kernel(spec, n, in_types, _input_slots(g, n))
+            if src is None:
+                src = emit_flat(spec, n, in_types)
         elif n.op in _DIRECT:
             ok, emit = _DIRECT[n.op]
             in_types = [g.nodes[j].types[0] if g.nodes[j].types else None for j in n.inputs]

@@ -127,10 +127,12 @@ def _mode(shape: tuple, it: tuple) -> str:
     return "bcast"  # last dim broadcast: one value per row
 
 
-def emit_kernel(name: str, node: Node, in_types: list) -> tuple[str, KernelSpec]:
-    """C++ source and call spec for one ``fused`` node; ``in_types`` = its inputs' types."""
+def kernel_spec(name: str, node: Node, in_types: list) -> KernelSpec:
+    """The call spec of one ``fused`` node's kernel (``in_types``: its inputs' types), before any
+    source: ``out_kinds``/``out_dtypes`` are filled in by the emitter that writes the source
+    (:func:`emit_flat`, or the lane form of :mod:`kiln.codegen.cpp.lanes`)."""
     kernel = FusedKernel.of(node)
-    kind, shape, body, outs = kernel.kind, kernel.shape, kernel.body, kernel.outputs
+    kind, shape, body = kernel.kind, kernel.shape, kernel.body
     rank = len(shape)
     tensor_inputs, modes, scalars = [], [], []
     strided = set(kernel.strided)
@@ -146,14 +148,22 @@ def emit_kernel(name: str, node: Node, in_types: list) -> tuple[str, KernelSpec]
         name, kind, rank, shape, tensor_inputs, modes, scalars, [], members=kernel.members
     )
     spec.sr = rounding.enabled() and any(e[3] in lowp.LOWP for e in body)
-    e = _Emitter(spec, node, in_types, body, outs)
+    return spec
+
+
+def emit_flat(spec: KernelSpec, node: Node, in_types: list) -> str:
+    """The kernel's C++ source, one loop nest over its whole body (``spec``: :func:`kernel_spec`'s,
+    its ``out_kinds``, ``out_dtypes`` and ``source`` filled in here)."""
+    kernel = FusedKernel.of(node)
+    kind, body = kernel.kind, kernel.body
+    e = _Emitter(spec, node, in_types, body, kernel.outputs)
     src = e.source()
     math = any(op.split(".", 1)[0] in WIDE_VECTOR_OPS for op, *_ in body)
     wide_row = kind is LoopKind.ROWS and any(op in WIDE_ROW_OPS for op, *_ in body)
     if (math and kind in (LoopKind.POINTWISE, LoopKind.COLS)) or wide_row:
         src = src.replace('extern "C" ', 'extern "C" ' + WIDE_VECTORS, 1)
     spec.source = src
-    return src, spec
+    return src
 
 
 class _Emitter:

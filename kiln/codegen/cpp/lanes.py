@@ -172,9 +172,11 @@ def lanes_ok(kind: LoopKind, modes: list[str], n_scalars: int, body: tuple, sr: 
 
 
 def lane_kernel(spec: KernelSpec, node: Node, in_types: list, in_slots: tuple) -> str | None:
-    """The lane form of the kernel :func:`~kiln.codegen.cpp.emit.emit_kernel` emitted for
-    ``node`` (its ``spec``), or None where it has none.  ``in_slots``: per node input, the
-    memory-plan slot its value sits in (None: none, ``"?"``: unknown)."""
+    """The lane form of the kernel for ``node`` (``spec``: its call spec from
+    :func:`~kiln.codegen.cpp.emit.kernel_spec`, ``out_kinds`` and ``out_dtypes`` filled in here),
+    or None where it has none (the caller then emits it flat: :func:`~kiln.codegen.cpp.emit.
+    emit_flat`, whose source is never made for a lane kernel).  ``in_slots``: per node input,
+    the memory-plan slot its value sits in (None: none, ``"?"``: unknown)."""
     if not ENABLED:
         return None
     kernel = FusedKernel.of(node)
@@ -187,7 +189,8 @@ def lane_source(
     spec: Any, node: Any, in_types: list, body: tuple, outs: tuple, in_slots: tuple | None
 ) -> str | None:
     """The lane kernel's source for the kernel ``spec`` describes (its ``out_kinds`` and
-    ``out_dtypes`` filled in as the flat kernel's), or None when its body is not lanes.
+    ``out_dtypes`` then filled in as the flat kernel's would be; ``spec`` untouched when None),
+    or None when its body is not lanes.
     ``in_slots``: per node input, its memory-plan slot (None: none); unknown (None): no lanes."""
     if in_slots is None:
         return None
