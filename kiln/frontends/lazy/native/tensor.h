@@ -68,14 +68,20 @@ struct Storage {
   bool aliased = false;
   // an aliased storage views this one's buffer: for the same reason, its value stays in it
   bool lent = false;
+  // listed in `holding` (once per storage: a parameter takes a new value every step)
+  bool held = false;
 };
 
 // Storages that hold data (from_cpu, uploads, step results), weakly, for the kiln device's
-// memory statistics (`held_bytes`); compacted as they die.
+// memory statistics (`held_bytes`); each listed once (a storage updated in place every step
+// is noted at every cut: listing it again grew the list, and `held_bytes`' walk, by one entry
+// per step); compacted as they die.
 std::vector<std::weak_ptr<Storage>> holding;
 size_t holding_live = 0;
 
 void note_holding(const std::shared_ptr<Storage>& st) {
+  if (st->held) return;
+  st->held = true;
   holding.emplace_back(st);
   if (holding.size() > 1024 && holding.size() > 4 * holding_live) {
     holding.erase(std::remove_if(holding.begin(), holding.end(),
