@@ -9,7 +9,8 @@ last dim runs in two segments), so both become part of the pointwise kernel arou
 
 * ``add(slice_scatter(zeros, a, d, 0, s), slice_scatter(zeros, b, d, s, L))`` (either order,
   ``zeros`` a zero fill of the result's type, the two ranges covering ``[0, L)``) -> ``cat([a, b],
-  d)``;
+  d)``; ``slice_backward(a, shape, d, 0, s, 1)`` (what the lazy device records for the gradient
+  of a slice: an opaque ATen node) is the same ``slice_scatter`` into zeros;
 * ``cat([±slice(x, d, s, L), ±slice(x, d, 0, s)], d)`` (each segment possibly ``neg``) ->
   ``roll(x, L - s, d)``, times a constant of ``-1``/``1`` along ``d`` when a segment is negated;
 * ``roll(mul(a, b), k, d)`` whose ``mul`` has no other reader -> ``mul(roll(a, k, d), roll(b, k,
@@ -17,10 +18,17 @@ last dim runs in two segments), so both become part of the pointwise kernel arou
   product's shape first), so that the roll reads a kernel input instead of a value the same
   kernel computes (the gradient's ``dy * sin``).
 
+The two slices (or negated slices) must read the same tensor: the same value, or two view nodes
+equal op for op down to a common value (the lazy device replays a tensor's view chain at every
+read, so ``x[..., h:]`` and ``x[..., :h]`` of one ``view``/``transpose`` of a projection read two
+equal chains until ``cse`` merges them, which runs later).
+
 Needs: a well-formed graph.  Guarantees: the same values, shapes and dtypes (a rotation moves
 elements; ``neg`` and ``* -1`` give the same bits), except that ``-0.0 + 0.0`` in the scattered
 ``add`` was ``+0.0`` and its ``cat`` keeps ``-0.0``, as ``x + 0 -> x`` in :mod:`simplify`.  Only
-static sizes along ``d`` are rewritten; dead slices, negs and fills are left to ``dce``.
+static sizes along ``d`` are rewritten; dead slices, negs and fills are left to ``dce``, except
+the ``slice_backward`` nodes a replaced pair leaves unread, which this pass drops (``dce`` keeps
+every opaque node).
 
 Example (x: f32[2,4]; rotate_half)::
 
@@ -34,13 +42,32 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ir.graph import Graph, In, Node, TensorType
+from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType
 from kiln.passes._util import Rewriter
 from kiln.passes.dce import dce
 from kiln.passes.rewrite import Rule, apply_rules
 
 _ZERO_FILLS = ("full.default", "zeros.default", "full_like.default", "zeros_like.default")
 INT64_MAX = 9223372036854775807
+_SLICE_BACKWARD = "opaque.aten::slice_backward.default"
+# views: a node of one of these ops is a function of its input and its arguments alone
+_VIEWS = frozenset(
+    {
+        "view.default",
+        "_unsafe_view.default",
+        "reshape.default",
+        "transpose.int",
+        "t.default",
+        "permute.default",
+        "expand.default",
+        "unsqueeze.default",
+        "squeeze.dim",
+        "squeeze.dims",
+        "slice.Tensor",
+        "select.int",
+    }
+)
+_SAME_DEPTH = 8  # view nodes compared down a chain at most
 
 
 def _static_dim(t: TensorType | None, d: object) -> tuple[int, int] | None:
@@ -67,6 +94,21 @@ def _range(start: object, end: object, size: int) -> tuple[int, int] | None:
         end += size
     start, end = min(max(start, 0), size), min(max(end, 0), size)
     return start, max(start, end)
+
+
+def _same_value(rw: Rewriter, a: int, b: int, depth: int = _SAME_DEPTH) -> bool:
+    """Whether values ``a`` and ``b`` are the same tensor: one value, or view nodes with equal
+    ops, arguments and types over inputs that are the same tensor (module docstring)."""
+    if a == b:
+        return True
+    if depth == 0:
+        return False
+    na, nb = rw.node(a), rw.node(b)
+    if na.op != nb.op or na.op not in _VIEWS or len(na.inputs) != 1 or len(nb.inputs) != 1:
+        return False
+    if na.args != nb.args or na.kwargs != nb.kwargs or na.types != nb.types:
+        return False
+    return _same_value(rw, na.inputs[0], nb.inputs[0], depth - 1)
 
 
 def _slice_of(rw: Rewriter, v: int, d: int) -> tuple[int, int, int] | None:
@@ -103,19 +145,24 @@ def scatter_pair_to_cat(rw: Rewriter, n: Node) -> Node | None:
     parts = []
     for a in n.args:
         s = rw.node(n.inputs[a.k])
-        if s.op != "slice_scatter.default" or s.kwargs or len(s.args) < 2:
-            return None
-        if s.args[0] != In(0) or not isinstance(s.args[1], In):
-            return None
-        if t is None or not _is_zero_fill(rw, s.inputs[0], t):
-            return None
-        # slice_scatter(zeros, src, dim, start, end, step)
-        args = list(s.args) + [0, None, None, 1][len(s.args) - 2 :]
+        if s.op == _SLICE_BACKWARD:
+            args = _slice_backward_args(s, t)
+            if args is None:
+                return None
+        else:
+            if s.op != "slice_scatter.default" or s.kwargs or len(s.args) < 2:
+                return None
+            if s.args[0] != In(0) or not isinstance(s.args[1], In):
+                return None
+            if t is None or not _is_zero_fill(rw, s.inputs[0], t):
+                return None
+            # slice_scatter(zeros, src, dim, start, end, step)
+            args = list(s.args) + [0, None, None, 1][len(s.args) - 2 :]
         dim = _static_dim(t, args[2])
         if dim is None or args[5] != 1:
             return None
         r = _range(args[3] or 0, INT64_MAX if args[4] is None else args[4], dim[1])
-        src = s.inputs[s.args[1].k]
+        src = s.inputs[args[1].k]
         st = rw.type(src)
         if r is None or st is None or st.dtype != t.dtype:
             return None
@@ -124,6 +171,17 @@ def scatter_pair_to_cat(rw: Rewriter, n: Node) -> Node | None:
     if d0 != d1 or r0[0] != 0 or r0[1] != r1[0] or r1[1] != d0[1] or r0[1] in (0, d0[1]):
         return None
     return Node("cat.default", (a0, a1), ([In(0), In(1)], d0[0]), (), (t,))
+
+
+def _slice_backward_args(s: Node, t: TensorType | None) -> list | None:
+    """``slice_backward(grad, shape, dim, start, end, step)`` of type ``t`` as the arguments
+    ``[zeros, src, dim, start, end, step]`` of the ``slice_scatter`` into zeros it computes."""
+    if t is None or s.kwargs or len(s.args) != 6 or s.args[0] != In(0) or s.types != (t,):
+        return None
+    shape = s.args[1]
+    if not isinstance(shape, (list, tuple)) or tuple(shape) != tuple(t.shape):
+        return None
+    return [None, s.args[0], *s.args[2:]]
 
 
 def _segment(rw: Rewriter, v: int, d: int) -> tuple[int, int, int, bool] | None:
@@ -156,7 +214,14 @@ def rotation_of_slices(rw: Rewriter, n: Node) -> Node | None:
     if segs[0] is None or segs[1] is None:
         return None
     (x0, s0, e0, neg0), (x1, s1, e1, neg1) = segs
-    if x0 != x1 or rw.type(x0) != t or e0 != size or s1 != 0 or e1 != s0 or not 0 < s0 < size:
+    if (
+        not _same_value(rw, x0, x1)
+        or rw.type(x0) != t
+        or e0 != size
+        or s1 != 0
+        or e1 != s0
+        or not 0 < s0 < size
+    ):
         return None
     if (neg0 or neg1) and not t.dtype.is_floating_point:
         return None
@@ -241,4 +306,28 @@ def rotate(g: Graph) -> Graph:
     g2 = apply_rules(g, RULES[:2])
     if g2 is g:
         return g
-    return apply_rules(dce(g2), RULES[2:])
+    return apply_rules(dce(_drop_unread_slice_backward(g2)), RULES[2:])
+
+
+def _drop_unread_slice_backward(g: Graph) -> Graph:
+    """``g`` without the ``slice_backward`` nodes nothing reads any more (the scattered pairs
+    replaced by a ``cat``): ``dce`` keeps every opaque node, this one is a pure function of its
+    input."""
+    outputs = set(g.outputs)
+    dead = {
+        i
+        for i, n in enumerate(g.nodes)
+        if n.op == _SLICE_BACKWARD and not g.users[i] and i not in outputs
+    }
+    if not dead:
+        return g
+    b = GraphBuilder()
+    remap: dict[int, int] = {}
+    for i, n in enumerate(g.nodes):
+        if i in dead:
+            continue
+        if n.op == "constant":
+            remap[i] = b.constant(g.constants[n.kwarg("index")])
+        else:
+            remap[i] = b.add(n.with_(inputs=tuple(remap[j] for j in n.inputs)))
+    return b.build(remap[o] for o in g.outputs)

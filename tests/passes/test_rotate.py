@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from _passes_testlib import V, call, capture, check_pass, f32, same_results
 
+from kiln.codegen.interpreter import Interpreter
 from kiln.ir import GraphBuilder
 from kiln.passes.rotate import rotate
 
@@ -137,10 +138,82 @@ def test_rope_gradient_is_one_rolled_product():
 
 
 def test_rope_values_and_gradients_are_bit_exact_on_the_interpreter():
-    from kiln.codegen.interpreter import Interpreter
-
     for q in (torch.randn(2, 3, 5, 8), torch.randn(2, 5, 3, 8).transpose(1, 2)):
         cos, sin = torch.randn(5, 8), torch.randn(5, 8)
         g = capture(rope, q, cos, sin)
         got = Interpreter(rotate(g))([q, cos, sin])[0]
         assert torch.equal(got, rope(q, cos, sin))
+
+
+def _grad_of_rope(q, cos, sin, dy):
+    q = q.detach().requires_grad_()
+    with torch.enable_grad():
+        return torch.autograd.grad(rope(q, cos, sin), q, dy)[0]
+
+
+def test_rope_gradient_through_slice_backward_is_one_rolled_product():
+    # undecomposed (what the lazy device records): the slices' gradients are opaque
+    # slice_backward nodes (zeros with the gradient written into a range), added
+    for shape in ((2, 3, 5, 8), (1, 1, 1, 2), (2, 3, 5, 6)):
+        xs = (torch.randn(shape), torch.randn(shape[-2:]), torch.randn(shape[-2:]))
+        xs = (*xs, torch.randn(shape))
+        g = capture(_grad_of_rope, *xs, decompose=False)
+        assert any(n.op == "opaque.aten::slice_backward.default" for n in g.nodes), g
+        out = rotate(g)
+        ops = [n.op for n in out.nodes]
+        assert not any(op.startswith("opaque.") for op in ops), out
+        assert "cat.default" not in ops and "roll.default" in ops, out
+        same_results(g, out)
+        got = Interpreter(out)(list(xs))[0]
+        torch.testing.assert_close(got, _grad_of_rope(*xs), rtol=0, atol=0)
+
+
+def test_slice_backward_pairs_that_do_not_tile_the_dim_stay():
+    b = GraphBuilder()
+    a = b.input(f32(3, 2))
+    c = b.input(f32(3, 3))
+    sb = "opaque.aten::slice_backward.default"
+    s1 = call(b, sb, [V(a), [3, 6], 1, 0, 2, 1], f32(3, 6))
+    s2 = call(b, sb, [V(c), [3, 6], 1, 3, 6, 1], f32(3, 6))  # a gap at column 2
+    g = b.build([call(b, "add.Tensor", [V(s1), V(s2)], f32(3, 6))])
+    assert rotate(g) is g
+
+
+def _rotate_half_of_two_view_chains(dims2: tuple[int, int]):
+    """cat(-t(x)[..., 4:], t'(x)[..., :4]) where t and t' are separate transpose nodes of x (the
+    lazy device replays a view chain at every read): t' = transpose(x, *dims2)."""
+    b = GraphBuilder()
+    x = b.input(f32(2, 5, 3, 8))
+    t1 = call(b, "transpose.int", [V(x), 1, 2], f32(2, 3, 5, 8))
+    t2 = call(b, "transpose.int", [V(x), *dims2], f32(2, 3, 5, 8))
+    hi = call(b, "slice.Tensor", [V(t1), 3, 4, 9223372036854775807], f32(2, 3, 5, 4))
+    lo = call(b, "slice.Tensor", [V(t2), 3, 0, 4], f32(2, 3, 5, 4))
+    n = call(b, "neg.default", [V(hi)], f32(2, 3, 5, 4))
+    return b.build([call(b, "cat.default", [[V(n), V(lo)], -1], f32(2, 3, 5, 8))])
+
+
+def test_rotate_half_of_two_equal_view_chains_becomes_a_roll():
+    g = _rotate_half_of_two_view_chains((1, 2))
+    out = rotate(g)
+    ops = [n.op for n in out.nodes]
+    assert "roll.default" in ops and "cat.default" not in ops, out
+    same_results(g, out)
+
+
+def test_rotate_half_of_view_chains_with_other_arguments_stays():
+    # transpose(x, 2, 1) equals transpose(x, 1, 2) in value, but only nodes equal argument for
+    # argument are taken as one tensor: left as it is (never a roll of two different tensors)
+    g = _rotate_half_of_two_view_chains((2, 1))
+    assert "roll" not in str(rotate(g))
+
+
+def test_rotate_half_of_views_of_two_inputs_stays():
+    b = GraphBuilder()
+    x = b.input(f32(2, 5, 3, 8))
+    y = b.input(f32(2, 5, 3, 8))
+    t1 = call(b, "transpose.int", [V(x), 1, 2], f32(2, 3, 5, 8))
+    t2 = call(b, "transpose.int", [V(y), 1, 2], f32(2, 3, 5, 8))
+    hi = call(b, "slice.Tensor", [V(t1), 3, 4, 9223372036854775807], f32(2, 3, 5, 4))
+    lo = call(b, "slice.Tensor", [V(t2), 3, 0, 4], f32(2, 3, 5, 4))
+    g = b.build([call(b, "cat.default", [[V(hi), V(lo)], -1], f32(2, 3, 5, 8))])
+    assert "roll" not in str(rotate(g))

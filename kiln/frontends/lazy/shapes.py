@@ -8,6 +8,7 @@ the signature of an op that has tensor arguments: they never change its output's
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -20,10 +21,31 @@ _MAX = 65536
 
 
 class _Failed:
-    """Cached: the op has no meta kernel or a data-dependent output shape."""
+    """Cached: the op has no meta kernel or a data-dependent output shape.
+
+    Keeps a copy of the exception without its traceback and raises a new copy each time: raising
+    one exception object again adds the raising frames to its ``__traceback__``, and frames keep
+    their callers' locals alive, so a cached exception re-raised every step (``.item()``'s meta
+    kernel on a transformers step) kept every step's forward tensors alive."""
 
     def __init__(self, exc: Exception) -> None:
-        self.exc = exc
+        self.exc = _bare(exc)
+
+    def fresh(self) -> Exception:
+        return _bare(self.exc)
+
+
+def _bare(exc: Exception) -> Exception:
+    """A copy of ``exc`` (its type, args and attributes) with no traceback, context or cause."""
+    try:
+        c = copy.copy(exc)
+    except Exception:  # noqa: BLE001 - a type whose __init__ does not take its own args back
+        c = type(exc).__new__(type(exc), *exc.args)
+        c.args = exc.args
+        c.__dict__.update(getattr(exc, "__dict__", {}))
+    c.__traceback__ = None
+    c.__context__ = c.__cause__ = None
+    return c
 
 
 def _sig(a: Any, has_tensor: bool) -> Any:
@@ -84,13 +106,13 @@ def infer_typed(func: Any, args: tuple, kwargs: dict, to_meta: Any) -> tuple[Any
         hit = _cache.get(key)
         if hit is not None:
             if isinstance(hit, _Failed):
-                raise hit.exc
+                raise hit.fresh()
             return _build(hit[0]), hit[1]
     margs = tuple(_map(to_meta, a) for a in args)
     mkwargs = {k: _map(to_meta, v) for k, v in kwargs.items()}
     try:
         out = func(*margs, **mkwargs)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if key is not None and len(_cache) < _MAX:
             _cache[key] = _Failed(e)
         raise

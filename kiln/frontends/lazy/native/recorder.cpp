@@ -105,6 +105,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_back", &write_back, nogil());
   m.def("view_chain", &view_chain);
   m.def("held_bytes", &held_bytes, nogil());
+  m.def(
+      "holding_entries",
+      [] {
+        std::lock_guard<std::mutex> lock(mu);
+        return holding.size();
+      },
+      nogil());
   m.def("python_calls", [] { return n_python.load(); });
   m.def("geo_of", [](const at::Tensor& t) -> int64_t {
     NativeImpl* x = native_of(t);

@@ -78,7 +78,9 @@ struct Storage {
 };
 
 // Storages that hold data (from_cpu, uploads, step results), weakly, for the kiln device's
-// memory statistics (`held_bytes`); compacted as they die.
+// memory statistics (`held_bytes`); each listed once (a storage updated in place every step
+// is noted at every cut: listing it again grew the list, and `held_bytes`' walk, by one entry
+// per step); compacted as they die.
 std::vector<std::weak_ptr<Storage>> holding;
 size_t holding_live = 0;
 
