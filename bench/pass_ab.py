@@ -2,7 +2,7 @@
 
     python bench/pass_ab.py --workload gpt --disable sink_permute --steps 40 [--inductor]
     python bench/pass_ab.py --workload llama --disable cross_entropy,sink_expand,row_epilogue
-    python bench/pass_ab.py --workload gpt2 --old-config launcher_views=0    # a config switch
+    python bench/pass_ab.py --workload gpt2 --old-config recompute=0    # a config switch in old
 
 One process, one thread: eager, Kiln (all passes), Kiln with ``--disable`` (``KILN_DISABLE_PASSES``
 while it compiles; ``row_epilogue`` turns the fuser's rows epilogues off) and optionally
@@ -61,7 +61,7 @@ def make_step(model: torch.nn.Module, loss_fn: Callable, mode: str, tag: str) ->
 
 
 def _settings(spec: str) -> dict[str, object]:
-    """``"launcher_views=0,..."`` as typed config values (parsed as the KILN_* variables are)."""
+    """``"recompute=0,..."`` as typed config values (parsed as the KILN_* variables are)."""
     if not spec:
         return {}
     env = {}
@@ -83,7 +83,7 @@ def main() -> None:
         "--old-config",
         default="",
         help="comma-separated KEY=VALUE Kiln settings for 'old' only, spelled as their KILN_KEY "
-        "environment variables (e.g. launcher_views=0)",
+        "environment variables (e.g. recompute=0)",
     )
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=3)

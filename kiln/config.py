@@ -52,8 +52,6 @@ class Config:
     disk_cache: bool = True  # use the persistent cache at all
     backend: str = "cpp"  # a registered backend (kiln.codegen): "cpp" (C++ kernels), "interpreter"
     launcher: bool = True  # cpp backend: run each graph as one native C++ call (0: Python)
-    # the launcher makes view ops (view, permute, expand, ...) itself, not through the dispatcher
-    launcher_views: bool = True
     # where the native launcher is built, once per machine (not per cache_dir: a fresh compile
     # cache does not rebuild it)
     launcher_dir: str = field(default_factory=lambda: str(Path(_default_cache_dir()) / "launcher"))

@@ -12,11 +12,7 @@
 // back only for Python callbacks.
 
 #include <ATen/ExpandUtils.h>
-#include <ATen/InferSize.h>
 #include <ATen/ScalarOps.h>
-#include <ATen/TensorUtils.h>
-#include <ATen/WrapDimUtils.h>
-#include <c10/core/GradMode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/Dtype.h>
@@ -27,7 +23,6 @@
 
 #include <cstdint>
 #include <string>
-#include <typeinfo>
 #include <unordered_set>
 #include <vector>
 
@@ -71,20 +66,6 @@ enum Kind : int { IN = 0, CONST = 1, KERNEL = 2, ATEN = 3, GETITEM = 4, WRITEBAC
 enum Mode : int { FULL = 0, ONE = 1, BCAST = 2, BCAST_INNER = 3 };
 enum OutK : int { O_FULL = 0, O_ROW = 1, O_ROWK = 2, O_COL = 3, O_COLK = 4 };
 enum ArgK : int { A_SLOT = 0, A_CONST = 1, A_TLIST = 2, A_OTLIST = 3, A_ILIST = 4, A_WRAPPED = 5 };
-// ATen view ops the launcher makes itself (program.py's VIEW_KINDS): sizes and strides worked out
-// here, the result an alias of the input's storage, without a trip through the dispatcher
-enum ViewK : int {
-  V_NONE = 0,
-  V_VIEW = 1,  // view.default, _unsafe_view.default
-  V_PERMUTE = 2,
-  V_TRANSPOSE = 3,  // transpose.int
-  V_T = 4,
-  V_UNSQUEEZE = 5,
-  V_SQUEEZE_DIMS = 6,  // squeeze.dims, squeeze.dim
-  V_SQUEEZE_ALL = 7,  // squeeze.default
-  V_EXPAND = 8,
-  V_ALIAS = 9,
-};
 
 struct Arg {
   int kind = A_CONST;
@@ -122,7 +103,6 @@ struct Instr {
   Kernel kernel;
   c10::OperatorHandle* op = nullptr;  // ATEN
   c10::OperatorHandle* fallback_op = nullptr;  // view -> reshape where only a copy can do it
-  int view = V_NONE;  // ATEN: a view op the launcher may make itself (see fast_view)
   std::vector<Arg> args;
   size_t n_returns = 1;
   py::object callable;  // PYCALL
@@ -264,9 +244,6 @@ class Launcher {
     for (auto& t : slots_) t = at::Tensor();
   }
 
-  // view ops made by the launcher itself (fast_view) over this launcher's runs
-  int64_t views_made() const { return views_made_; }
-
   int64_t python_nodes() const {
     int64_t n = 0;
     for (auto& in : instrs_) n += in.kind == PYCALL;
@@ -280,7 +257,6 @@ class Launcher {
   std::vector<Instr> instrs_;
   py::object* alloc_ = nullptr;
   bool steal_ = false;
-  int64_t views_made_ = 0;
 
   Instr parse(py::tuple t) {
     Instr in;
@@ -351,7 +327,6 @@ class Launcher {
     const auto& schema = in.op->schema();
     in.n_returns = schema.returns().size();
     if (!t[6].is_none()) in.fallback_op = find_op(t[6].cast<std::string>(), "");
-    if (t.size() > 9) in.view = t[9].cast<int>();
     py::list args = t[5];
     TORCH_CHECK(args.size() == schema.arguments().size(), "kiln launcher: argument count");
     for (size_t p = 0; p < args.size(); ++p) {
@@ -446,13 +421,6 @@ class Launcher {
   }
 
   IValue aten(const Instr& in, const std::vector<IValue>& vals) {
-    if (in.view != V_NONE) {
-      at::Tensor v = fast_view(in, vals);
-      if (v.defined()) {
-        ++views_made_;
-        return IValue(std::move(v));
-      }
-    }
     torch::jit::Stack stack;
     stack.reserve(in.args.size());
     for (const Arg& a : in.args) {
@@ -518,184 +486,6 @@ class Launcher {
     if (in.n_returns == 1) return std::move(stack[0]);
     if (in.n_returns == 0) return IValue();
     return c10::ivalue::Tuple::create(std::move(stack));
-  }
-
-  // An int (or an int list) argument of an ATen instruction, from a constant or the program's
-  // values; false where it is something else (the dispatcher then sees it and decides).
-  static bool int_arg(const Arg& a, const std::vector<IValue>& vals, int64_t& out) {
-    const IValue* v = nullptr;
-    if (a.kind == A_CONST) v = &a.value;
-    if (a.kind == A_SLOT) v = &vals[a.slot];
-    if (v == nullptr || !v->isInt()) return false;
-    out = v->toInt();
-    return true;
-  }
-
-  static bool ints_arg(const Arg& a, const std::vector<IValue>& vals, at::DimVector& out) {
-    out.clear();
-    if (a.kind == A_ILIST) {
-      for (size_t k = 0; k < a.items.size(); ++k) {
-        if (a.items[k] < 0) {
-          out.push_back(a.consts[k]);
-        } else {
-          const IValue& v = vals[a.items[k]];
-          if (!v.isInt()) return false;
-          out.push_back(v.toInt());
-        }
-      }
-      return true;
-    }
-    const IValue* v = nullptr;
-    if (a.kind == A_CONST) v = &a.value;
-    if (a.kind == A_SLOT) v = &vals[a.slot];
-    if (v == nullptr) return false;
-    if (v->isInt()) {  // squeeze.dim's single dim, read as a list of one
-      out.push_back(v->toInt());
-      return true;
-    }
-    if (!v->isIntList()) return false;
-    for (int64_t x : v->toIntList()) out.push_back(x);
-    return true;
-  }
-
-  // Whether the launcher may alias ``t`` itself: a plain dense CPU tensor (no subclass, wrapper,
-  // Python or functionalization key, quantization, conj/neg bits) outside autograd's view
-  // tracking (no autograd metadata, or grad mode off and no forward-mode tangent).
-  static bool plain(const at::Tensor& t) {
-    if (!t.defined()) return false;
-    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    if (typeid(*impl) != typeid(c10::TensorImpl)) return false;
-    if (!impl->has_storage() || !t.device().is_cpu() || t.layout() != at::kStrided) return false;
-    if (t.is_quantized() || t.is_conj() || t.is_neg()) return false;
-    constexpr c10::DispatchKeySet special({c10::DispatchKey::Python,
-                                          c10::DispatchKey::PythonTLSSnapshot,
-                                          c10::DispatchKey::Functionalize,
-                                          c10::DispatchKey::ZeroTensor});
-    if (t.key_set().has_any(special)) return false;
-    if (impl->autograd_meta() == nullptr) return true;
-    // autograd metadata: with grad mode off (AOTAutograd's graphs) the view autograd would make
-    // is a plain tensor too, unless the tensor carries a forward-mode tangent (then the view has
-    // to carry one as well)
-    return !c10::GradMode::is_enabled() && !t._fw_grad(/*level=*/0).defined();
-  }
-
-  // The alias PyTorch's view kernels make (alias_with_sizes_and_strides, and Inductor's
-  // reinterpret_tensor): same storage, key set and dtype, the given geometry; it shares the
-  // input's version counter, so an in-place write through it is seen on the input.
-  static at::Tensor alias(const at::Tensor& t, c10::IntArrayRef sizes, c10::IntArrayRef strides) {
-    at::Tensor r = at::detail::make_tensor<c10::TensorImpl>(
-        c10::TensorImpl::VIEW, c10::Storage(t.storage()), t.key_set(), t.dtype());
-    c10::TensorImpl* impl = r.unsafeGetTensorImpl();
-    impl->set_storage_offset(t.storage_offset());
-    impl->set_sizes_and_strides(sizes, strides);
-    impl->set_version_counter(t.unsafeGetTensorImpl()->version_counter());
-    return r;
-  }
-
-  // A view op made here, or an undefined tensor where the dispatcher has to do it: a tensor this
-  // path does not handle, an argument of another form, or geometry it cannot view (the
-  // dispatcher then raises PyTorch's own error, or the view falls back to reshape).
-  at::Tensor fast_view(const Instr& in, const std::vector<IValue>& vals) {
-    if (in.args.empty() || in.args[0].kind != A_SLOT) return at::Tensor();
-    const IValue& iv = vals[in.args[0].slot];
-    if (!iv.isTensor()) return at::Tensor();
-    const at::Tensor& t = iv.toTensor();
-    if (!plain(t)) return at::Tensor();
-    const int64_t nd = t.dim();
-    at::DimVector sizes(t.sizes().begin(), t.sizes().end());
-    at::DimVector strides(t.strides().begin(), t.strides().end());
-    at::DimVector ints;
-    int64_t d0 = 0, d1 = 0;
-    switch (in.view) {
-      case V_VIEW: {
-        if (in.args.size() != 2 || !ints_arg(in.args[1], vals, ints)) return at::Tensor();
-        at::DimVector shape;
-        try {
-          shape = at::infer_size_dv(ints, t.numel());
-        } catch (const c10::Error&) {
-          return at::Tensor();
-        }
-        auto st = at::detail::computeStride(t.sizes(), t.strides(), shape);
-        if (!st.has_value()) return at::Tensor();
-        return alias(t, shape, *st);
-      }
-      case V_PERMUTE: {
-        if (in.args.size() != 2 || !ints_arg(in.args[1], vals, ints)) return at::Tensor();
-        if (static_cast<int64_t>(ints.size()) != nd) return at::Tensor();
-        std::vector<bool> seen(nd, false);
-        for (int64_t k = 0; k < nd; ++k) {
-          int64_t d = ints[k];
-          if (d < -nd || d >= nd) return at::Tensor();
-          if (d < 0) d += nd;
-          if (seen[d]) return at::Tensor();
-          seen[d] = true;
-          sizes[k] = t.size(d);
-          strides[k] = t.stride(d);
-        }
-        return alias(t, sizes, strides);
-      }
-      case V_TRANSPOSE:
-      case V_T: {
-        if (in.view == V_T) {
-          if (in.args.size() != 1 || nd > 2) return at::Tensor();
-          if (nd < 2) return alias(t, sizes, strides);
-          d0 = 0;
-          d1 = 1;
-        } else {
-          if (in.args.size() != 3 || nd == 0) return at::Tensor();
-          if (!int_arg(in.args[1], vals, d0) || !int_arg(in.args[2], vals, d1)) return at::Tensor();
-          if (d0 < -nd || d0 >= nd || d1 < -nd || d1 >= nd) return at::Tensor();
-          if (d0 < 0) d0 += nd;
-          if (d1 < 0) d1 += nd;
-        }
-        std::swap(sizes[d0], sizes[d1]);
-        std::swap(strides[d0], strides[d1]);
-        return alias(t, sizes, strides);
-      }
-      case V_UNSQUEEZE: {
-        if (in.args.size() != 2 || !int_arg(in.args[1], vals, d0)) return at::Tensor();
-        if (d0 < -nd - 1 || d0 > nd) return at::Tensor();
-        if (d0 < 0) d0 += nd + 1;
-        const int64_t st = d0 >= nd ? 1 : sizes[d0] * strides[d0];  // ATen's unsqueeze geometry
-        sizes.insert(sizes.begin() + d0, 1);
-        strides.insert(strides.begin() + d0, st);
-        return alias(t, sizes, strides);
-      }
-      case V_SQUEEZE_DIMS:
-      case V_SQUEEZE_ALL: {
-        if (nd == 0) return at::Tensor();
-        std::vector<bool> drop(nd, in.view == V_SQUEEZE_ALL);
-        if (in.view == V_SQUEEZE_DIMS) {
-          if (in.args.size() != 2 || !ints_arg(in.args[1], vals, ints)) return at::Tensor();
-          for (int64_t d : ints) {
-            if (d < -nd || d >= nd) return at::Tensor();
-            drop[d < 0 ? d + nd : d] = true;
-          }
-        }
-        at::DimVector ns, nst;
-        for (int64_t d = 0; d < nd; ++d) {
-          if (drop[d] && sizes[d] == 1) continue;
-          ns.push_back(sizes[d]);
-          nst.push_back(strides[d]);
-        }
-        return alias(t, ns, nst);
-      }
-      case V_EXPAND: {
-        if (in.args.size() != 3 || !ints_arg(in.args[1], vals, ints)) return at::Tensor();
-        if (static_cast<int64_t>(ints.size()) < nd) return at::Tensor();
-        try {
-          auto geo = at::inferExpandGeometry_dimvector(t.sizes(), t.strides(), ints);
-          return alias(t, geo.sizes, geo.strides);
-        } catch (const c10::Error&) {
-          return at::Tensor();
-        }
-      }
-      case V_ALIAS:
-        if (in.args.size() != 1) return at::Tensor();
-        return alias(t, sizes, strides);
-      default:
-        return at::Tensor();
-    }
   }
 
   at::Tensor new_output(c10::IntArrayRef shape, c10::ScalarType dt) {
@@ -823,6 +613,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Launcher>(m, "Launcher", py::module_local())
       .def(py::init<int64_t, py::list, py::list, int64_t>())
       .def("run", &Launcher::run, py::arg("inputs"), py::arg("alloc"), py::arg("steal") = false)
-      .def("python_nodes", &Launcher::python_nodes)
-      .def("views_made", &Launcher::views_made);
+      .def("python_nodes", &Launcher::python_nodes);
 }

@@ -11,7 +11,7 @@ call without Python.  Instruction tuples are ``(kind, node, frees, ...)``:
             place over node n, s >= 0 memory-plan slot s), single output?
   ATEN      schema name, overload, one argument spec per schema argument, fallback op (a view's
             reshape) or None, the Python call and input nodes (used instead where the launcher
-            cannot convert an argument), view kind (``VIEW_KINDS``; 0: none)
+            cannot convert an argument)
   GETITEM   source node, index
   WRITEBACK destination node, source node
   PYCALL    ``callable(list of input values)``, input nodes, take element 0?
@@ -21,15 +21,6 @@ Argument specs: ``(SLOT, node, to_double, to_tensor)``, ``(CONST,)`` (the schema
 ``(TLIST, nodes)``, ``(OTLIST, nodes or -1)``, ``(ILIST, nodes or -1, constants)``.  A node whose
 arguments have no such form (nested lists of other types, unknown ops, stochastic-rounding
 kernels) becomes a PYCALL of the Python executor's own prepared call: same semantics, Python cost.
-
-View ops (``VIEW_KINDS``: view, permute, transpose, t, unsqueeze, squeeze, expand, alias) are made
-by the launcher itself where it can (``fast_view`` in launcher.cpp: sizes and strides worked out in
-C++, the result an alias of the input's storage sharing its version counter, as PyTorch's view
-kernels and Inductor's ``reinterpret_tensor`` make it), without the ~1-2 us of a boxed dispatcher
-call each; anything else (a tensor subclass, grad mode on, geometry a view cannot express) goes
-through the dispatcher as before.  Not for a view whose value reaches the graph's outputs (directly
-or through further views): those keep ATen's view metadata (``_base``), which callers may read.
-Off with ``config.launcher_views = False`` (``KILN_LAUNCHER_VIEWS=0``).
 """
 
 from __future__ import annotations
@@ -41,7 +32,6 @@ from typing import Any
 import torch
 
 from kiln.codegen.cpp.aten_call import has_in, prepared
-from kiln.config import config
 from kiln.ir.graph import Graph, In, Node
 from kiln.ir.kernel import OutKind
 from kiln.ir.semantics import resolve
@@ -53,20 +43,6 @@ _OUT = {OutKind.FULL: 0, OutKind.ROW: 1, OutKind.ROWK: 2, OutKind.COL: 3, OutKin
 _FLOAT_TYPES = ("float", "Optional[float]")
 _TENSOR_TYPES = ("Tensor", "Optional[Tensor]")
 _INT_LISTS = ("List[int]", "Optional[List[int]]")
-# the view ops launcher.cpp makes itself (its ViewK numbers)
-VIEW_KINDS = {
-    "view.default": 1,
-    "_unsafe_view.default": 1,
-    "permute.default": 2,
-    "transpose.int": 3,
-    "t.default": 4,
-    "unsqueeze.default": 5,
-    "squeeze.dims": 6,
-    "squeeze.dim": 6,
-    "squeeze.default": 7,
-    "expand.default": 8,
-    "alias.default": 9,
-}
 
 
 def _arg(v: Any, type_str: str, inp: Sequence[int]) -> tuple | None:
@@ -163,7 +139,6 @@ def build_program(g: Graph, steps: Sequence[tuple]) -> tuple[list[tuple], int]:
     ``(kind, callable or value, input ids, freed ids)`` per node (see ``Executor``)."""
     prog: list[tuple] = []
     slot_ids: dict = {}
-    native_views = _native_views(g, steps) if config.launcher_views else set()
     for i, (kind, x, inp, free) in enumerate(steps):
         n = g.nodes[i]
         head = (i, list(free))
@@ -181,22 +156,10 @@ def build_program(g: Graph, steps: Sequence[tuple]) -> tuple[list[tuple], int]:
         else:
             a = aten_instr(n, inp)
             if a:
-                view = VIEW_KINDS[n.op] if i in native_views else 0
-                prog.append((ATEN, *head, *a, _call(n), list(inp), view))
+                prog.append((ATEN, *head, *a, _call(n), list(inp)))
             else:
                 prog.append((PYCALL, *head, _call(n), list(inp), False))
     return prog, len(slot_ids)
-
-
-def _native_views(g: Graph, steps: Sequence[tuple]) -> set[int]:
-    """The view nodes the launcher may make itself: every ATen view op (``VIEW_KINDS``) except
-    those whose value reaches a graph output directly or through further views."""
-    views = {i for i, n in enumerate(g.nodes) if steps[i][0] == 4 and n.op in VIEW_KINDS}
-    reach = set(g.outputs)
-    for i in range(len(g.nodes) - 1, -1, -1):  # inputs come before their users
-        if i in reach and i in views:
-            reach.update(steps[i][2][:1])  # the viewed tensor (argument 0)
-    return views - reach
 
 
 def _call(n: Node) -> Callable[[Sequence[Any]], Any]:
