@@ -16,6 +16,9 @@ A ``roll`` along one dim (RoPE's rotation after ``rotate``) is passed the same w
 ``permute(roll(x, s, d), P) -> roll(permute(x, P), s, P.index(d))`` (element ``j`` of both is
 ``x`` at the same rotated, permuted index), so that a permute sunk through RoPE's gradient does not
 stop at the roll (the fuser would then write the rolled values out for the permuted kernel to read).
+A roll of an ``expand`` along a dim the expand does not broadcast rolls the unexpanded source
+instead: ``expand(roll(permute(v, P), s, P.index(d)), P(S))`` (RoPE's sin table, rolled as a
+``(1, T, 1, D)`` table rather than written out at the heads' full shape).
 Attention glue is the case it is for: the output of SDPA's CPU kernel is a permuted view of a
 ``(B, T, H, D)`` buffer; an elementwise op on it (nanoGPT's fully-masked-row term in the compile
 frontend's attention rewrite, a gradient added to ``dv``) is written ``(B, H, T, D)``-contiguous,
@@ -40,6 +43,7 @@ from kiln.passes.rewrite import Rule, apply_rules
 
 PERMUTE = "permute.default"
 ROLL = "roll.default"
+EXPAND = "expand.default"
 # readers of a permuted value that copy it because of its layout
 LAYOUT_READERS = frozenset(
     {"view.default", "reshape.default", "_unsafe_view.default", "cat.default"}
@@ -155,9 +159,35 @@ def _sink_through_roll(rw: Rewriter, n: Node, f: Node) -> Node | None:
     xt = rw.type(x)
     if not _static(xt) or xt.shape != yt.shape:
         return None
+    shift = list(f.args[1])
+    small = _expand_source(rw, x, d)
+    if small is not None:  # roll the unexpanded table, expand the rolled one
+        vt = rw.type(small)
+        pvt = TensorType(tuple(vt.shape[k] for k in perm), vt.dtype)
+        pv = rw.add(Node(PERMUTE, (small,), (In(0), list(perm)), (), (pvt,)))
+        rv = rw.add(Node(ROLL, (pv,), (In(0), shift, [perm.index(d)]), (), (pvt,)))
+        return Node(EXPAND, (rv,), (In(0), list(n.type.shape)), (), (n.type,))
     pt = TensorType(tuple(xt.shape[k] for k in perm), xt.dtype)
     px = rw.add(Node(PERMUTE, (x,), (In(0), list(perm)), (), (pt,)))
-    return Node(ROLL, (px,), (In(0), list(f.args[1]), [perm.index(d)]), (), (n.type,))
+    return Node(ROLL, (px,), (In(0), shift, [perm.index(d)]), (), (n.type,))
+
+
+def _expand_source(rw: Rewriter, x: int, d: int) -> int | None:
+    """``v`` where ``x = expand(v, S)`` with ``v`` of the same rank and not broadcast along ``d``
+    (a roll along ``d`` then commutes with the expand: RoPE's sin/cos table, expanded to the
+    heads' shape, is rolled as the table), else None."""
+    e = rw.node(x)
+    if e.op != EXPAND or e.kwargs or len(e.args) < 2 or e.args[0] != In(0):
+        return None
+    v = e.inputs[0]
+    vt, xt = rw.type(v), rw.type(x)
+    if not _static(vt) or len(vt.shape) != len(xt.shape) or vt.dtype != xt.dtype:
+        return None
+    if vt.shape[d] != xt.shape[d]:
+        return None
+    if any(a != b and a != 1 for a, b in zip(vt.shape, xt.shape)):
+        return None
+    return v
 
 
 RULES: tuple[Rule, ...] = (

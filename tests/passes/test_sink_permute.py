@@ -196,3 +196,36 @@ def test_roll_with_other_readers_or_zero_size_stays_correct():
     same_results(g, out)
     g0 = _rope_grad_glue((2, 0, 5, 6), 1)
     same_results(g0, sink_permutes(g0))
+
+
+def test_roll_of_an_expanded_table_rolls_the_table():
+    """RoPE's gradient multiplies by ``roll(expand(sin))``: the permute sunk through it rolls the
+    ``(1, T, 1, D)`` table and expands the result, instead of a rolled copy at the full shape."""
+    shape = (2, 3, 5, 6)
+    b = GraphBuilder()
+    g_in = b.input(f32(*shape))
+    sin = b.input(f32(1, 1, 5, 6))
+    e = call(b, "expand.default", [V(sin), list(shape)], f32(*shape))
+    r = call(b, "roll.default", [V(e), [3], [3]], f32(*shape))
+    m = call(b, "mul.Tensor", [V(g_in), V(r)], f32(*shape))
+    p = call(b, "permute.default", [V(m), P], f32(2, 5, 3, 6))
+    flat = call(b, "reshape.default", [V(p), [180]], f32(180))
+    g = b.build([flat])
+    out = sink_permutes(g)
+    rolls = [n for n in out.nodes if n.op == "roll.default"]
+    assert len(rolls) == 1 and rolls[0].type.shape == (1, 5, 1, 6)
+    assert list(rolls[0].args[2]) == [3]
+    same_results(g, out)
+    # broadcast along the rolled dim: the roll is not moved onto the table
+    b = GraphBuilder()
+    g_in = b.input(f32(*shape))
+    col = b.input(f32(1, 1, 5, 1))
+    e = call(b, "expand.default", [V(col), list(shape)], f32(*shape))
+    r = call(b, "roll.default", [V(e), [3], [3]], f32(*shape))
+    m = call(b, "mul.Tensor", [V(g_in), V(r)], f32(*shape))
+    p = call(b, "permute.default", [V(m), P], f32(2, 5, 3, 6))
+    flat = call(b, "reshape.default", [V(p), [180]], f32(180))
+    g2 = b.build([flat])
+    out2 = sink_permutes(g2)
+    assert [n.type.shape for n in out2.nodes if n.op == "roll.default"] == [(2, 5, 3, 6)]
+    same_results(g2, out2)
