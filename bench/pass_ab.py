@@ -2,6 +2,7 @@
 
     python bench/pass_ab.py --workload gpt --disable sink_permute --steps 40 [--inductor]
     python bench/pass_ab.py --workload llama --disable cross_entropy,sink_expand,row_epilogue
+    python bench/pass_ab.py --workload gpt2 --old-config recompute=0    # a config switch in old
 
 One process, one thread: eager, Kiln (all passes), Kiln with ``--disable`` (``KILN_DISABLE_PASSES``
 while it compiles; ``row_epilogue`` turns the fuser's rows epilogues off) and optionally
@@ -38,6 +39,7 @@ import torch._functorch.config as functorch_config
 import kiln
 from bench.run import use_cache_dir
 from bench.workloads import build
+from kiln.config import from_env
 from kiln.passes import row_epilogue
 from kiln.runtime.compiler import clear_memory_cache
 from kiln.runtime.malloc import tune_malloc
@@ -58,14 +60,38 @@ def make_step(model: torch.nn.Module, loss_fn: Callable, mode: str, tag: str) ->
     return torch.compile(step, backend=mode) if mode in ("kiln", "inductor") else step
 
 
+def _settings(spec: str) -> dict[str, object]:
+    """``"recompute=0,..."`` as typed config values (parsed as the KILN_* variables are)."""
+    if not spec:
+        return {}
+    env = {}
+    for part in spec.split(","):
+        key, _, value = part.partition("=")
+        env[f"KILN_{key.strip().upper()}"] = value.strip()
+    parsed = from_env(env)
+    return {
+        part.partition("=")[0].strip(): getattr(parsed, part.partition("=")[0].strip())
+        for part in spec.split(",")
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="gpt")
-    ap.add_argument("--disable", required=True, help="comma-separated passes off in 'old'")
+    ap.add_argument("--disable", default="", help="comma-separated passes off in 'old'")
+    ap.add_argument(
+        "--old-config",
+        default="",
+        help="comma-separated KEY=VALUE Kiln settings for 'old' only, spelled as their KILN_KEY "
+        "environment variables (e.g. recompute=0)",
+    )
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--inductor", action="store_true")
     a = ap.parse_args()
+    old_config = _settings(a.old_config)
+    if not a.disable and not old_config:
+        ap.error("nothing differs between 'new' and 'old': give --disable or --old-config")
     torch.set_num_threads(1)
     # Kiln's first compile sets glibc's thresholds (kiln/runtime/malloc.py): set them before any
     # model is copied, so that every variant's weights and state come from the same kind of memory.
@@ -79,15 +105,16 @@ def main() -> None:
     variants = [("eager", "eager", ""), ("new", "kiln", ""), ("old", "kiln", a.disable)]
     if a.inductor:
         variants.append(("inductor", "inductor", ""))
+    defaults = {k: getattr(kiln.config, k) for k in old_config}
     for name, mode, disable in variants:
         clear_memory_cache()
-        kiln.config.update(disable_passes=disable)
+        kiln.config.update(disable_passes=disable, **(old_config if name == "old" else defaults))
         # not a pass: the fuser's rows epilogues (kiln/passes/row_epilogue.py), off with this name
         row_epilogue.ROW_EPILOGUE = "row_epilogue" not in disable.split(",")
         fns[name] = make_step(copy.deepcopy(wl.model), wl.loss, mode, name)
         for _ in range(a.warmup):
             fns[name](*batch).item()
-    kiln.config.update(disable_passes="")
+    kiln.config.update(disable_passes="", **defaults)
     row_epilogue.ROW_EPILOGUE = True
     times: dict[str, list[float]] = {n: [] for n in fns}
     # Rotated each step (e n o, n o e, o e n, ...): every variant follows every other one equally
@@ -103,6 +130,8 @@ def main() -> None:
             times[name].append((time.thread_time() - t0) * 1e3)
     med = {n: round(statistics.median(v), 2) for n, v in times.items()}
     out = {"workload": a.workload, "disabled in old": a.disable, "load": os.getloadavg()[0]}
+    if old_config:
+        out["config in old"] = a.old_config
     print(json.dumps({**out, **med, "new/old": round(med["new"] / med["old"], 3)}))
 
 

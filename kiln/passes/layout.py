@@ -22,7 +22,8 @@ removes are the copies that only exist to make an operand contiguous:
   the kernel that computes ``dy`` (one pass over ``dy`` instead of two).
 
 Needs: a well-formed graph.  Guarantees: same output values, shapes and dtypes; no output or value
-that something mutates or reads the strides of becomes an alias; dead copies are left to ``dce``.
+that something mutates or reads the strides of becomes an alias; dead nodes are removed before the
+rules run (``dce``), copies the rules leave dead are left to a later ``dce``.
 
 Example::
 
@@ -38,6 +39,7 @@ import torch
 from kiln.config import config
 from kiln.ir.graph import Graph, In, Node, TensorType
 from kiln.passes._util import Rewriter
+from kiln.passes.dce import dce
 from kiln.passes.rewrite import Rule, apply_rules
 from kiln.passes.simplify import RESHAPES, src
 
@@ -213,6 +215,12 @@ RULES: tuple[Rule, ...] = (
 
 def layout(g: Graph) -> Graph:
     """Apply the layout :data:`RULES` (bounded, see :mod:`kiln.passes.rewrite`); a rule named
-    ``layout.NAME`` in ``config.disable_passes`` is skipped (for same-process A/B of one rule)."""
+    ``layout.NAME`` in ``config.disable_passes`` is skipped (for same-process A/B of one rule).
+
+    Dead nodes are dropped first: the rules count a copy's readers, and a dead reader (AOTAutograd's
+    backward of transformers' attention reshapes the contiguous copy of the attention gradient
+    twice and uses one) would keep the copy."""
     off = config.disabled_passes
+    if "layout.dce" not in off:  # (switchable for A/B like a rule)
+        g = dce(g)
     return apply_rules(g, tuple(r for r in RULES if f"layout.{r.name}" not in off))

@@ -25,7 +25,8 @@ from functools import partial
 
 import torch
 
-from kiln.ir.graph import Graph, In, Node
+from kiln.config import config
+from kiln.ir.graph import Graph, In, Node, TensorType
 from kiln.passes._util import Rewriter
 from kiln.passes.rewrite import Rule, apply_rules
 
@@ -192,6 +193,61 @@ def drop_clone(rw: Rewriter, n: Node) -> int | None:
     return src(n) if _copy_may_go(rw, n) else None
 
 
+SMALL_SUM = 4  # a sum over one (not the last) dim of at most this many elements becomes adds
+
+
+def small_sum(rw: Rewriter, n: Node) -> Node | None:
+    """``sum(x, [d])`` over a dim of static size 2..:data:`SMALL_SUM` that is not the last dim
+    -> ``select(x, d, 0) + select(x, d, 1) + ...`` (a view to the ``keepdim`` shape after).
+
+    Grouped-query attention's backward sums the gradient of the repeated k/v heads over the group
+    (``sum(view(dv, (B, KV, G, T, D)), [2])``): as ATen's reduction it is a separate op (with a
+    zero fill) whose result is then permuted and copied for the projection's GEMM; as adds of
+    strided views it is elementwise, so ``sink_permute`` computes it in the GEMM's order and the
+    fuser makes it one kernel.  Same values: ATen sums a non-innermost dim element by element from
+    zero, ``((0 + x0) + x1) + ...``, which is these adds (up to the sign of a zero)."""
+    if n.kwargs or len(n.args) not in (2, 3) or n.args[0] != In(0):
+        return None
+    keep = n.args[2] if len(n.args) == 3 else False
+    dims = n.args[1]
+    x = src(n)
+    xt, out = rw.type(x), n.types[0]
+    if not isinstance(keep, bool) or xt is None or out is None:
+        return None
+    if xt.dtype not in (torch.float32, torch.float64) or out.dtype != xt.dtype:
+        return None
+    if not all(isinstance(k, int) for k in xt.shape) or len(xt.shape) < 2:
+        return None
+    if not isinstance(dims, (list, tuple)) or len(dims) != 1 or not isinstance(dims[0], int):
+        return None
+    rank = len(xt.shape)
+    if not -rank <= dims[0] < rank:
+        return None
+    d = dims[0] % rank
+    if d == rank - 1 or not 2 <= xt.shape[d] <= SMALL_SUM:
+        return None
+    part = TensorType(tuple(xt.shape[:d]) + tuple(xt.shape[d + 1 :]), xt.dtype)
+    acc = rw.add(Node("select.int", (x,), (In(0), d, 0), (), (part,)))
+    for i in range(1, xt.shape[d]):
+        s = rw.add(Node("select.int", (x,), (In(0), d, i), (), (part,)))
+        total = Node("add.Tensor", (acc, s), (In(0), In(1)), (), (part,))
+        if i == xt.shape[d] - 1 and not keep:
+            return total
+        acc = rw.add(total)
+    return Node("view.default", (acc,), (In(0), list(out.shape)), (), (out,))
+
+
+def squeeze_of_reshape(rw: Rewriter, n: Node) -> Node | None:
+    """``squeeze(view(x, s))`` -> ``view(x, s without the squeezed size-1 dims)`` (a reshape if
+    the inner one was): dropping size-1 dims never changes whether a view is possible."""
+    inner = rw.node(src(n))
+    out = n.types[0]
+    if inner.op not in RESHAPES or out is None or not all(isinstance(k, int) for k in out.shape):
+        return None
+    op = "reshape.default" if inner.op == "reshape.default" else "view.default"
+    return Node(op, (src(inner),), (In(0), list(out.shape)), (), n.types)
+
+
 # --- the table: first matching rule wins ----------------------------------------------------
 RULES: tuple[Rule, ...] = (
     # x * 1 -> x,  1 * x -> x
@@ -241,9 +297,17 @@ RULES: tuple[Rule, ...] = (
     Rule("neutral_cast", ("_to_copy.default",), neutral_cast),
     # clone(x) -> x under the same conditions
     Rule("clone", ("clone.default",), drop_clone),
+    # sum over a small dim that is not the last -> adds of selects (elementwise, fusable)
+    Rule("small_sum", ("sum.dim_IntList",), small_sum),
+    # squeeze of a view/reshape -> one view/reshape of the source
+    Rule(
+        "squeeze_of_reshape", ("squeeze.dims", "squeeze.dim", "squeeze.default"), squeeze_of_reshape
+    ),
 )
 
 
 def simplify(g: Graph) -> Graph:
-    """Apply :data:`RULES` until nothing changes (at most ``rewrite.MAX_ITERS`` sweeps)."""
-    return apply_rules(g, RULES)
+    """Apply :data:`RULES` until nothing changes (at most ``rewrite.MAX_ITERS`` sweeps); a rule
+    named ``simplify.NAME`` in ``config.disable_passes`` is skipped (same-process A/B of a rule)."""
+    off = config.disabled_passes
+    return apply_rules(g, tuple(r for r in RULES if f"simplify.{r.name}" not in off))

@@ -221,3 +221,32 @@ def test_column_sum_of_a_reshape_that_moves_the_last_dim_stays():
     out = check_pass(layout, g, str(layout(g)))
     srcs = [out.nodes[n.inputs[0]].op for n in out.nodes if n.op == "sum.dim_IntList"]
     assert srcs == ["view.default", "view.default", "input"]
+
+
+def test_a_dead_reader_does_not_keep_the_contiguous_copy():
+    """AOTAutograd's backward of transformers' attention reshapes the contiguous copy of the
+    attention gradient twice and uses one: the dead reshape is dropped first, and the copy goes."""
+    b = GraphBuilder()
+    x = b.input(f32(2, 3, 5, 7))
+    w = b.input(f32(21, 4))
+    e = call(b, "exp.default", [V(x)], f32(2, 3, 5, 7))
+    p = call(b, "permute.default", [V(e), [0, 2, 1, 3]], f32(2, 5, 3, 7))
+    c = call(b, "clone.default", [V(p)], f32(2, 5, 3, 7), memory_format=torch.contiguous_format)
+    call(b, "view.default", [V(c), [2, 5, 21]], f32(2, 5, 21))  # dead
+    v = call(b, "view.default", [V(c), [10, 21]], f32(10, 21))
+    m = call(b, "mm.default", [V(v), V(w)], f32(10, 4))
+    g = b.build([m])
+    out = check_pass(
+        layout,
+        g,
+        """
+        graph(%0: f32[2,3,5,7], %1: f32[21,4]) {
+          %2 = exp.default(%0) : f32[2,3,5,7]
+          %3 = permute.default(%2, [0, 2, 1, 3]) : f32[2,5,3,7]
+          %4 = clone.default(%3, memory_format=torch.contiguous_format) : f32[2,5,3,7]
+          %5 = reshape.default(%3, [10, 21]) : f32[10,21]
+          %6 = mm.default(%5, %1) : f32[10,4]
+          return (%6)
+        }""",
+    )
+    assert out.count(lambda n: n.op == "view.default") == 0

@@ -237,3 +237,67 @@ def test_constant_operand_with_different_elements_is_not_a_neutral_number():
     ops = [n.op for n in out.nodes]
     assert ops.count("mul.Tensor") == 2 and ops.count("add.Tensor") == 1, str(out)
     same_results(g, out)
+
+
+def test_small_sum_over_a_middle_dim_becomes_adds_of_selects():
+    """Grouped-query attention's gradient of the repeated heads: ``sum(view(dv, (B, KV, G, T, D)),
+    [2], keepdim)`` then ``squeeze``: adds of strided selects, one view, the squeeze folded."""
+    g = capture(
+        lambda dv: dv.view(3, 2, 2, 5, 7).sum(2, keepdim=True).squeeze(2).exp(),
+        torch.randn(3, 4, 5, 7),
+    )
+    check_pass(
+        lambda x: dce(simplify(x)),
+        g,
+        """
+        graph(%0: f32[3,4,5,7]) {
+          %1 = view.default(%0, [3, 2, 2, 5, 7]) : f32[3,2,2,5,7]
+          %2 = select.int(%1, 2, 0) : f32[3,2,5,7]
+          %3 = select.int(%1, 2, 1) : f32[3,2,5,7]
+          %4 = add.Tensor(%2, %3) : f32[3,2,5,7]
+          %5 = exp.default(%4) : f32[3,2,5,7]
+          return (%5)
+        }""",
+    )
+
+
+def test_small_sum_sizes_dims_and_dtypes():
+    x = torch.randn(4, 3, 5)
+    # three and four elements, a negative dim, no keepdim; odd sizes; zero-size other dims
+    for fn, ex in (
+        (lambda a: a.sum(1), x),
+        (lambda a: a.sum(-3, keepdim=True), x),
+        (lambda a: a.sum(0).exp(), torch.randn(2, 0, 3)),
+        (lambda a: a.transpose(0, 1).sum(0), torch.randn(5, 2, 3)),  # non-contiguous
+    ):
+        g = capture(fn, ex)
+        out = dce(simplify(g))
+        assert out.count(lambda n: n.op == "sum.dim_IntList") == 0
+        assert out.count(lambda n: n.op == "select.int") >= 2
+        verify(out)
+        same_results(g, out)
+    # left as ATen's reduction: the last dim, more than four elements, several dims, ints
+    for fn, ex in (
+        (lambda a: a.sum(-1), torch.randn(4, 3)),
+        (lambda a: a.sum(0), torch.randn(5, 3)),
+        (lambda a: a.sum((0, 1)), torch.randn(2, 2, 3)),
+        (lambda a: a.sum(0), torch.randint(0, 5, (2, 3), dtype=torch.int32)),
+        (lambda a: a.sum(0, dtype=torch.float64), torch.randn(2, 3)),
+    ):
+        g = capture(fn, ex)
+        out = dce(simplify(g))
+        assert out.count(lambda n: n.op == "sum.dim_IntList") == 1, str(g)
+        same_results(g, out)
+
+
+def test_a_rule_can_be_switched_off_by_name():
+    from kiln.config import config as kiln_config
+
+    g = capture(lambda a: a.sum(1), torch.randn(4, 2, 3))
+    before = kiln_config.disable_passes
+    try:
+        kiln_config.update(disable_passes="simplify.small_sum")
+        assert dce(simplify(g)).count(lambda n: n.op == "sum.dim_IntList") == 1
+    finally:
+        kiln_config.update(disable_passes=before)
+    assert dce(simplify(g)).count(lambda n: n.op == "sum.dim_IntList") == 0

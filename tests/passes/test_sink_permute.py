@@ -134,3 +134,98 @@ def test_size_one_and_size_zero_dims():
         assert out.count(lambda n: n.op == "sub.Tensor") == 1
         assert g.nodes[g.outputs[0]].types == out.nodes[out.outputs[0]].types
         same_results(g, out)
+
+
+def _rope_grad_glue(shape: tuple[int, int, int, int], shift: int, readers: int = 1):
+    """``reshape(permute(roll(g, shift, 3) * sin + g * cos, P))``: RoPE's gradient after ``rotate``
+    (a one-dim roll), permuted back to ``(B, T, H, D)`` and flattened for the projection's GEMM."""
+    b = GraphBuilder()
+    g = b.input(f32(*shape))
+    sin = b.input(f32(*shape))
+    cos = b.input(f32(shape[-1]))
+    r = call(b, "roll.default", [V(g), [shift], [3]], f32(*shape))
+    m1 = call(b, "mul.Tensor", [V(r), V(sin)], f32(*shape))
+    m2 = call(b, "mul.Tensor", [V(g), V(cos)], f32(*shape))
+    a = call(b, "add.Tensor", [V(m1), V(m2)], f32(*shape))
+    pshape = tuple(shape[d] for d in P)
+    p = call(b, "permute.default", [V(a), P], f32(*pshape))
+    n = 1
+    for s in pshape:
+        n *= s
+    outs = [call(b, "reshape.default", [V(p), [n]], f32(n))]
+    if readers > 1:  # the roll read by something else too: it stays where it is
+        outs.append(call(b, "exp.default", [V(r)], f32(*shape)))
+    return b.build(outs)
+
+
+def test_permute_sinks_through_a_roll_along_its_permuted_dim():
+    g = _rope_grad_glue((2, 3, 5, 6), 3)
+    out = sink_permutes(g)
+    rolls = [n for n in out.nodes if n.op == "roll.default"]
+    assert len(rolls) == 1
+    roll = rolls[0]
+    assert list(roll.args[1]) == [3] and list(roll.args[2]) == [3]  # dim 3 stays last under P
+    assert out.nodes[roll.inputs[0]].op == "permute.default"  # rolls the permuted gradient
+    assert out.count(lambda n: n.op == "permute.default" and n.inputs[0] == out.outputs[0]) == 0
+    # the add and both products now compute in the permuted order (no permute of the sum)
+    adds = [i for i, n in enumerate(out.nodes) if n.op == "add.Tensor"]
+    assert len(adds) == 1 and out.nodes[adds[0]].type.shape == (2, 5, 3, 6)
+    same_results(g, out)
+
+
+def test_roll_along_a_moved_dim_and_odd_sizes():
+    # roll along dim 1 (H), which the permute moves to dim 2; odd sizes, a negative shift
+    b = GraphBuilder()
+    x = b.input(f32(3, 5, 7, 1))
+    r = call(b, "roll.default", [V(x), [-2], [1]], f32(3, 5, 7, 1))
+    e = call(b, "exp.default", [V(r)], f32(3, 5, 7, 1))
+    p = call(b, "permute.default", [V(e), P], f32(3, 7, 5, 1))
+    flat = call(b, "reshape.default", [V(p), [105]], f32(105))
+    g = b.build([flat])
+    out = sink_permutes(g)
+    rolls = [n for n in out.nodes if n.op == "roll.default"]
+    assert len(rolls) == 1 and list(rolls[0].args[2]) == [2]
+    same_results(g, out)
+
+
+def test_roll_with_other_readers_or_zero_size_stays_correct():
+    g = _rope_grad_glue((2, 3, 5, 6), 3, readers=2)
+    out = sink_permutes(g)
+    # the roll has a second reader: it is not moved below the permute (and not duplicated)
+    assert out.count(lambda n: n.op == "roll.default") == 1
+    same_results(g, out)
+    g0 = _rope_grad_glue((2, 0, 5, 6), 1)
+    same_results(g0, sink_permutes(g0))
+
+
+def test_roll_of_an_expanded_table_rolls_the_table():
+    """RoPE's gradient multiplies by ``roll(expand(sin))``: the permute sunk through it rolls the
+    ``(1, T, 1, D)`` table and expands the result, instead of a rolled copy at the full shape."""
+    shape = (2, 3, 5, 6)
+    b = GraphBuilder()
+    g_in = b.input(f32(*shape))
+    sin = b.input(f32(1, 1, 5, 6))
+    e = call(b, "expand.default", [V(sin), list(shape)], f32(*shape))
+    r = call(b, "roll.default", [V(e), [3], [3]], f32(*shape))
+    m = call(b, "mul.Tensor", [V(g_in), V(r)], f32(*shape))
+    p = call(b, "permute.default", [V(m), P], f32(2, 5, 3, 6))
+    flat = call(b, "reshape.default", [V(p), [180]], f32(180))
+    g = b.build([flat])
+    out = sink_permutes(g)
+    rolls = [n for n in out.nodes if n.op == "roll.default"]
+    assert len(rolls) == 1 and rolls[0].type.shape == (1, 5, 1, 6)
+    assert list(rolls[0].args[2]) == [3]
+    same_results(g, out)
+    # broadcast along the rolled dim: the roll is not moved onto the table
+    b = GraphBuilder()
+    g_in = b.input(f32(*shape))
+    col = b.input(f32(1, 1, 5, 1))
+    e = call(b, "expand.default", [V(col), list(shape)], f32(*shape))
+    r = call(b, "roll.default", [V(e), [3], [3]], f32(*shape))
+    m = call(b, "mul.Tensor", [V(g_in), V(r)], f32(*shape))
+    p = call(b, "permute.default", [V(m), P], f32(2, 5, 3, 6))
+    flat = call(b, "reshape.default", [V(p), [180]], f32(180))
+    g2 = b.build([flat])
+    out2 = sink_permutes(g2)
+    assert [n.type.shape for n in out2.nodes if n.op == "roll.default"] == [(2, 5, 3, 6)]
+    same_results(g2, out2)
