@@ -2,7 +2,9 @@
 
 Checks: every op is known; inputs refer to earlier nodes; every ``In(k)`` marker of a template is a
 valid input slot and every input is used by some marker; ``getitem`` indexes an existing output;
-outputs exist; input indices are 0..n-1 without gaps.  ``deep=True`` also re-infers every node's
+outputs exist; input indices are 0..n-1 without gaps; a list argument (a size list) never holds a
+type's symbolic size text (``"s0"``: a shape-generic graph passes sizes as ``In`` markers of
+its int inputs).  ``deep=True`` also re-infers every node's
 types on the meta device and compares them with what the node says.
 """
 
@@ -25,6 +27,18 @@ def _markers(v: Any, out: set[int]) -> None:
     elif isinstance(v, (list, tuple)):
         for x in v:
             _markers(x, out)
+
+
+def _symbolic_text(v: Any) -> str | None:
+    """A str inside a list/tuple argument (a size list built from a generic graph's type)."""
+    if isinstance(v, (list, tuple)):
+        for x in v:
+            if isinstance(x, str):
+                return x
+            found = _symbolic_text(x) if isinstance(x, (list, tuple)) else None
+            if found is not None:
+                return found
+    return None
 
 
 def verify(g: Graph, deep: bool = False) -> Graph:
@@ -50,6 +64,9 @@ def verify(g: Graph, deep: bool = False) -> Graph:
         _markers([v for _, v in n.kwargs], ks)
         if ks != set(range(len(n.inputs))):
             fail(i, f"template uses inputs {sorted(ks)} but node has {len(n.inputs)}")
+        text = next((t for a in n.args if (t := _symbolic_text(a)) is not None), None)
+        if text is not None:
+            fail(i, f"a list argument holds the symbolic size {text!r} (not an int or In marker)")
         if n.op == "getitem":
             src = g.nodes[n.inputs[0]]
             if not 0 <= n.args[1] < len(src.types):

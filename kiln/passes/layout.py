@@ -179,6 +179,8 @@ def col_sum_of_reshape(rw: Rewriter, n: Node) -> Node | None:
     x_t, v_t, out_t = rw.type(x), rw.type(n.inputs[0]), n.type
     if x_t is None or v_t is None or out_t is None or x_t.dtype is None:
         return None
+    if not all(isinstance(k, int) for k in out_t.shape):
+        return None  # a shape-generic graph: the view below would take a size's symbolic text
     rank = len(v_t.shape)
     dims = n.args[1]
     if not isinstance(dims, (list, tuple)) or rank < 2 or len(x_t.shape) < 2:

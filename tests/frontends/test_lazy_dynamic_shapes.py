@@ -162,6 +162,32 @@ def test_sizes_computed_from_a_length_products_and_offsets():
     assert metrics.get("shape_generic_reuses") == 3
 
 
+def test_a_linear_bias_gradient_over_sizes_in_a_generic_graph():
+    """A 3-D linear layer's bias gradient is a sum over the leading dims of a reshape; the layout
+    pass rewrote it to a sum of the source and a view to the result's type, whose sizes were a
+    generic graph's symbolic text ("s1"): ``view()`` raised TypeError at the second size and the
+    family stayed broken for every later size (found by the fuzzer)."""
+    metrics.reset()
+    for b, t, i, o in ((2, 1, 3, 2), (3, 1, 4, 5), (4, 1, 5, 3), (2, 1, 3, 2), (5, 3, 3, 2)):
+        xs = [torch.randn(b, t, i), torch.randn(o, i), torch.randn(o)]
+        xs += [torch.randn(o, i).t(), torch.randn(i)]  # a transposed weight
+        grads = []
+        for d in ("cpu", dev):
+            ps = [
+                x.detach().to(d).requires_grad_() if d == dev else x.clone().requires_grad_()
+                for x in xs
+            ]
+            v = torch.log_softmax(F.linear(torch.log_softmax(ps[0], -1), ps[1], ps[2]), -1)
+            out = F.linear(v, ps[3], ps[4])
+            (out.sum() + v.sum()).backward()
+            if d == dev:
+                kiln.mark_step()
+            grads.append([p.grad.cpu() for p in ps] + [out.detach().cpu()])
+        for got, want in zip(grads[1], grads[0]):
+            torch.testing.assert_close(got, want)
+    assert metrics.get("shape_generic_reuses") >= 1
+
+
 def _norm_step(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.layer_norm(x * 2 + 1, x.shape[-1:]).relu().sum(1)
 

@@ -59,3 +59,19 @@ def test_verifier_catches_bad_graphs():
     b.nodes.append(Node("neg.default", (x,), (In(0),), (), (TensorType((5,), torch.float32),)))
     with pytest.raises(VerificationError, match="ops infer"):
         verify(b.build([1]), deep=True)
+
+
+def test_verifier_catches_a_symbolic_size_text_in_a_size_list():
+    # a shape-generic graph's types hold sizes as text ("s0"); a rewrite that copies a type's
+    # shape into a view's size list makes a graph ATen cannot run (view() raises TypeError)
+    sym = TensorType(("s0", 4), torch.float32)
+    b = GraphBuilder()
+    x = b.input(sym)
+    n = b.scalar("int")
+    b.add(Node("view.default", (x, n), (In(0), [In(1), 4]), (), (sym,)))
+    verify(b.build([2]))  # sizes as In markers: fine
+    b = GraphBuilder()
+    x = b.input(sym)
+    b.add(Node("view.default", (x,), (In(0), ["s0", 4]), (), (sym,)))
+    with pytest.raises(VerificationError, match="symbolic size 's0'"):
+        verify(b.build([1]))
