@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from _native_testlib import native_device  # noqa: F401 - the module fixture
+from _subprocess import run_json
 
 import kiln
 from kiln import metrics
@@ -424,3 +425,60 @@ def test_a_view_made_on_the_values_sees_later_writes_to_its_base():
     x.copy_(torch.arange(9.0))
     torch.testing.assert_close(lv.cpu(), v)
     torch.testing.assert_close(lx.cpu(), x)
+
+
+# -- stage 4: errors inside backward --------------------------------------------------------------
+
+_BACKWARD_ERROR_AFTER_EAGER = """
+import json, threading
+import torch
+a = torch.randn(3, requires_grad=True)
+a.sin().sum().backward()  # the engine starts before kiln is imported: no kiln device queue
+import kiln
+from kiln.frontends.lazy import backward_thread, native
+from kiln.frontends.lazy import tensor as lazy_tensor
+kiln.config.update(lazy_recorder="native")
+dev = kiln.device()
+seen = []
+
+class Bad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        seen.append(threading.get_ident() == threading.main_thread().ident)
+        return (g.view(-1, 1) @ torch.ones(2, 5, device=dev)).sum(1)
+
+x = torch.randn(3).to(dev).requires_grad_()
+try:
+    Bad.apply(x).sum().backward()
+    message = None
+except RuntimeError as e:
+    message = str(e)
+w = torch.randn(4, 3)
+lw = w.to(dev).requires_grad_()
+(lw.cos() * 3.0).sum().backward()
+kiln.mark_step()
+want = -3.0 * w.sin()
+print(json.dumps({
+    "installed": backward_thread.installed(), "native": native.is_native(lw), "seen": seen,
+    "message": message, "kept": type(lazy_tensor.last_backward_error).__name__,
+    "count": kiln.metrics.get("backward_errors"),
+    "grad_ok": bool(torch.allclose(lw.grad.cpu(), want, atol=1e-6)),
+}))
+"""
+
+
+def test_an_error_in_backward_after_an_eager_backward_is_raised_on_the_calling_thread():
+    # a process whose autograd engine started before `import kiln` runs kiln's backward passes
+    # on the calling thread (backward_thread.install): a recording error there is reported the
+    # same way (named, kept, counted) and the device keeps working
+    out = run_json(_BACKWARD_ERROR_AFTER_EAGER, KILN_LAZY_RECORDER="native")
+    assert out["installed"] and out["native"] and out["seen"] == [True]
+    assert out["message"] is not None
+    assert "backward pass failed on the kiln device in aten.mm.default" in out["message"]
+    assert "same reduction dim" in out["message"]
+    assert out["kept"] == "RuntimeError" and out["count"] == 1
+    assert out["grad_ok"]

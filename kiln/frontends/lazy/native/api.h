@@ -31,10 +31,12 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
     table[op_key(op)] = f;
     std::string reg = overload.empty() ? name : name + "." + overload;
     if (name == "_reshape_alias")
-      table_lib->impl(reg.c_str(),
-                      torch::CppFunction::makeFromBoxedFunction<&reshape_alias_as_view>());
+      table_lib->impl(
+          reg.c_str(),
+          torch::CppFunction::makeFromBoxedFunction<&guarded<&reshape_alias_as_view>>());
     else
-      table_lib->impl(reg.c_str(), torch::CppFunction::makeFromBoxedFunction<&record>());
+      table_lib->impl(reg.c_str(),
+                      torch::CppFunction::makeFromBoxedFunction<&guarded<&record>>());
   }
   auto handle = [](const std::string& full) {
     auto dot = full.find('.');
@@ -48,7 +50,8 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
     if (!add_foreach_split(fe, handle(per_name), inplace)) continue;
     std::string reg = fe.schema().name().substr(6);
     if (!fe.schema().overload_name().empty()) reg += "." + fe.schema().overload_name();
-    table_lib->impl(reg.c_str(), torch::CppFunction::makeFromBoxedFunction<&foreach_split>());
+    table_lib->impl(reg.c_str(),
+                    torch::CppFunction::makeFromBoxedFunction<&guarded<&foreach_split>>());
   }
   // An aten op with a CompositeExplicitAutograd kernel would run that kernel instead of the
   // fallback (the alias covers every backend key): it may decompose into other ops or make new
@@ -64,7 +67,8 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
       continue;
     std::string reg = name.name.substr(6);
     if (!name.overload_name.empty()) reg += "." + name.overload_name;
-    table_lib->impl(reg.c_str(), torch::CppFunction::makeFromBoxedFunction<&unsupported>());
+    table_lib->impl(reg.c_str(),
+                    torch::CppFunction::makeFromBoxedFunction<&guarded<&unsupported_kernel>>());
   }
 }
 

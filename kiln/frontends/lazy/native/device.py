@@ -106,6 +106,22 @@ def install() -> None:
         _installed = True
 
 
+def backward_error(where: str, exc: BaseException) -> str:
+    """An error left recording ``where`` (``aten.cos.default``) on a native tensor inside a
+    backward pass (recorder.cpp's ``guarded``, stage 4): kept as
+    ``lazy.tensor.last_backward_error`` and counted (``backward_errors``), as the Python
+    recorder's ``_BackwardError`` does; returns the message ``backward()`` raises."""
+    from kiln import metrics
+    from kiln.frontends.lazy import tensor as lazy_tensor
+
+    lazy_tensor.last_backward_error = exc
+    metrics.incr("backward_errors")
+    return (
+        f"[kiln] the backward pass failed on the kiln device in {where}: "
+        f"{type(exc).__name__}: {exc}"
+    )
+
+
 def _wrap_str(orig: Any) -> Any:
     def _str(self: torch.Tensor, *, tensor_contents: Any = None) -> str:
         from kiln.frontends.lazy import native

@@ -213,8 +213,93 @@ void unsupported(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   to_python(op, stack);
 }
 
+// ---------------------------------------------------------------------------------------------
+// an error while recording inside a backward pass (stage 4)
+//
+// Every boxed kernel on the key is registered as `guarded<kernel>`.  Outside a backward pass (no
+// autograd graph task on this thread) it calls the kernel and nothing else.  Inside one, an
+// error leaving the outermost kernel -- a C++ error (a meta kernel's shape check) or a Python
+// exception from the fallback -- is reported to Python (native/device.py's `backward_error`:
+// kept as `lazy.tensor.last_backward_error`, counted as `backward_errors`, as the Python
+// recorder does) and rethrown as a C++ error naming the op and the original error, which the
+// autograd engine carries from its device thread to the caller's `backward()`: a RuntimeError
+// there (a NotImplementedError, itself a RuntimeError, when the original was one).  No Python
+// error is left pending on the engine's thread.
+
+thread_local bool in_guarded = false;
+
+// `aten.cos.default`: the op as Python's OpOverload prints it (the Python recorder's wording)
+std::string overload_str(const c10::OperatorHandle& op) {
+  std::string s = op.schema().name();
+  auto colons = s.find("::");
+  if (colons != std::string::npos) s.replace(colons, 2, ".");
+  const std::string& ov = op.schema().overload_name();
+  return s + "." + (ov.empty() ? std::string("default") : ov);
+}
+
+// A Python exception object for a C++ error (its Python type, as PyTorch translates it).
+py::object py_error_of(const std::exception& e) {
+  PyObject* type = PyExc_RuntimeError;
+  if (dynamic_cast<const c10::NotImplementedError*>(&e)) type = PyExc_NotImplementedError;
+  else if (dynamic_cast<const c10::IndexError*>(&e)) type = PyExc_IndexError;
+  else if (dynamic_cast<const c10::ValueError*>(&e)) type = PyExc_ValueError;
+  else if (dynamic_cast<const c10::TypeError*>(&e)) type = PyExc_TypeError;
+  const c10::Error* ce = dynamic_cast<const c10::Error*>(&e);
+  const char* text = ce ? ce->what_without_backtrace() : e.what();
+  return py::reinterpret_borrow<py::object>(type)(text);
+}
+
+// Hands `exc` to Python (native/device.py's `backward_error`); returns the message to raise.
+// (GIL held.)
+std::string report_backward_error(const std::string& where, const py::object& exc) {
+  try {
+    return py::str(py::module_::import("kiln.frontends.lazy.native.device")
+                       .attr("backward_error")(where, exc))
+        .cast<std::string>();
+  } catch (py::error_already_set& e) {  // (the report itself failed: the message still names both)
+  }
+  std::string what = py::str(exc).cast<std::string>();
+  std::string type = py::str(py::type::handle_of(exc).attr("__name__")).cast<std::string>();
+  return "[kiln] the backward pass failed on the kiln device in " + where + ": " + type + ": " +
+         what;
+}
+
+template <void (*F)(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack*)>
+void guarded(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (in_guarded || torch::autograd::get_current_graph_task_id() == -1) {
+    F(op, ks, stack);
+    return;
+  }
+  struct Reset {
+    ~Reset() { in_guarded = false; }
+  } reset;
+  in_guarded = true;
+  std::string msg;
+  bool not_implemented;
+  try {
+    F(op, ks, stack);
+    return;
+  } catch (py::error_already_set& e) {
+    py::gil_scoped_acquire gil;
+    not_implemented = e.matches(PyExc_NotImplementedError);
+    msg = report_backward_error(overload_str(op), e.value());
+  } catch (const std::exception& e) {
+    py::gil_scoped_acquire gil;
+    not_implemented = dynamic_cast<const c10::NotImplementedError*>(&e) != nullptr;
+    msg = report_backward_error(overload_str(op), py_error_of(e));
+  }
+  // a RuntimeError; a NotImplementedError (one too, in Python) stays one
+  TORCH_CHECK_NOT_IMPLEMENTED(!not_implemented, msg);
+  TORCH_CHECK(false, msg);
+}
+
+void unsupported_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet,
+                        torch::jit::Stack* stack) {
+  unsupported(op, stack);
+}
+
 TORCH_LIBRARY_IMPL(_, PrivateUse2, m) {
-  m.fallback(torch::CppFunction::makeFromBoxedFunction<&unsupported>());
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&guarded<&unsupported_kernel>>());
 }
 
 // A sparse tensor whose parts are native tensors (`csr.to(kiln)` with the native recorder as the
