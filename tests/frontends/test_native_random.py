@@ -65,6 +65,9 @@ RANDOM = {
     "uniform_": lambda x: [(x * 1).uniform_(-2, 3)],
     "normal_": lambda x: [(x * 1).normal_()],
     "multinomial": lambda x: [torch.multinomial(x.abs() + 0.1, 3)],
+    "sdpa_dropout": lambda x: [
+        F.scaled_dot_product_attention(x[None] * 1, x[None], x[None], dropout_p=0.3)
+    ],
     "two_draws": lambda x: [F.dropout(x, 0.5) + torch.rand_like(x), torch.randn_like(x)],
 }
 
