@@ -319,10 +319,11 @@ class Handler:
             key_parts.append((k, self.walk(func, v, lift, inputs)))
         return (op, torch.get_default_dtype(), tuple(key_parts)), inputs
 
-    def record(self, op: _Op, args: tuple, kwargs: dict) -> Any:
+    def record(self, op: _Op, args: tuple, kwargs: dict, sig: tuple | None = None) -> Any:
+        """Record the call as one node (``sig``: its :meth:`signature`, when known)."""
         func = op.func
         lift = op.facts.lift
-        key, inputs = self.signature(op, args, kwargs)
+        key, inputs = sig if sig is not None else self.signature(op, args, kwargs)
         r = self.recipes.get(key)
         if r is None:
             r = self.make_recipe(func, args, kwargs, lift)

@@ -80,7 +80,7 @@ class RandomOps:
             if out is not None:
                 return out
         n = self.mod.trace_len()
-        out = h.record(op, args, kwargs)
+        out = h.record(op, args, kwargs, (key, inputs))
         if self.mod.trace_gen() == gen and self.mod.trace_len() > n:  # recorded as a node
             if not self.seeded:
                 self._seed()
