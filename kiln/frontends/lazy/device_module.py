@@ -196,7 +196,11 @@ class _KilnModule:
         from kiln.frontends.lazy.trace import rng_mark
 
         _index(device)
-        return rng_mark(torch.get_rng_state())
+        state = rng_mark(torch.get_rng_state())
+        native_rng = _native_rng()
+        if native_rng is not None:
+            native_rng.mark(state)
+        return state
 
     @staticmethod
     @torch.compiler.disable
@@ -206,6 +210,9 @@ class _KilnModule:
         _index(device)
         torch.set_rng_state(state)
         rng_rewind(state)
+        native_rng = _native_rng()
+        if native_rng is not None:
+            native_rng.rewind(state)
 
     @staticmethod
     def get_rng_state_all() -> list[torch.Tensor]:
@@ -355,3 +362,9 @@ class _KilnModule:
 
 
 KILN_MODULE = _KilnModule()
+
+
+def _native_rng() -> Any:
+    """The native recorder's random-op state (``native/rng.py``) when it is loaded, else None."""
+    native_rng = sys.modules.get("kiln.frontends.lazy.native.rng")
+    return native_rng.active() if native_rng is not None else None

@@ -35,7 +35,7 @@ from kiln.codegen.cpp.extension import Extension, Unavailable
 from kiln.config import config
 from kiln.frontends.lazy import dynamic
 from kiln.frontends.lazy.memory import update_peak
-from kiln.frontends.lazy.native import fallback, table
+from kiln.frontends.lazy.native import fallback, rng, table
 from kiln.frontends.lazy.native.convert import Converted, convert
 from kiln.frontends.lazy.trace import _settle_heap as settle_heap
 from kiln.ir.graph import Graph
@@ -194,6 +194,9 @@ def mark_step(forced: bool = False) -> Any:
     results, compiled = _run(mod, c, values)
     _assign(c, results)
     del values, results
+    random_ops = rng.active()
+    if random_ops is not None:
+        random_ops.cut()  # the cut trace's random outputs, kept for replays, let go
     if compiled:
         settle_heap()  # config.gc_freeze; one process-wide cap shared with the Python recorder
     if not forced:

@@ -19,7 +19,7 @@ import torch
 from kiln import metrics
 from kiln.frontends.lazy.trace import prune_nodes
 from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType
-from kiln.ir.ops import fresh_buffer
+from kiln.ir.ops import Category, fresh_buffer
 from kiln.lowering.aten import op_name
 from kiln.runtime.writebacks import Update, add_writebacks
 
@@ -33,6 +33,7 @@ _LAYOUTS = (torch.strided,)
 
 INPUT = -1
 SCALAR = -2
+SEED = "kiln_seed"  # the op of the random seed's marker recipe (``rng.py``)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ def convert(mod: Any, cut: Any) -> Converted:
     b = GraphBuilder()
     nodes = b.nodes
     n_inputs = 0
+    seed_node = None
     for head, ins in raw:
         if head == INPUT:
             v = values[n_inputs]
@@ -115,11 +117,39 @@ def convert(mod: Any, cut: Any) -> Converted:
             n_inputs += 1
         else:
             t = template(mod, head)
+            if t.op == SEED:
+                # the step's seed: the marker's input is its 0-dim int64 value.  The first
+                # marker (recorded behind the trace's first random node) becomes the graph's
+                # seed input, moved before that node below; a later one is never used.
+                index = nodes[ins[-1]].kwarg("index")
+                kw = (("index", index), ("role", "seed"))
+                nodes.append(Node("scalar", kwargs=kw, types=(TensorType((), None, "int"),)))
+                if seed_node is None:
+                    seed_node = len(nodes) - 1
+                continue
             if t.fallback is not None:
                 metrics.fallback(t.fallback)
             nodes.append(Node(t.op, tuple(ins), t.args, t.kwargs, t.types))
     outs = _writebacks(b, list(cut.outputs), list(cut.writes))
-    return _prune(nodes, outs)
+    if seed_node is not None:
+        first = max(i for i in range(seed_node) if nodes[i].category is Category.RANDOM)
+        nodes, outs = _move(nodes, outs, seed_node, first)
+        seed_node = first
+    return _prune(nodes, outs, seed_node)
+
+
+def _move(nodes: list[Node], outs: list[int], src: int, dst: int) -> tuple[list[Node], list[int]]:
+    """Node ``src`` moved to position ``dst`` (< ``src``, ``src`` with no inputs), the nodes in
+    between shifted by one, every reference renumbered."""
+    new_id = list(range(len(nodes)))
+    for i in range(dst, src):
+        new_id[i] = i + 1
+    new_id[src] = dst
+    moved = nodes[:dst] + [nodes[src]] + nodes[dst:src] + nodes[src + 1 :]
+    moved = [
+        n if not n.inputs else n.with_(inputs=tuple(new_id[j] for j in n.inputs)) for n in moved
+    ]
+    return moved, [new_id[o] for o in outs]
 
 
 def _writebacks(b: GraphBuilder, outs: list[int], writes: list[int]) -> list[int]:
@@ -162,6 +192,6 @@ def _writebacks(b: GraphBuilder, outs: list[int], writes: list[int]) -> list[int
     return outs
 
 
-def _prune(nodes: list[Node], outs: list[int]) -> Converted:
-    graph, picks = prune_nodes(nodes, outs)  # (no random nodes yet: no seed input)
+def _prune(nodes: list[Node], outs: list[int], seed_node: int | None = None) -> Converted:
+    graph, picks = prune_nodes(nodes, outs, seed_node)  # the seed kept when a random node is
     return Converted(graph, picks)

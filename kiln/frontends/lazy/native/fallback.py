@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from kiln import metrics
 from kiln.config import config
 from kiln.frontends.lazy.foreach import record_split
-from kiln.frontends.lazy.native import convert, viewwrite
+from kiln.frontends.lazy.native import convert, rng, viewwrite
 from kiln.frontends.lazy.shapes import infer_typed
 from kiln.frontends.lazy.tensor import _BIT_VIEWS, _facts, _with_defaults
 from kiln.ir.graph import In
@@ -77,12 +77,13 @@ class _Op:
         # per schema argument: (keyword-only, enum table or None, has a default, the default)
         self.schema = []
         for a in func._schema.arguments:
+            # (the Python schema shows these enums as ``Optional[int]``: the name tells them)
             t = str(a.type)
             enum = (
                 convert._MEMORY_FORMATS
-                if "MemoryFormat" in t
+                if "MemoryFormat" in t or a.name == "memory_format"
                 else convert._LAYOUTS
-                if "Layout" in t
+                if "Layout" in t or a.name == "layout"
                 else None
             )
             has = a.has_default_value()
@@ -144,6 +145,7 @@ class Handler:
         self.mark_step = mark_step
         self.ops: dict[tuple[str, str], _Op] = {}
         self.recipes: dict[tuple, _Recipe] = {}
+        self.rng = rng.shared(mod)
 
     def __call__(self, qual: str, overload: str, vals: list) -> Any:
         op = self.ops.get((qual, overload))
@@ -210,7 +212,6 @@ class Handler:
             and f.functional is not None
             and _device_active()
             and not _is_out(func, kwargs)
-            and torch.Tag.nondeterministic_seeded not in func.tags
         ):
             out = self.inplace(op, args, kwargs)
             if out is not _NOT_DONE:
@@ -220,9 +221,9 @@ class Handler:
             out = record_split(op.foreach, args, kwargs, _call)
             if out is not None:
                 return out
-        if f.mutated or f.view or torch.Tag.nondeterministic_seeded in func.tags:
-            # written arguments, views outside the table (they alias the value's memory) and
-            # random draws (the CPU generator, as eager) run on the values
+        if f.mutated or f.view:
+            # written arguments and views outside the table (they alias the value's memory) run
+            # on the values
             return self.eager(func, args, kwargs, f"op:{name}")
         if f.composite:
             out = func.decompose(*args, **kwargs)
@@ -232,6 +233,8 @@ class Handler:
             out = f.decomp(*args, **kwargs)
             if out is not NotImplemented:
                 return out
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return self.rng.record(self, op, args, kwargs)
         return self.record(op, args, kwargs)
 
     def keeps_out_geometry(self, op: _Op, args: tuple, kwargs: dict) -> bool:
@@ -303,7 +306,9 @@ class Handler:
         metrics.incr("native_inplace_writes")
         return args[0] if func._schema.returns and len(targets) == 1 else None
 
-    def record(self, op: _Op, args: tuple, kwargs: dict) -> Any:
+    def signature(self, op: _Op, args: tuple, kwargs: dict) -> tuple[tuple, list]:
+        """The call's recipe key (the op, the default dtype, each argument's signature part) and
+        its graph values in template order."""
         func = op.func
         lift = op.facts.lift
         inputs: list = []
@@ -312,7 +317,13 @@ class Handler:
             key_parts.append(self.walk(func, a, lift, inputs))
         for k, v in kwargs.items():
             key_parts.append((k, self.walk(func, v, lift, inputs)))
-        key = (op, torch.get_default_dtype(), tuple(key_parts))
+        return (op, torch.get_default_dtype(), tuple(key_parts)), inputs
+
+    def record(self, op: _Op, args: tuple, kwargs: dict, sig: tuple | None = None) -> Any:
+        """Record the call as one node (``sig``: its :meth:`signature`, when known)."""
+        func = op.func
+        lift = op.facts.lift
+        key, inputs = sig if sig is not None else self.signature(op, args, kwargs)
         r = self.recipes.get(key)
         if r is None:
             r = self.make_recipe(func, args, kwargs, lift)

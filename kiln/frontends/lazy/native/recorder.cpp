@@ -133,6 +133,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return trace.size();
       },
       nogil());
+  m.def(
+      "trace_gen",
+      [] {
+        std::lock_guard<std::mutex> lock(mu);
+        return trace.gen;
+      },
+      nogil());
   m.def("cut", &cut, nogil());
   py::class_<Cut, std::shared_ptr<Cut>>(m, "Cut", py::module_local())
       .def_readonly("graph_id", &Cut::graph_id)
