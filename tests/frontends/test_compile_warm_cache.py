@@ -136,3 +136,40 @@ def test_cache_key_tag_follows_the_compiler_code(monkeypatch):
         monkeypatch.undo()
         aot_cache.cache_key_tag.cache_clear()
     assert aot_cache.cache_key_tag() == before
+
+
+ALIASES = textwrap.dedent(
+    """
+    import json
+    import torch, kiln
+
+    def program(x0):  # outputs that are views of an intermediate (the reshape's copy)
+        v2 = x0.reshape([8, 64]).permute([1, 0])
+        return v2[4], v2[3], v2[1:5].t()
+
+    out = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        x = torch.randn(8, 8, 8, generator=torch.Generator().manual_seed(0)).transpose(0, 2)
+        x.requires_grad_()
+        f = torch.compile(program, backend="kiln", fullgraph=True) if compiled else program
+        a, b, c = f(x)
+        (a.sum() * 2 + b.sum() + (c * 3).sum()).backward()
+        out["kiln" if compiled else "eager"] = {
+            "values": [t.detach().flatten().tolist() for t in (a, b, c)],
+            "shapes": [list(t.shape) for t in (a, b, c)],
+            "strides": [list(t.stride()) for t in (a, b, c)],
+            "grad": x.grad.flatten().tolist(),
+        }
+    print(json.dumps(out))
+    """
+)
+
+
+def test_outputs_that_view_an_intermediate_load_from_the_cache(tmp_path):
+    # torch 2.13 pickles the view ops that rebuild such outputs into AOTAutograd's cache entry
+    # and a second process replayed garbage sizes from it (RuntimeError: invalid shape
+    # dimension); found by the fuzzer
+    for which in ("first", "second", "third"):
+        r = run_json(ALIASES, which, KILN_CACHE_DIR=str(tmp_path / "cache"))
+        assert r["kiln"] == r["eager"], which

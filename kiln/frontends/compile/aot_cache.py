@@ -106,8 +106,9 @@ def aot_cache_settings() -> Iterator[None]:
     """For the duration of one Kiln backend call: AOTAutograd's cache on (bundled entries, Kiln's
     tag in the key, ``config.disk_cache`` decides), under ``<config.cache_dir>/torch``, the backward
     compiled with the forward (one entry holds both), and a key that does not import Inductor's
-    code generators (:func:`_key_without_inductor_codegen`).  Inductor and other backends are
-    untouched."""
+    code generators (:func:`_key_without_inductor_codegen`), and aliased outputs rebuilt without
+    view replay while the cache is on (its pickled view sequences load broken in torch 2.13).
+    Inductor and other backends are untouched."""
     # the partitioner is not part of AOTAutograd's key (entries hold partitioned graphs)
     tag = cache_key_tag() + ("|recompute" if config.recompute else "")
     user_tag = torch.compiler.config.cache_key_tag
@@ -120,6 +121,16 @@ def aot_cache_settings() -> Iterator[None]:
                 enable_autograd_cache=config.disk_cache,
                 bundled_autograd_cache=True,
                 force_non_lazy_backward_lowering=True,
+                # An output that is a view of an intermediate (or of an input) is rebuilt from
+                # its base at run time by replaying the recorded view ops; torch 2.13 pickles
+                # that view sequence into the cache entry, and a loaded one replays garbage
+                # sizes ("invalid shape dimension -8837..."; Inductor's warm start too).  With
+                # the cache on, such outputs are rebuilt with as_strided from their recorded
+                # sizes and strides instead (the same values; AOTAutograd's own fallback).
+                view_replay_for_aliased_outputs=(
+                    torch._functorch.config.view_replay_for_aliased_outputs
+                    and not config.disk_cache
+                ),
             ),
             torch.compiler.config.patch(cache_key_tag=f"{user_tag}|{tag}" if user_tag else tag),
             torch._inductor.config.patch(
