@@ -14,6 +14,7 @@ The program is rendered as source (``Program.source``) so that a failure prints 
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -472,3 +473,29 @@ def resized(prog: Program, sizes: dict[int, int]) -> Program | None:
         return None
     out.draws = prog.draws
     return out
+
+
+def size_plan(prog: Program, seed: int) -> list[list[list[int]]]:
+    """Two or three other sizes to run ``prog`` at, after its own (the ``lazy-sizes`` check):
+    each a list of ``[drawn size, new size]`` pairs for :func:`resized`, every drawn size >= 2
+    moved (sizes 0 and 1 stay: they are not sizes a shape-generic graph serves).  The first
+    other size makes the lazy device compile a shape-generic graph, the last one reuses it.
+    A third of the programs also get, between the two, one size set to 0 or 1 (a graph of its
+    own, which must neither use nor break the generic one).  Deterministic in ``seed``; empty
+    when the program drew no size >= 2."""
+    rng = random.Random(seed)
+    sizes = [s for s in drawn_sizes(prog) if s >= 2]
+    if not sizes:
+        return []
+    if rng.random() < 0.5:  # shifted: n+a, then n+b
+        a = rng.randint(1, 3)
+        b = a + rng.randint(1, 3)
+        maps = [{s: s + a for s in sizes}, {s: s + b for s in sizes}]
+    else:  # doubled: 2n, then 2n+1
+        maps = [{s: 2 * s for s in sizes}, {s: 2 * s + 1 for s in sizes}]
+    plan = [sorted(m.items()) for m in maps]
+    if rng.random() < 1 / 3:
+        small = dict(maps[0])
+        small[rng.choice(sizes)] = rng.choice((0, 1))
+        plan.insert(1, sorted(small.items()))
+    return [[list(p) for p in m] for m in plan]
