@@ -10,6 +10,8 @@ non-gradient inputs, as an optimizer updates its state).  Shapes are drawn per p
 
 Every choice goes through ``draw`` (a hypothesis ``data.draw``), so a failing program shrinks.
 The program is rendered as source (``Program.source``) so that a failure prints a runnable repro.
+The choices are kept (``Program.draws``): ``resized`` replays them with other dimension sizes,
+the same program at other sizes (the fuzzer's ``lazy-sizes`` check, ``size_plan``).
 """
 
 from __future__ import annotations

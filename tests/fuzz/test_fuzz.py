@@ -30,7 +30,10 @@ of its drawn dims (``fuzz_programs.size_plan``: every drawn size >= 2 shifted or
 consistently, tied dims together; a third of the programs also get a size 0 or 1 in between),
 each compared with eager at that size, so the lazy device compiles a shape-generic graph for
 the family and reuses it (``generic_graphs`` / ``generic_reuses`` in the stats).  It includes
-the plain lazy check, so ``compile,lazy-sizes`` replaces ``compile,lazy``.  The count of programs run and the seconds
+the plain lazy check, so ``compile,lazy-sizes`` replaces ``compile,lazy``.  The lazy device keeps its
+graph families for the whole process, so a program's own size may already be served by a
+generic graph an earlier program of the same form made; replay.py reruns the logged program's
+size sequence alone (a mismatch that needs the earlier programs does not replay).  The count of programs run and the seconds
 spent per phase are printed at the end and logged.
 """
 
