@@ -10,10 +10,13 @@ non-gradient inputs, as an optimizer updates its state).  Shapes are drawn per p
 
 Every choice goes through ``draw`` (a hypothesis ``data.draw``), so a failing program shrinks.
 The program is rendered as source (``Program.source``) so that a failure prints a runnable repro.
+The choices are kept (``Program.draws``): ``resized`` replays them with other dimension sizes,
+the same program at other sizes (the fuzzer's ``lazy-sizes`` check, ``size_plan``).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +78,8 @@ class Program:
     lines: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     families: list[str] = field(default_factory=list)
+    # the generator's choices, in order ([kind, value]): rebuilds the program at other sizes
+    draws: list[list] = field(default_factory=list)
 
     @property
     def source(self) -> str:
@@ -112,21 +117,72 @@ class Builder:
     """Draws one program.  ``vals`` maps a value's name to (shape, owned): ``owned`` values were
     computed by the program (not views of inputs), so in-place updates on them are legal."""
 
-    def __init__(self, draw: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        draw: Callable[[Any], Any] | None,
+        replay: list | None = None,
+        sizes: dict[int, int] | None = None,
+    ) -> None:
         self.draw = draw
         self.p = Program()
         self.vals: dict[str, tuple[tuple, bool]] = {}
         self.n = 0
+        self.trace: list[list] = []  # every choice made, in order: [kind, value]
+        self.replay = None if replay is None else [list(x) for x in replay]
+        self.sizes = sizes or {}
+        self.desync = False  # a replayed choice did not meet its kind: the program differs
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _take(self, kind: str, strategy: st.SearchStrategy, fit: Callable[[Any], Any]) -> Any:
+        """One choice: drawn (and recorded in ``trace``), or, when replaying, the recorded one
+        made to fit the choice at hand (``fit``: None when it cannot; then the first option)."""
+        if self.replay is None:
+            v = self.draw(strategy)
+            self.trace.append([kind, v])
+            return v
+        if self.replay and self.replay[0][0] == kind:
+            v = fit(self.replay.pop(0)[1])
+            if v is not None:
+                return v
+        self.desync = True
+        return fit(None)
+
     def pick(self, seq: Any) -> Any:
-        return self.draw(st.sampled_from(list(seq)))
+        items = list(seq)
+        if self.replay is None:
+            v = self.draw(st.sampled_from(items))
+            self.trace.append(["pick", items.index(v)])
+            return v
+        i = self._take("pick", st.nothing(), lambda v: 0 if v is None else int(v) % len(items))
+        return items[i]
 
     def intin(self, lo: int, hi: int) -> int:
-        return self.draw(st.integers(lo, hi))
+        return self._take(
+            "int", st.integers(lo, hi), lambda v: lo if v is None else min(max(int(v), lo), hi)
+        )
+
+    def flag(self) -> bool:
+        return self._take("flag", st.booleans(), lambda v: bool(v))
 
     def dim(self) -> int:
-        return self.draw(DIM_WEIGHTS)
+        """A dimension size: drawn, or when replaying at other sizes, the recorded size mapped
+        through ``sizes`` (a size not in it stays)."""
+        v = self._take("dim", DIM_WEIGHTS, lambda v: 2 if v is None else int(v))
+        return self.sizes.get(v, v) if self.replay is not None else v
+
+    def dims_list(self, r: int) -> list[int]:
+        """Reduction dims of a rank-``r`` value (at least one)."""
+        got = self._take(
+            "dims",
+            st.lists(st.integers(0, r - 1), min_size=1),
+            lambda v: [d for d in (v or []) if 0 <= d < r] or None,
+        )
+        return got if got is not None else [0]
+
+    def perm(self, r: int) -> list[int]:
+        ok = lambda v: list(v) if v is not None and sorted(v) == list(range(r)) else None
+        got = self._take("perm", st.permutations(list(range(r))), ok)
+        return got if got is not None else list(range(r))
 
     def fresh(self) -> str:
         self.n += 1
@@ -158,13 +214,13 @@ class Builder:
         names = [k for k, (s, _) in self.vals.items() if len(s) >= min_rank]
         if not names:
             return None
-        return names[-1] if self.draw(st.booleans()) else self.pick(names)
+        return names[-1] if self.flag() else self.pick(names)
 
     def bcast_shape(self, shape: tuple) -> tuple:
         """A shape that broadcasts against ``shape``: a suffix of it, some dims set to 1."""
         k = self.intin(0, len(shape))
         suffix = shape[len(shape) - k :]
-        return tuple(1 if self.draw(st.booleans()) else s for s in suffix)
+        return tuple(1 if self.flag() else s for s in suffix)
 
     # ---- op families ------------------------------------------------------------------------
     def unary(self) -> None:
@@ -175,18 +231,18 @@ class Builder:
         a = self.any_val()
         sa = self.vals[a][0]
         others = [k for k, (s, _) in self.vals.items() if _broadcast(sa, s) is not None]
-        if self.draw(st.booleans()) and others:
+        if self.flag() and others:
             b = self.pick(others)
         else:
             b = self.new_input(self.bcast_shape(sa))
         out = _broadcast(sa, self.vals[b][0])
-        a, b = (a, b) if self.draw(st.booleans()) else (b, a)
+        a, b = (a, b) if self.flag() else (b, a)
         self.emit(self.pick(BINARY).format(a=a, b=b), out)
 
     def masked(self) -> None:
         a = self.any_val()
         sa = self.vals[a][0]
-        if self.draw(st.booleans()):
+        if self.flag():
             m = self.new_input(self.bcast_shape(sa), role="mask")
         else:
             m = f"({a} > 0.3)"
@@ -199,11 +255,11 @@ class Builder:
             return self.unary()
         sa = self.vals[a][0]
         op = self.pick(REDUCE)
-        keep = self.draw(st.booleans())
-        if self.draw(st.booleans()) or len(sa) == 1:
+        keep = self.flag()
+        if self.flag() or len(sa) == 1:
             dims = [self.intin(0, len(sa) - 1)]
         else:
-            dims = sorted(set(self.draw(st.lists(st.integers(0, len(sa) - 1), min_size=1))))
+            dims = sorted(set(self.dims_list(len(sa))))
         if op == "amax" and any(sa[d] == 0 for d in dims):
             op = "sum"  # ATen refuses an amax over nothing (eager raises)
         if op == "var":
@@ -227,7 +283,7 @@ class Builder:
         if a is None:
             return self.unary()
         sa = self.vals[a][0]
-        if self.draw(st.booleans()):
+        if self.flag():
             w = self.new_input(sa[-1:], layout="contiguous")
             b = self.new_input(sa[-1:], layout="contiguous")
             self.emit(f"F.layer_norm({a}, ({sa[-1]},), {w}, {b})", sa)
@@ -254,16 +310,16 @@ class Builder:
 
     def attention(self) -> None:
         cands = [k for k, (s, _) in self.vals.items() if len(s) == 4]
-        if cands and self.draw(st.booleans()):
+        if cands and self.flag():
             q = self.pick(cands)
             B, H, L, E = self.vals[q][0]
         else:
             B, H, L, E = (self.dim(), self.pick((1, 2, 4)), self.dim(), self.pick((1, 2, 4, 8)))
             q = self.new_input((B, H, L, E), layout=self.pick(ATTN_LAYOUTS))
-        gqa = H % 2 == 0 and self.draw(st.booleans())
+        gqa = H % 2 == 0 and self.flag()
         Hk = H // 2 if gqa else H
-        S = L if self.draw(st.booleans()) else self.dim()
-        ev = E if self.draw(st.booleans()) else self.pick((1, 3, 8))
+        S = L if self.flag() else self.dim()
+        ev = E if self.flag() else self.pick((1, 3, 8))
         k = self.new_input((B, Hk, S, E), layout=self.pick(ATTN_LAYOUTS))
         v = self.new_input((B, Hk, S, ev), layout=self.pick(ATTN_LAYOUTS))
         kw = []
@@ -276,7 +332,7 @@ class Builder:
             shape = self.pick(((L, S), (B, 1, L, S), (1, H, L, S)))
             role = "grad" if mode == "float_grad" else "buf"
             kw.append(f"attn_mask={self.new_input(shape, role=role, layout='contiguous')}")
-        if self.draw(st.booleans()):
+        if self.flag():
             kw.append(f"scale={self.pick((0.1, 0.5, 1.3))}")
         if gqa:
             kw.append("enable_gqa=True")
@@ -294,7 +350,7 @@ class Builder:
             s[i], s[j] = s[j], s[i]
             self.emit(f"{a}.transpose({i}, {j})", tuple(s), owned)
         elif kind == "permute" and r >= 2:
-            perm = self.draw(st.permutations(list(range(r))))
+            perm = self.perm(r)
             self.emit(f"{a}.permute({list(perm)})", tuple(sa[p] for p in perm), owned)
         elif kind == "slice" and r >= 1:
             d = self.intin(0, r - 1)
@@ -357,7 +413,7 @@ class Builder:
 
 
 FAMILIES: dict[str, Callable[[Builder], None]] = {
-    "pointwise": lambda b: b.draw(st.sampled_from([b.unary, b.binary, b.masked]))(),
+    "pointwise": lambda b: getattr(b, b.pick(["unary", "binary", "masked"]))(),
     "reduce": Builder.reduce,
     "softmax": Builder.softmax,
     "layer_norm": Builder.layer_norm,
@@ -369,22 +425,79 @@ FAMILIES: dict[str, Callable[[Builder], None]] = {
 }
 
 
-@st.composite
-def programs(draw: Callable[[Any], Any], max_ops: int = 5) -> Program:
-    """A program of 1..max_ops ops from at most three op families (a small vocabulary per
-    program keeps the generated kernels few and shared between programs)."""
-    b = Builder(draw)
-    fams = draw(st.lists(st.sampled_from(sorted(FAMILIES)), min_size=1, max_size=3, unique=True))
+def _build(b: Builder, max_ops: int) -> Program:
+    fams = b._take(
+        "fams",
+        st.lists(st.sampled_from(sorted(FAMILIES)), min_size=1, max_size=3, unique=True),
+        lambda v: [f for f in (v or []) if f in FAMILIES] or None,
+    ) or ["pointwise"]
     b.p.families = fams
-    rank = draw(st.integers(1, 4))
+    rank = b.intin(1, 4)
     b.new_input(tuple(b.dim() for _ in range(rank)))
-    for _ in range(draw(st.integers(1, max_ops))):
-        FAMILIES[draw(st.sampled_from(fams))](b)
+    for _ in range(b.intin(1, max_ops)):
+        FAMILIES[b.pick(fams)](b)
     last = f"v{b.n}" if b.n else "x0"
     float_vals = list(b.vals)
-    extra = draw(st.sampled_from(float_vals))
+    extra = b.pick(float_vals)
     outs = [last] + ([extra] if extra != last else [])
     # a value that is the program's input itself is returned as a copy (outputs aliasing
     # inputs are legal but not what this fuzzer checks)
     b.p.outputs = [o if o.startswith("v") else f"({o} * 1.0)" for o in outs] + b.p.outputs
+    b.p.draws = b.trace
     return b.p
+
+
+@st.composite
+def programs(draw: Callable[[Any], Any], max_ops: int = 5) -> Program:
+    """A program of 1..max_ops ops from at most three op families (a small vocabulary per
+    program keeps the generated kernels few and shared between programs).  Its choices are kept
+    (``Program.draws``), so :func:`resized` can rebuild it at other sizes."""
+    return _build(Builder(draw), max_ops)
+
+
+def drawn_sizes(prog: Program) -> list[int]:
+    """The distinct dimension sizes the program's generator drew, ascending."""
+    return sorted({int(v) for k, v in prog.draws if k == "dim"})
+
+
+def resized(prog: Program, sizes: dict[int, int]) -> Program | None:
+    """``prog`` rebuilt with every drawn dimension size ``n`` replaced by ``sizes.get(n, n)``.
+
+    The same choices are replayed, so sizes tied in the program (the same drawn size, a
+    broadcast, a matmul's inner dim, a cat's parts) change together and every shape the
+    program spells out (a layer norm's shape, a reshape or expand size) follows.  A choice that
+    depends on a size (a slice bound, which values broadcast) is the recorded one clamped into
+    its new range, so the program stays valid; None when the replay left the recorded choices
+    (a size 0 that removed a branch): not the same program at other sizes."""
+    b = Builder(None, replay=prog.draws, sizes=sizes)
+    out = _build(b, 10**6)  # the recorded op count
+    if b.desync or b.replay:
+        return None
+    out.draws = prog.draws
+    return out
+
+
+def size_plan(prog: Program, seed: int) -> list[list[list[int]]]:
+    """Two or three other sizes to run ``prog`` at, after its own (the ``lazy-sizes`` check):
+    each a list of ``[drawn size, new size]`` pairs for :func:`resized`, every drawn size >= 2
+    moved (sizes 0 and 1 stay: they are not sizes a shape-generic graph serves).  The first
+    other size makes the lazy device compile a shape-generic graph, the last one reuses it.
+    A third of the programs also get, between the two, one size set to 0 or 1 (a graph of its
+    own, which must neither use nor break the generic one).  Deterministic in ``seed``; empty
+    when the program drew no size >= 2."""
+    rng = random.Random(seed)
+    sizes = [s for s in drawn_sizes(prog) if s >= 2]
+    if not sizes:
+        return []
+    if rng.random() < 0.5:  # shifted: n+a, then n+b
+        a = rng.randint(1, 3)
+        b = a + rng.randint(1, 3)
+        maps = [{s: s + a for s in sizes}, {s: s + b for s in sizes}]
+    else:  # doubled: 2n, then 2n+1
+        maps = [{s: 2 * s for s in sizes}, {s: 2 * s + 1 for s in sizes}]
+    plan = [sorted(m.items()) for m in maps]
+    if rng.random() < 1 / 3:
+        small = dict(maps[0])
+        small[rng.choice(sizes)] = rng.choice((0, 1))
+        plan.insert(1, sorted(small.items()))
+    return [[list(p) for p in m] for m in plan]

@@ -1,9 +1,11 @@
 """Rerun the programs a fuzz log (``KILN_TEST_FUZZ_LOG``) recorded as mismatches, each alone
 (``batch_only`` records: their batch, as one graph), and print what differs now::
 
-    .venv/bin/python tests/fuzz/replay.py fuzz.jsonl [--modes compile,lazy]
+    .venv/bin/python tests/fuzz/replay.py fuzz.jsonl [--modes compile,lazy,lazy-sizes]
 
-A program that matches now prints ``ok``; the exit status is 1 when any still differs.
+A ``lazy-sizes`` record reruns its size sequence (the program at its own size, then at each other
+size of its logged plan, in order, so the shape-generic graph is compiled and reused as in the
+run).  A program that matches now prints ``ok``; the exit status is 1 when any still differs.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from fuzz_programs import Input, Program
 
 def _program(spec: dict) -> Program:
     inputs = [Input(i["name"], tuple(i["shape"]), i["role"], i["layout"]) for i in spec["inputs"]]
-    return Program(inputs, list(spec["lines"]), list(spec["outputs"]), list(spec["families"]))
+    return Program(
+        inputs,
+        list(spec["lines"]),
+        list(spec["outputs"]),
+        list(spec["families"]),
+        [list(d) for d in spec.get("draws", [])],
+    )
 
 
 def main() -> int:
@@ -37,11 +45,13 @@ def main() -> int:
     for r in records:
         if "spec" in r:
             batch = [(_program(r["spec"]), r["data_seed"])]
+            plans = [r.get("sizes")]
         elif "specs" in r:
             batch = [(_program(s), d) for s, d in zip(r["specs"], r["data_seeds"])]
+            plans = r.get("sizes") or [None] * len(batch)
         else:
             continue
-        cases = [test_fuzz._prepare(p, d) for p, d in batch]
+        cases = [test_fuzz._prepare(p, d, s) for (p, d), s in zip(batch, plans)]
         if any(c is None for c in cases):
             print("eager refuses this program now:\n" + batch[0][0].describe())
             continue

@@ -24,7 +24,16 @@ reruns every logged program (or batch) alone.
 With ``KILN_TEST_FUZZ_LOG`` set, a mismatch is written to that file (program source, inputs,
 what differed) and the run goes on; without it the first mismatch fails the test and hypothesis
 shrinks it to a minimal program.  ``KILN_TEST_FUZZ_SEED`` picks another fixed seed;
-``KILN_TEST_FUZZ_MODES`` (``compile,lazy``) the modes.  The count of programs run and the seconds
+``KILN_TEST_FUZZ_MODES`` (``compile,lazy``) the modes.  ``lazy-sizes`` is the lazy mode at several
+sizes: each program runs on the lazy device at its own sizes and then at two or three other sizes
+of its drawn dims (``fuzz_programs.size_plan``: every drawn size >= 2 shifted or doubled
+consistently, tied dims together; a third of the programs also get a size 0 or 1 in between),
+each compared with eager at that size, so the lazy device compiles a shape-generic graph for
+the family and reuses it (``generic_graphs`` / ``generic_reuses`` in the stats).  It includes
+the plain lazy check, so ``compile,lazy-sizes`` replaces ``compile,lazy``.  The lazy device keeps its
+graph families for the whole process, so a program's own size may already be served by a
+generic graph an earlier program of the same form made; replay.py reruns the logged program's
+size sequence alone (a mismatch that needs the earlier programs does not replay).  The count of programs run and the seconds
 spent per phase are printed at the end and logged.
 """
 
@@ -34,7 +43,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import pytest
 import torch
@@ -48,7 +57,7 @@ from fuzz_harness import (
     run,
     run_many,
 )
-from fuzz_programs import Program, programs
+from fuzz_programs import Program, programs, resized, size_plan
 from hypothesis import HealthCheck, Phase, given, reject, seed, settings
 from hypothesis import strategies as st
 
@@ -58,7 +67,7 @@ from kiln import metrics
 EXAMPLES = int(os.environ.get("KILN_TEST_FUZZ_EXAMPLES", "25"))
 SEED = int(os.environ.get("KILN_TEST_FUZZ_SEED", "20261130"))
 LOG = os.environ.get("KILN_TEST_FUZZ_LOG", "")
-MODES = os.environ.get("KILN_TEST_FUZZ_MODES", "compile,lazy").split(",")
+MODES = os.environ.get("KILN_TEST_FUZZ_MODES", "compile,lazy-sizes").split(",")
 BATCH = max(1, int(os.environ.get("KILN_TEST_FUZZ_BATCH", "1")))
 
 STATS = {
@@ -68,9 +77,14 @@ STATS = {
     "batch_only": 0,  # batches that failed while none of their programs fails alone
     "batch_reruns": 0,  # (batch, mode) pairs re-run program by program
     "compile_fallbacks": 0,
+    "sizes_runs": 0,  # lazy-sizes: programs run at another size (each compared with eager)
+    "sizes_skipped": 0,  # lazy-sizes: other sizes not run (no size >= 2, or eager refuses)
+    "generic_graphs": 0,  # metrics over the lazy-sizes runs: shape-generic graphs compiled
+    "generic_reuses": 0,  # ... and lazy graphs served by one
     "eager_s": 0.0,  # seconds spent per phase (references, then each mode incl. re-runs)
     "compile_s": 0.0,
     "lazy_s": 0.0,
+    "lazy-sizes_s": 0.0,
 }
 _t0 = time.time()
 
@@ -93,11 +107,14 @@ class Case:
     data: Data
     e32: Result
     e64: Result
+    # lazy-sizes: the other sizes to run the program at ([drawn size, new size] pairs each)
+    sizes: list[list[list[int]]] = field(default_factory=list)
 
 
-def _prepare(prog: Program, data_seed: int) -> Case | None:
+def _prepare(prog: Program, data_seed: int, sizes: list | None = None) -> Case | None:
     """Eager float32 and float64 references; None when eager refuses the program (e.g. autograd:
-    a value saved for backward was updated in place): not a program the fuzzer checks."""
+    a value saved for backward was updated in place): not a program the fuzzer checks.
+    ``sizes``: the lazy-sizes plan (default: :func:`fuzz_programs.size_plan` of the seed)."""
     t0 = time.perf_counter()
     fn = make_function(prog)
     data = make_data(prog, data_seed)
@@ -108,16 +125,62 @@ def _prepare(prog: Program, data_seed: int) -> Case | None:
         return None
     finally:
         STATS["eager_s"] += time.perf_counter() - t0
-    return Case(prog, data_seed, fn, data, e32, e64)
+    if sizes is None:
+        sizes = size_plan(prog, data_seed) if "lazy-sizes" in MODES else []
+    return Case(prog, data_seed, fn, data, e32, e64, sizes)
 
 
 def _graph_fallbacks() -> int:
     return sum(v for k, v in metrics.counters()["fallbacks"].items() if k.startswith("graph:"))
 
 
-def _check_mode(mode: str, cases: list[Case]) -> tuple[list[list[str]], bool]:
+def _sized_cases(cases: list[Case], k: int) -> list[tuple[int, Case]]:
+    """The ``k``-th other size of each case that has one: (index in ``cases``, the program
+    rebuilt at that size with its eager references, same data seed)."""
+    out = []
+    for i, c in enumerate(cases):
+        if k >= len(c.sizes):
+            continue
+        prog = resized(c.prog, {a: b for a, b in c.sizes[k]})
+        sized = None if prog is None else _prepare(prog, c.data_seed, [])
+        if sized is None:
+            STATS["sizes_skipped"] += 1
+        else:
+            out.append((i, sized))
+    return out
+
+
+def _check_sizes(cases: list[Case]) -> tuple[list[list[str]], bool]:
+    """lazy-sizes: ``cases`` on the lazy device at their own sizes, then at each other size of
+    their plans in turn (the same program at other sizes: the lazy device compiles a
+    shape-generic graph at the first, reuses it later), each compared with eager at that
+    size."""
+    gen0, reuse0 = metrics.get("shape_generic_graphs"), metrics.get("shape_generic_reuses")
+    bad, whole_fallback = _check_mode("lazy", cases, "lazy-sizes")
+    for k in range(max((len(c.sizes) for c in cases), default=0)):
+        sized = _sized_cases(cases, k)
+        if not sized:
+            continue
+        STATS["sizes_runs"] += len(sized)
+        got, fb = _check_mode("lazy", [c for _, c in sized], f"lazy-sizes[{k}]")
+        whole_fallback |= fb
+        for (i, _), g in zip(sized, got):
+            moved = ",".join(f"{a}->{b}" for a, b in cases[i].sizes[k])
+            bad[i] += [f"{m} (sizes {moved})" for m in g]
+    STATS["generic_graphs"] += metrics.get("shape_generic_graphs") - gen0
+    STATS["generic_reuses"] += metrics.get("shape_generic_reuses") - reuse0
+    return bad, whole_fallback
+
+
+def _check_mode(
+    mode: str, cases: list[Case], label: str | None = None
+) -> tuple[list[list[str]], bool]:
     """Run ``cases`` in ``mode`` (several: as one batch function, one graph); per case, what
-    differed from eager, and whether a whole graph went to ATen (Kiln checked nothing of it)."""
+    differed from eager (reported as ``label``, default the mode), and whether a whole graph
+    went to ATen (Kiln checked nothing of it)."""
+    if mode == "lazy-sizes":
+        return _check_sizes(cases)
+    label = label or mode
     progs, datas = [c.prog for c in cases], [c.data for c in cases]
     fn = cases[0].fn if len(cases) == 1 else make_batch_function(progs)
     gfb = _graph_fallbacks()
@@ -130,8 +193,8 @@ def _check_mode(mode: str, cases: list[Case]) -> tuple[list[list[str]], bool]:
         else:
             got = run_many(progs, fn, datas, device=kiln.device(), after=kiln.mark_step)
     except Exception as e:  # noqa: BLE001 - any error where eager works is a finding
-        return [[f"{mode}: raised {type(e).__name__}: {str(e)[:400]}"] for _ in cases], False
-    bad = [compare(mode, g, c.e32, c.e64) for g, c in zip(got, cases)]
+        return [[f"{label}: raised {type(e).__name__}: {str(e)[:400]}"] for _ in cases], False
+    bad = [compare(label, g, c.e32, c.e64) for g, c in zip(got, cases)]
     return bad, _graph_fallbacks() > gfb
 
 
@@ -155,6 +218,7 @@ def _bisect(mode: str, cases: list[Case], got: list[list[str]]) -> list[list[str
                 "programs": [c.prog.describe() for c in cases],
                 "specs": [asdict(c.prog) for c in cases],
                 "data_seeds": [c.data_seed for c in cases],
+                "sizes": [c.sizes for c in cases],
             }
         )
     return out
@@ -184,6 +248,7 @@ def check_cases(cases: list[Case]) -> list[list[str]]:
                     "program": c.prog.describe(),
                     "spec": asdict(c.prog),
                     "data_seed": c.data_seed,
+                    "sizes": c.sizes,
                 }
             )
     if STATS["programs"] // 50 != (STATS["programs"] - len(cases)) // 50 or any(bad):
