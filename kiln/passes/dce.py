@@ -44,6 +44,12 @@ def dce(g: Graph) -> Graph:
                 live[j] = True
     if all(live):
         return g
+    return keep_only(g, live)
+
+
+def keep_only(g: Graph, live: list[bool]) -> Graph:
+    """``g`` rebuilt from the nodes marked ``live`` (every input of a live node must be live; the
+    constants only live nodes use)."""
     b = GraphBuilder()
     remap: dict[int, int] = {}
     for i, n in enumerate(g.nodes):

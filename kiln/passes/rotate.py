@@ -42,9 +42,9 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType
+from kiln.ir.graph import Graph, In, Node, TensorType
 from kiln.passes._util import Rewriter
-from kiln.passes.dce import dce
+from kiln.passes.dce import dce, keep_only
 from kiln.passes.rewrite import Rule, apply_rules
 
 _ZERO_FILLS = ("full.default", "zeros.default", "full_like.default", "zeros_like.default")
@@ -321,13 +321,4 @@ def _drop_unread_slice_backward(g: Graph) -> Graph:
     }
     if not dead:
         return g
-    b = GraphBuilder()
-    remap: dict[int, int] = {}
-    for i, n in enumerate(g.nodes):
-        if i in dead:
-            continue
-        if n.op == "constant":
-            remap[i] = b.constant(g.constants[n.kwarg("index")])
-        else:
-            remap[i] = b.add(n.with_(inputs=tuple(remap[j] for j in n.inputs)))
-    return b.build(remap[o] for o in g.outputs)
+    return keep_only(g, [i not in dead for i in range(len(g.nodes))])
