@@ -101,14 +101,45 @@ def _key_without_inductor_codegen() -> Iterator[None]:
             setattr(_inductor_codecache, n, saved[n])
 
 
+def _has_view_replay(entry: Any) -> bool:
+    meta = getattr(entry, "runtime_metadata", None)
+    infos = getattr(meta, "output_info", None) or ()
+    return any(getattr(i, "view_meta_sequence", None) is not None for i in infos)
+
+
+@contextlib.contextmanager
+def _no_entries_with_view_replay() -> Iterator[None]:
+    """An output that is a view of an intermediate or of an input is rebuilt from its base at run
+    time by replaying the view ops recorded during tracing (C++ ``ViewMeta`` objects).  torch
+    2.13 pickles them into the cache entry: pickling them can crash the process (SIGSEGV in
+    ``AOTAutogradCache._pickle_entry``) and a loaded entry replays garbage sizes
+    (``RuntimeError: invalid shape dimension -8837...``; Inductor's warm start does the same).
+    For Kiln's calls such an entry is not saved (counted as ``aot_cache_skipped_view_replay``):
+    the graph compiles again in the next process.  ``AOTAutogradCache.save`` swapped for the
+    length of a Kiln backend call (under Dynamo's compile lock), restored after it."""
+    original = AOTAutogradCache.__dict__["save"]
+
+    def save(key: str, entry: Any, remote: bool) -> None:
+        if _has_view_replay(entry):
+            metrics.incr("aot_cache_skipped_view_replay")
+            return None
+        return original.__func__(key, entry, remote)
+
+    AOTAutogradCache.save = staticmethod(save)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        AOTAutogradCache.save = original  # type: ignore[method-assign]
+
+
 @contextlib.contextmanager
 def aot_cache_settings() -> Iterator[None]:
     """For the duration of one Kiln backend call: AOTAutograd's cache on (bundled entries, Kiln's
     tag in the key, ``config.disk_cache`` decides), under ``<config.cache_dir>/torch``, the backward
     compiled with the forward (one entry holds both), and a key that does not import Inductor's
-    code generators (:func:`_key_without_inductor_codegen`), and aliased outputs rebuilt without
-    view replay while the cache is on (its pickled view sequences load broken in torch 2.13).
-    Inductor and other backends are untouched."""
+    code generators (:func:`_key_without_inductor_codegen`), and no entry saved for a graph whose
+    outputs are rebuilt by view replay (:func:`_no_entries_with_view_replay`).  Inductor and
+    other backends are untouched."""
     # the partitioner is not part of AOTAutograd's key (entries hold partitioned graphs)
     tag = cache_key_tag() + ("|recompute" if config.recompute else "")
     user_tag = torch.compiler.config.cache_key_tag
@@ -121,16 +152,6 @@ def aot_cache_settings() -> Iterator[None]:
                 enable_autograd_cache=config.disk_cache,
                 bundled_autograd_cache=True,
                 force_non_lazy_backward_lowering=True,
-                # An output that is a view of an intermediate (or of an input) is rebuilt from
-                # its base at run time by replaying the recorded view ops; torch 2.13 pickles
-                # that view sequence into the cache entry, and a loaded one replays garbage
-                # sizes ("invalid shape dimension -8837..."; Inductor's warm start too).  With
-                # the cache on, such outputs are rebuilt with as_strided from their recorded
-                # sizes and strides instead (the same values; AOTAutograd's own fallback).
-                view_replay_for_aliased_outputs=(
-                    torch._functorch.config.view_replay_for_aliased_outputs
-                    and not config.disk_cache
-                ),
             ),
             torch.compiler.config.patch(cache_key_tag=f"{user_tag}|{tag}" if user_tag else tag),
             torch._inductor.config.patch(
@@ -140,6 +161,7 @@ def aot_cache_settings() -> Iterator[None]:
                 }
             ),
             _key_without_inductor_codegen(),
+            _no_entries_with_view_replay(),
         ):
             yield
     finally:
