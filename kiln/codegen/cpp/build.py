@@ -114,6 +114,28 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def _spawn_and_wait(argv: list[str], log_fd: int) -> int:
+    """Run ``argv`` (looked up on PATH) with stdout and stderr to ``log_fd``; its exit code.
+
+    ``os.posix_spawnp``, not ``subprocess``: ``subprocess`` starts a child through a pipe that
+    reports a failed ``exec`` and reads it to its end, and a process forked by another thread
+    in that window (a DataLoader worker forked while a build thread starts g++) keeps the pipe's
+    write end open, so the build thread waited for that child to exit -- and the child, waiting
+    for the build's lock, never did (a deadlock seen in 9 of 30 stress runs).  ``posix_spawnp``
+    opens no descriptor in this process."""
+    pid = os.posix_spawnp(
+        argv[0],
+        argv,
+        os.environ,
+        file_actions=[
+            (os.POSIX_SPAWN_DUP2, log_fd, 1),
+            (os.POSIX_SPAWN_DUP2, log_fd, 2),
+        ],
+    )
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
 def _compile(source: str, key: str, d: Path) -> bytes:
     """Run g++ on one unit in the caller's thread (the GIL is free while it runs); the .so bytes."""
     cpp = d / f".{key}.{os.getpid()}.{threading.get_ident()}.cpp"
@@ -124,14 +146,8 @@ def _compile(source: str, key: str, d: Path) -> bytes:
         # runs inherits a pipe's write end, and reading the pipe to its end would then wait for
         # that child to exit (a forked child that waits for this build's lock never does)
         with tempfile.TemporaryFile(mode="w+") as log:
-            proc = subprocess.run(
-                [CXX, *FLAGS, str(cpp), *LIBS, "-o", str(tmp_so)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                text=True,
-                check=False,
-            )
-            if proc.returncode != 0:
+            code = _spawn_and_wait([CXX, *FLAGS, str(cpp), *LIBS, "-o", str(tmp_so)], log.fileno())
+            if code != 0:
                 log.seek(0)
                 raise BuildError(f"g++ failed for kernel unit {key}:\n{log.read()[-4000:]}")
         return tmp_so.read_bytes()
