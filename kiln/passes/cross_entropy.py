@@ -29,6 +29,30 @@ index is ``[R, 1]`` int64, a scale that is the same for every column of a row, a
 and product each read by nothing but the next node (and not graph outputs) are rewritten; the
 nodes replaced are dropped; everything else is left as it is.  ``KILN_DISABLE_PASSES=
 cross_entropy`` turns it off.
+
+The lazy device's form.  The kiln device records the backward ops autograd runs, undecomposed
+(issue 10): ``nll_loss_backward`` writes the one-hot gradient as an ATen op, then the row kernel
+reads it::
+
+    %g = nll_loss_backward.default(%go, %y, %t, None, reduction, ignore, %tw)   %t: i64[R]
+    %d = _log_softmax_backward_data(%g, %y, 1, f32)
+  becomes (``[R, 1]`` nodes the fuser makes one small kernel of)
+    %u = unsqueeze.default(%t, 1)                            : i64[R,1]
+    %k = ne.Scalar(%u, ignore)                               : b8[R,1]
+    %s = mul.Tensor(%u, %k)                                  : i64[R,1]   0 where ignored
+    %w = where.self(%k, %go / %tw | %go | unsqueeze(%go, 1), 0.0)         mean | sum | none
+    %c = gather.default(%y, 1, %s)
+    %d = nll_log_softmax_backward.default(%y, %s, %w, %c, -1.0)
+
+the same values as eager: ATen's ``nll_loss_backward`` writes ``-(go / tw)`` (mean), ``-go``
+(sum) or ``-go[r]`` (none) at each row's target and nothing in an ignored row, which is
+``-1.0 * w`` at the (safe) target and ``0 * w`` with ``w = 0`` in ignored rows (``-0.0`` in an
+ignored row's column 0 where eager has ``0.0``).  One difference, at an infinite or NaN incoming
+gradient: eager's row is ``-inf`` at the target and ``0`` elsewhere before the row kernel, the
+fused kernel's ``0 * inf`` elsewhere is NaN (compile mode's decomposition does the same).  Only
+``weight=None``, 2-D float32 ``y`` with a static number of classes (at least 1), a ``nll_loss_backward`` read by nothing but the row kernel
+(and not a graph output) that reads the same ``y``.  ``KILN_DISABLE_PASSES=cross_entropy.lazy``
+turns this form off alone.
 """
 
 from __future__ import annotations
@@ -37,10 +61,13 @@ import math
 
 import torch
 
+from kiln.config import config
 from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType
 
 OP = "nll_log_softmax_backward.default"
 _LSM_BWD = "_log_softmax_backward_data.default"
+_NLL_BWD = "nll_loss_backward.default"
+_REDUCTIONS = (0, 1, 2)  # none, mean, sum
 _ZEROS = frozenset({"full_like.default", "zeros_like.default", "zeros.default", "full.default"})
 F32 = torch.float32
 
@@ -115,24 +142,97 @@ def _match(g: Graph, users: tuple, outs: set, i: int) -> tuple | None:
     return y_id, t_id, w_id, float(value), z_id, s_id, m_id
 
 
+def _value(n: Node, pos: int) -> int | None:
+    """The graph value at argument ``pos`` of ``n`` (None when it is not one)."""
+    a = n.args[pos] if pos < len(n.args) else None
+    return n.inputs[a.k] if isinstance(a, In) else None
+
+
+def _match_lazy(g: Graph, users: tuple, outs: set, i: int) -> tuple | None:
+    """(y, target, go, total_weight, reduction, ignore, nll) when node ``i`` is the log-softmax
+    backward of a whole ``nll_loss_backward`` (the lazy device's form)."""
+    d = g.nodes[i]
+    if d.op != _LSM_BWD or len(d.args) != 4 or d.kwargs or d.args[3] != F32:
+        return None
+    if not _f32(d.type) or len(d.type.shape) != 2 or d.args[2] not in (1, -1):
+        return None
+    vocab = d.type.shape[1]
+    if not isinstance(vocab, int) or vocab < 1:  # an ignored row's safe target 0 must exist
+        return None
+    n_id, y_id = _value(d, 0), _value(d, 1)
+    if n_id is None or y_id is None or n_id in outs or users[n_id] != (i,):
+        return None
+    n = g.nodes[n_id]
+    if n.op != _NLL_BWD or len(n.args) != 7 or n.kwargs or n.args[3] is not None:
+        return None
+    go, y, t, tw = (_value(n, k) for k in (0, 1, 2, 6))
+    reduction, ignore = n.args[4], n.args[5]
+    if y != y_id or None in (go, t, tw) or reduction not in _REDUCTIONS:
+        return None
+    if not isinstance(ignore, int) or isinstance(ignore, bool):
+        return None
+    rows = d.type.shape[0]
+    tt, got, twt = g.nodes[t].type, g.nodes[go].type, g.nodes[tw].type
+    if tt is None or tt.dtype != torch.int64 or tuple(tt.shape) != (rows,):
+        return None
+    if not _f32(got) or not _f32(twt) or tuple(twt.shape) != ():
+        return None
+    if tuple(got.shape) != ((rows,) if reduction == 0 else ()):
+        return None
+    return y_id, t, go, tw, reduction, ignore, n_id
+
+
+def _rewrite_lazy(b: GraphBuilder, m: tuple, rows: object, types: tuple) -> int:
+    """The nodes that replace a lazy-form match ``m`` (already mapped to ``b``'s ids)."""
+    y, t, go, tw, reduction, ignore = m
+    col = (rows, 1)
+    u = b.add(Node("unsqueeze.default", (t,), (In(0), 1), (), (TensorType(col, torch.int64),)))
+    keep = b.add(Node("ne.Scalar", (u,), (In(0), ignore), (), (TensorType(col, torch.bool),)))
+    safe = b.add(Node("mul.Tensor", (u, keep), (In(0), In(1)), (), (TensorType(col, torch.int64),)))
+    if reduction == 1:  # mean: ATen's grad_output / total_weight
+        go = b.add(Node("div.Tensor", (go, tw), (In(0), In(1)), (), (TensorType((), F32),)))
+    elif reduction == 0:
+        go = b.add(Node("unsqueeze.default", (go,), (In(0), 1), (), (TensorType(col, F32),)))
+    zero = b.add(Node("full.default", (), ([], 0.0), (("dtype", F32),), (TensorType((), F32),)))
+    w = b.add(
+        Node("where.self", (keep, go, zero), (In(0), In(1), In(2)), (), (TensorType(col, F32),))
+    )
+    checked = b.add(
+        Node("gather.default", (y, safe), (In(0), 1, In(1)), (), (TensorType(col, F32),))
+    )
+    return b.add(Node(OP, (y, safe, w, checked), (In(0), In(1), In(2), In(3), -1.0), (), types))
+
+
 def cross_entropy(g: Graph) -> Graph:
     """Rewrite each match (see the module docstring); the graph itself when there is none."""
     users = g.users
     outs = set(g.outputs)
     found: dict[int, tuple] = {}
+    lazy: dict[int, tuple] = {}
     dead: set[int] = set()
+    lazy_on = "cross_entropy.lazy" not in config.disabled_passes
     for i in range(len(g.nodes)):
         m = _match(g, users, outs, i)
         if m is not None:
             found[i] = m
             dead.update(m[4:])
-    if not found:
+            continue
+        m = _match_lazy(g, users, outs, i) if lazy_on else None
+        if m is not None:
+            lazy[i] = m
+            dead.add(m[6])
+    if not found and not lazy:
         return g
     b = GraphBuilder()
     b.constants = list(g.constants)
     new: dict[int, int] = {}
     for i, n in enumerate(g.nodes):
         if i in dead:
+            continue
+        if i in lazy:
+            y, t, go, tw, reduction, ignore, _ = lazy[i]
+            ids = (new[y], new[t], new[go], new[tw], reduction, ignore)
+            new[i] = _rewrite_lazy(b, ids, n.type.shape[0], n.types)
             continue
         if i not in found:
             new[i] = b.add(n.with_(inputs=tuple(new[j] for j in n.inputs)))

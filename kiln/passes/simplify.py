@@ -248,6 +248,46 @@ def squeeze_of_reshape(rw: Rewriter, n: Node) -> Node | None:
     return Node(op, (src(inner),), (In(0), list(out.shape)), (), n.types)
 
 
+FILL = "fill.Scalar"
+FILL_READERS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor")
+
+
+def fill_operand(rw: Rewriter, n: Node) -> Node | None:
+    """``op(fill(t, c), y)`` / ``op(y, fill(t, c))`` -> the same op with ``full([], c)`` in the
+    fill's place, when ``y`` has the result's type (so its shape alone sets the result's).
+
+    ATen's C++ ``scalar - tensor`` is ``empty_like(b).fill_(a).sub_(b)``: the lazy device records
+    the decomposition of ``silu_backward`` (CompositeImplicit's ``math_silu_backward``, which
+    computes ``1 - sigmoid(x)`` that way) as ``empty_like``, ``fill`` and ``sub``: two ATen ops
+    and a tensor of ones in memory between the fused kernels.  A one-element ``full`` is a
+    literal to the fuser, so the SiLU gradient becomes one kernel.  Same values: the fill holds
+    ``c`` cast to its dtype, as the 0-dim ``full`` of that dtype does, and a 0-dim operand of the
+    other operand's dtype promotes to that dtype."""
+    if len(n.inputs) != 2 or n.args[:2] not in ((In(0), In(1)), (In(1), In(0))):
+        return None
+    if any(k != "alpha" or isinstance(v, In) for k, v in n.kwargs) or len(n.args) != 2:
+        return None
+    out = n.types[0] if len(n.types) == 1 else None
+    if out is None or not all(isinstance(d, int) for d in out.shape):
+        return None
+    for k in (0, 1):
+        f = rw.node(n.inputs[k])
+        if f.op != FILL or len(f.args) != 2 or f.args[0] != In(0) or f.kwargs:
+            continue
+        c = f.args[1]
+        if isinstance(c, bool) or not isinstance(c, (int, float)):
+            continue
+        if rw.type(n.inputs[k]) != out or rw.type(n.inputs[1 - k]) != out:
+            continue
+        lit = rw.add(
+            Node("full.default", (), ([], c), (("dtype", out.dtype),), (TensorType((), out.dtype),))
+        )
+        inputs = list(n.inputs)
+        inputs[k] = lit
+        return n.with_(inputs=tuple(inputs))
+    return None
+
+
 # --- the table: first matching rule wins ----------------------------------------------------
 RULES: tuple[Rule, ...] = (
     # x * 1 -> x,  1 * x -> x
@@ -303,6 +343,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "squeeze_of_reshape", ("squeeze.dims", "squeeze.dim", "squeeze.default"), squeeze_of_reshape
     ),
+    # op(fill(empty_like(x), c), y) -> op(full([], c), y): a literal to the fuser (SiLU backward)
+    Rule("fill_operand", FILL_READERS, fill_operand),
 )
 
 

@@ -120,3 +120,124 @@ def test_no_rewrite_outside_the_pattern(case):
         d = call(b, "_log_softmax_backward_data.default", [V(m), V(y), 1, torch.float32], f32(5, 7))
         g = b.build([d])
     assert cross_entropy(g) is g
+
+
+# --- the lazy device's form: whole nll_loss_backward + _log_softmax_backward_data ---------------
+def _lazy_form(
+    rows: int = 5,
+    vocab: int = 7,
+    reduction: int = 1,
+    ignore: int = -100,
+    weight: bool = False,
+    other_y: bool = False,
+    extra_reader: bool = False,
+) -> Graph:
+    """``nll_loss_backward(go, y, t, weight, reduction, ignore, tw)`` read by the log-softmax
+    backward (inputs: y, the targets, go, total_weight[, weight][, another y])."""
+    b = GraphBuilder()
+    y = b.input(f32(rows, vocab))
+    t = b.input(TensorType((rows,), I64))
+    go = b.input(f32(rows) if reduction == 0 else f32())
+    tw = b.input(f32())
+    w = V(b.input(f32(vocab))) if weight else None
+    y2 = b.input(f32(rows, vocab)) if other_y else y
+    g = call(
+        b,
+        "nll_loss_backward.default",
+        [V(go), V(y), V(t), w, reduction, ignore, V(tw)],
+        f32(rows, vocab),
+    )
+    d = call(
+        b, "_log_softmax_backward_data.default", [V(g), V(y2), 1, torch.float32], f32(rows, vocab)
+    )
+    return b.build([d, g] if extra_reader else [d])
+
+
+def _lazy_inputs(
+    rows: int, vocab: int, reduction: int, ignore: int, ignored: list[int], seed: int = 0
+) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.log_softmax(torch.randn(rows, vocab, generator=gen), -1)
+    t = torch.randint(0, max(vocab, 1), (rows,), generator=gen)
+    t[ignored] = ignore
+    go = torch.randn(rows, generator=gen) if reduction == 0 else torch.tensor(0.75)
+    tw = (t != ignore).sum().to(torch.float32)
+    return [y, t, go, tw]
+
+
+def test_golden_rewrite_of_the_lazy_form():
+    out = cross_entropy(verify(_lazy_form()))
+    verify(out, deep=True)
+    assert str(out) == (
+        "graph(%0: f32[5,7], %1: i64[5], %2: f32[], %3: f32[]) {\n"
+        "  %4 = unsqueeze.default(%1, 1) : i64[5,1]\n"
+        "  %5 = ne.Scalar(%4, -100) : b8[5,1]\n"
+        "  %6 = mul.Tensor(%4, %5) : i64[5,1]\n"
+        "  %7 = div.Tensor(%2, %3) : f32[]\n"
+        "  %8 = full.default([], 0.0, dtype=torch.float32) : f32[]\n"
+        "  %9 = where.self(%5, %7, %8) : f32[5,1]\n"
+        "  %10 = gather.default(%0, 1, %6) : f32[5,1]\n"
+        "  %11 = nll_log_softmax_backward.default(%0, %6, %9, %10, -1.0) : f32[5,7]\n"
+        "  return (%11)\n"
+        "}"
+    ), str(out)
+
+
+@pytest.mark.parametrize(
+    "rows,vocab,reduction,ignore,ignored",
+    [
+        (5, 7, 1, -100, []),
+        (5, 7, 1, -100, [1, 3]),
+        (5, 7, 1, -100, [0, 1, 2, 3, 4]),  # all ignored: total_weight 0, gradient 0
+        (5, 7, 2, -100, [2]),
+        (5, 7, 0, -100, [4]),
+        (6, 9, 1, 3, [0, 5]),  # ignore_index inside [0, V)
+        (3, 1, 1, -100, [1]),
+        (1, 9, 0, -100, []),
+        (0, 9, 1, -100, []),
+    ],
+)
+def test_lazy_form_rewrite_computes_what_aten_did(rows, vocab, reduction, ignore, ignored):
+    g = _lazy_form(rows, vocab, reduction, ignore)
+    out = cross_entropy(g)
+    verify(out, deep=True)
+    ops = [n.op for n in out.nodes]
+    assert ops.count("nll_log_softmax_backward.default") == 1
+    assert "nll_loss_backward.default" not in ops
+    xs = _lazy_inputs(rows, vocab, reduction, ignore, ignored)
+    want = torch.ops.aten._log_softmax_backward_data(
+        torch.ops.aten.nll_loss_backward(xs[2], xs[0], xs[1], None, reduction, ignore, xs[3]),
+        xs[0],
+        1,
+        torch.float32,
+    )
+    torch.testing.assert_close(Interpreter(g)(xs)[0], want, rtol=0, atol=0)
+    torch.testing.assert_close(Interpreter(out)(xs)[0], want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [7, -1])
+def test_lazy_form_out_of_range_target_still_raises(bad):
+    g = _lazy_form()
+    out = cross_entropy(g)
+    xs = _lazy_inputs(5, 7, 1, -100, [])
+    xs[1][2] = bad
+    with pytest.raises((RuntimeError, IndexError), match="out of bounds"):
+        Interpreter(g)(xs)
+    with pytest.raises((RuntimeError, IndexError), match="out of bounds"):
+        Interpreter(out)(xs)
+
+
+@pytest.mark.parametrize(
+    "case", ["weight", "other_y", "extra_reader", "no_classes", "switched_off"]
+)
+def test_lazy_form_not_rewritten_outside_the_pattern(case, monkeypatch):
+    if case == "no_classes":  # every row ignored, and no column 0 for a safe target
+        g = _lazy_form(rows=4, vocab=0)
+    elif case == "switched_off":
+        import kiln
+
+        monkeypatch.setattr(kiln.config, "disable_passes", "cross_entropy.lazy")
+        g = _lazy_form()
+    else:
+        g = _lazy_form(**{case: True})
+    assert cross_entropy(g) is g

@@ -301,3 +301,65 @@ def test_a_rule_can_be_switched_off_by_name():
     finally:
         kiln_config.update(disable_passes=before)
     assert dce(simplify(g)).count(lambda n: n.op == "sum.dim_IntList") == 0
+
+
+def _fill_then(
+    op: str, x_type: TensorType, fill_first: bool, value: float = 1, fill_dtype=torch.float32
+) -> object:
+    """``op(fill(empty_like(x), value), x)`` (or the operands the other way round)."""
+    b = GraphBuilder()
+    fill_type = TensorType((3, 5), fill_dtype)
+    s = b.input(fill_type)
+    x = b.input(x_type)
+    e = call(b, "empty_like.default", [V(s)], fill_type, memory_format=torch.preserve_format)
+    f = call(b, "fill.Scalar", [V(e), value], fill_type)
+    out = TensorType((3, 5), torch.promote_types(fill_dtype, x_type.dtype))
+    d = call(b, op, [V(f), V(x)] if fill_first else [V(x), V(f)], out)
+    return b.build([d])
+
+
+def test_fill_operand_becomes_a_one_element_full():
+    """SiLU backward's ``1 - sigmoid`` through ATen's ``empty_like(b).fill_(1).sub_(b)``."""
+    out = check_pass(
+        simplify,
+        _fill_then("sub.Tensor", f32(3, 5), fill_first=True),
+        """
+        graph(%0: f32[3,5], %1: f32[3,5]) {
+          %2 = empty_like.default(%0, memory_format=torch.preserve_format) : f32[3,5]
+          %3 = fill.Scalar(%2, 1) : f32[3,5]
+          %4 = full.default([], 1, dtype=torch.float32) : f32[]
+          %5 = sub.Tensor(%4, %1) : f32[3,5]
+          return (%5)
+        }""",
+    )
+    assert [n.op for n in dce(out).nodes if n.op != "input"] == ["full.default", "sub.Tensor"]
+    for op in ("add.Tensor", "mul.Tensor", "div.Tensor"):
+        for first in (True, False):
+            g = _fill_then(op, f32(3, 5), first, value=0.1)
+            out = simplify(g)
+            assert "full.default" in {n.op for n in out.nodes}, (op, first)
+            same_results(g, out)
+    # bfloat16: the 0-dim full holds 0.1 rounded to bfloat16, as the fill did
+    bf = TensorType((3, 5), torch.bfloat16)
+    g = _fill_then("sub.Tensor", bf, True, value=0.1, fill_dtype=torch.bfloat16)
+    out = simplify(g)
+    assert "full.default" in {n.op for n in out.nodes}
+    same_results(g, out)
+
+
+def test_fill_operand_stays_where_the_fill_sets_the_shape_or_dtype():
+    # the other operand broadcasts: the fill's shape is the result's
+    g = _fill_then("sub.Tensor", f32(5), fill_first=True)
+    assert "full.default" not in {n.op for n in simplify(g).nodes}
+    # the other operand is float64 (a 0-dim float32 fill would not promote the same way against
+    # a float16 operand: the rule asks for equal dtypes)
+    g = _fill_then("mul.Tensor", TensorType((3, 5), torch.float64), fill_first=False)
+    assert "full.default" not in {n.op for n in simplify(g).nodes}
+    same_results(g, simplify(g))
+    # a float16 operand with a float32 fill: the result is float32 because the fill has dims
+    g = _fill_then("sub.Tensor", TensorType((3, 5), torch.float16), fill_first=True)
+    assert "full.default" not in {n.op for n in simplify(g).nodes}
+    # an integer fill read by a float op: the types differ, left as it is
+    g = _fill_then("add.Tensor", f32(3, 5), True, value=2, fill_dtype=torch.int64)
+    assert "full.default" not in {n.op for n in simplify(g).nodes}
+    same_results(g, simplify(g))
