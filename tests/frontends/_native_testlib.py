@@ -3,6 +3,9 @@ the reason, where it cannot be built), and running a function on native tensors 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -24,16 +27,28 @@ def native_device():
     """The kiln device with the native recorder as its recorder (``config.lazy_recorder =
     "native"``) for a module's tests; a module uses it with ``pytestmark =
     pytest.mark.usefixtures("native_device")`` after importing it."""
-    try:
-        native.load()
-    except native.NativeUnavailable as e:
-        pytest.skip(f"native recorder unavailable: {e}")
+    with device_recorder("native"):
+        yield
+
+
+@contextlib.contextmanager
+def device_recorder(name: str) -> Iterator[None]:
+    """The kiln device records with ``name`` ("python" or "native") inside the block (skips the
+    test, with the reason, where the native recorder cannot be built); nothing pending crosses
+    the switch either way."""
+    if name == "native":
+        try:
+            native.load()
+        except native.NativeUnavailable as e:
+            pytest.skip(f"native recorder unavailable: {e}")
     before = kiln.config.lazy_recorder
     kiln.mark_step()
-    kiln.config.update(lazy_recorder="native")
-    yield
-    kiln.mark_step()
-    kiln.config.update(lazy_recorder=before)
+    kiln.config.update(lazy_recorder=name)
+    try:
+        yield
+    finally:
+        kiln.mark_step()
+        kiln.config.update(lazy_recorder=before)
 
 
 def run_native(fn, *inputs):

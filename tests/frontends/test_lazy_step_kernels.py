@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from _native_testlib import device_recorder
 from torch import nn
 
 import kiln
@@ -32,17 +33,8 @@ CPP = kiln.config.backend == "cpp"  # the kernels checked here are the C++ backe
 
 @pytest.fixture(params=["python", "native"])
 def recorder(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "native":
-        try:
-            native.load()
-        except native.NativeUnavailable as e:
-            pytest.skip(f"native recorder unavailable: {e}")
-    before = kiln.config.lazy_recorder
-    kiln.mark_step()
-    kiln.config.update(lazy_recorder=request.param)
-    yield request.param
-    kiln.mark_step()
-    kiln.config.update(lazy_recorder=before)
+    with device_recorder(request.param):
+        yield request.param
 
 
 def _last_graph(p: torch.Tensor) -> Graph:
