@@ -19,6 +19,7 @@ F32 = torch.float32
 I64 = torch.int64
 FWD = "max_pool2d_with_indices.default"
 BWD = "max_pool2d_with_indices_backward.default"
+RELU_BWD = "max_pool2d_relu_backward.default"  # kiln.passes.pool_relu
 
 # (input shape, kernel, stride, padding, dilation, ceil_mode)
 WINDOWS = [
@@ -64,13 +65,13 @@ def _pool_graph(shape, k, s, p, d, c):
     return b.build([b.getitem(n, 0), b.getitem(n, 1)])
 
 
-def _backward_graph(shape, k, s, p, d, c, out_shape):
+def _backward_graph(shape, k, s, p, d, c, out_shape, op=BWD):
     b = GraphBuilder()
     g = b.input(TensorType(out_shape, F32))
     x = b.input(TensorType(shape, F32))
     i = b.input(TensorType(out_shape, I64))
     n = b.add(
-        Node(BWD, (g, x, i), (In(0), In(1), k, s, p, d, c, In(2)), (), (TensorType(shape, F32),))
+        Node(op, (g, x, i), (In(0), In(1), k, s, p, d, c, In(2)), (), (TensorType(shape, F32),))
     )
     return b.build([n])
 
@@ -91,35 +92,44 @@ def test_forward_kernel_matches_aten(case, monkeypatch):
 
 
 @cpp_only
+@pytest.mark.parametrize("op", [BWD, RELU_BWD])
 @pytest.mark.parametrize("case", WINDOWS, ids=lambda c: "x".join(map(str, c[0])) + str(c[1:]))
-def test_backward_kernel_matches_aten(case, monkeypatch):
+def test_backward_kernel_matches_aten(case, op, monkeypatch):
     poison_outputs(monkeypatch)
     shape, k, s, p, d, c = case
     x = torch.randn(shape)
+    if op == RELU_BWD:  # a ReLU's output, with NaNs and ties at zero
+        x = torch.relu(_special(shape))
     y, idx = torch.ops.aten.max_pool2d_with_indices(x, k, s, p, d, c)
-    g = _backward_graph(shape, k, s, p, d, c, tuple(y.shape))
+    g = _backward_graph(shape, k, s, p, d, c, tuple(y.shape), op)
     run, info = build(g)
     assert [k["kind"] for k in info["kernels"]] == ["max_pool"]
     dy = torch.randn(y.shape)
     ins = [dy, x, idx]
     # overlapping windows add in ATen's order: the same bits
-    torch.testing.assert_close(run(ins)[0], Interpreter(g)(ins)[0], rtol=0, atol=0)
+    # (and the ReLU variant is the reference's where(x <= 0, 0, .) of the same sums)
+    expected = Interpreter(g)(ins)[0]
+    torch.testing.assert_close(run(ins)[0], expected, rtol=0, atol=0)
     # a non-contiguous incoming gradient is read as its values
     dyt = dy.transpose(-1, -2).contiguous().transpose(-1, -2)
-    torch.testing.assert_close(run([dyt, x, idx])[0], Interpreter(g)(ins)[0], rtol=0, atol=0)
+    torch.testing.assert_close(run([dyt, x, idx])[0], expected, rtol=0, atol=0)
+    # a non-contiguous forward input runs the reference (ATen)
+    xt = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    torch.testing.assert_close(run([dy, xt, idx])[0], expected, rtol=0, atol=0)
 
 
 @cpp_only
-def test_backward_rejects_foreign_indices():
+@pytest.mark.parametrize("op", [BWD, RELU_BWD])
+def test_backward_rejects_foreign_indices(op):
     shape = (1, 2, 4, 4)
-    g = _backward_graph(shape, [2, 2], [], [0, 0], [1, 1], False, (1, 2, 2, 2))
+    g = _backward_graph(shape, [2, 2], [], [0, 0], [1, 1], False, (1, 2, 2, 2), op)
     run, _ = build(g)
     idx = torch.zeros(1, 2, 2, 2, dtype=I64)
     idx[0, 1, 1, 0] = 16  # outside the 4x4 plane
     with pytest.raises(RuntimeError, match="indices outside"):
         run([torch.randn(1, 2, 2, 2), torch.randn(shape), idx])
     idx[0, 1, 1, 0] = -1  # skipped, as ATen skips it
-    out = run([torch.ones(1, 2, 2, 2), torch.randn(shape), idx])[0]
+    out = run([torch.ones(1, 2, 2, 2), torch.rand(shape) + 0.5, idx])[0]
     assert out.sum().item() == 7.0
 
 
@@ -208,7 +218,8 @@ def test_cnn_training_steps_match_eager(size, ceil):
             for k in e.info.get("kernels", ())
             if k["kind"] == "max_pool"
         ]
-        assert sorted(kinds) == sorted([BWD, BWD, FWD, FWD]), kinds
+        # the backward with the ReLU's (kiln.passes.pool_relu)
+        assert sorted(kinds) == sorted([RELU_BWD, RELU_BWD, FWD, FWD]), kinds
 
 
 def test_relu_pool_gradients_noncontiguous_input():

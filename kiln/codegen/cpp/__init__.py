@@ -45,6 +45,7 @@ from kiln.ir.ops import fresh_buffer
 from kiln.passes.cross_entropy import cross_entropy
 from kiln.passes.fuse import Claims, fuse
 from kiln.passes.memory_plan import memory_plan
+from kiln.passes.pool_relu import pool_relu
 from kiln.passes.sink_expand import sink_expand
 from kiln.precision import cpp as lowp
 from kiln.precision.aten_sr import in_float, sr_call, sr_wanted
@@ -242,6 +243,7 @@ def _passes() -> list[tuple[str, Pass]]:
     return [
         ("cross_entropy", cross_entropy),  # the loss backward's one-hot + log-softmax backward
         ("sink_expand", sink_expand),  # elementwise ops read an expand's source (rows epilogues)
+        ("pool_relu", pool_relu),  # max-pool backward + ReLU backward -> one node
         ("fuse", fuse_claimed),
         ("memory_plan", memory_plan),  # fused outputs reuse dead buffers
     ]

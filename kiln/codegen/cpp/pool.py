@@ -35,7 +35,9 @@ from kiln.ir.graph import In, Node
 
 FORWARD = "max_pool2d_with_indices.default"
 BACKWARD = "max_pool2d_with_indices_backward.default"
-OPS = (FORWARD, BACKWARD)
+# the backward and the ReLU's backward before it, as one node (kiln.passes.pool_relu)
+RELU_BACKWARD = "max_pool2d_relu_backward.default"
+OPS = (FORWARD, BACKWARD, RELU_BACKWARD)
 F32 = torch.float32
 
 
@@ -112,7 +114,7 @@ def node_window(n: Node) -> Window | None:
             if name in kw:
                 rest[i] = kw[name]
         return _window(rest)
-    if n.op == BACKWARD:
+    if n.op in (BACKWARD, RELU_BACKWARD):
         if kw or len(n.args) != 8 or n.args[:2] != (In(0), In(1)) or n.args[7] != In(2):
             return None
         return _window(n.args[2:7])
@@ -127,7 +129,7 @@ def pool_ok(n: Node, in_types: list) -> bool:
     x = in_types[0] if n.op == FORWARD else in_types[1]
     if x is None or x.dtype != F32 or len(x.shape) not in (3, 4):
         return False
-    if n.op == BACKWARD:
+    if n.op != FORWARD:
         g, idx = in_types[0], in_types[2]
         if g is None or idx is None or g.dtype != F32 or idx.dtype != torch.int64:
             return False
@@ -225,14 +227,18 @@ extern "C" int64_t {name}(void** P, const int64_t* I) {{
 """
 
 
-def emit_backward(name: str) -> str:
-    """``P``: grad out, indices, grad in; ``I``: planes, H*W, OH*OW.  Returns the number of
-    indices outside ``[-1, H*W)`` (skipped)."""
+def emit_backward(name: str, relu: bool) -> str:
+    """``P``: grad out, indices, grad in (``relu``: then the ReLU's output ``x``); ``I``: planes,
+    H*W, OH*OW.  Returns the number of indices outside ``[-1, H*W)`` (skipped).  With ``relu``
+    a gradient is added only where ``x`` at its index is not ``<= 0`` (``where(x <= 0, 0, .)``
+    of the sum: every gradient added at ``q`` meets the same test of ``x[q]``)."""
+    add = "if (!(xp[q] <= 0.0f)) gp[q] += go[j];" if relu else "gp[q] += go[j];"
     return f"""
 extern "C" int64_t {name}(void** P, const int64_t* I) {{
   const float* g = (const float*)P[0];
   const int64_t* ix = (const int64_t*)P[1];
   float* gi = (float*)P[2];
+  {"const float* x = (const float*)P[3];" if relu else ""}
   const int64_t NC = I[0], HW = I[1], OHW = I[2];
   int64_t bad = 0;
   #pragma omp parallel for reduction(+:bad) if(NC * HW >= {PARALLEL_MIN})
@@ -240,11 +246,15 @@ extern "C" int64_t {name}(void** P, const int64_t* I) {{
     float* gp = gi + c * HW;
     const float* go = g + c * OHW;
     const int64_t* ip = ix + c * OHW;
+    {"const float* xp = x + c * HW;" if relu else ""}
     for (int64_t j = 0; j < HW; ++j) gp[j] = 0.0f;
     for (int64_t j = 0; j < OHW; ++j) {{
       const int64_t q = ip[j];
-      if (q >= 0 && q < HW) gp[q] += go[j];
-      else if (q != -1) ++bad;
+      if (q >= 0 && q < HW) {{
+        {add}
+      }} else if (q != -1) {{
+        ++bad;
+      }}
     }}
   }}
   return bad;
@@ -256,7 +266,7 @@ def emit_pool(name: str, n: Node) -> str:
     """C++ source of the kernel for a node accepted by :func:`pool_ok`."""
     w = node_window(n)
     assert w is not None
-    return emit_forward(name, w) if n.op == FORWARD else emit_backward(name)
+    return emit_forward(name, w) if n.op == FORWARD else emit_backward(name, n.op == RELU_BACKWARD)
 
 
 def _aten_call(n: Node) -> Callable[[Sequence[Any]], Any]:
@@ -266,6 +276,7 @@ def _aten_call(n: Node) -> Callable[[Sequence[Any]], Any]:
 
 
 _P3 = ctypes.c_void_p * 3
+_P4 = ctypes.c_void_p * 4
 _I5 = ctypes.c_int64 * 5
 _I3 = ctypes.c_int64 * 3
 
@@ -303,6 +314,8 @@ def pool_call(n: Node, fn: Any) -> Callable[[Sequence[Any]], list[torch.Tensor]]
         forward.kiln_kernel = n.op  # type: ignore[attr-defined]  # profiler range name
         return forward
 
+    relu = n.op == RELU_BACKWARD
+
     def backward(ins: Sequence[Any]) -> list[torch.Tensor]:
         g, x, ix = ins[0], ins[1], ins[2]
         ok = x.dtype == F32 and g.dtype == F32 and ix.dtype == torch.int64
@@ -316,13 +329,14 @@ def pool_call(n: Node, fn: Any) -> Callable[[Sequence[Any]], list[torch.Tensor]]
         nc = x.numel() // (h * wd) if h * wd else 0
         if gi.numel() == 0:
             return [gi]
+        ptrs = [g.data_ptr(), ix.data_ptr(), gi.data_ptr()]
         bad = fn(
-            _P3(g.data_ptr(), ix.data_ptr(), gi.data_ptr()),
+            _P4(*ptrs, x.data_ptr()) if relu else _P3(*ptrs),
             _I3(nc, h * wd, g.shape[-2] * g.shape[-1]),
         )
         if bad:
             raise RuntimeError(
-                f"kiln: max_pool2d_with_indices_backward got {bad} indices outside the input's "
+                f"kiln: {n.op.split('.')[0]} got {bad} indices outside the input's "
                 f"{h}x{wd} plane; indices must come from max_pool2d_with_indices on the same input"
             )
         return [gi]
