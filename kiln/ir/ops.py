@@ -422,6 +422,22 @@ def _max_pool2d_relu_backward(
     return torch.where(x <= 0, torch.zeros((), dtype=g.dtype), g)
 
 
+def _relu_max_pool2d(x: torch.Tensor, *window: Any) -> tuple[torch.Tensor, ...]:
+    """Reference for ``relu_max_pool2d`` (built by :mod:`kiln.passes.relu_pool`): ``r = relu(x)``
+    and ``max_pool2d_with_indices(r, *window)``, as ``(r, values, indices)``."""
+    r = torch.relu(x)
+    return (r, *torch.ops.aten.max_pool2d_with_indices.default(r, *window))
+
+
+# A ReLU and the max pool after it as one op (the C++ backend has a kernel)
+defop(
+    "relu_max_pool2d",
+    Category.DATA_MOVEMENT,
+    impl=lambda op: _relu_max_pool2d,
+    namespace="kiln",
+)
+
+
 # A max pool's backward and the ReLU's before it as one op (the C++ backend has a kernel)
 defop(
     "max_pool2d_relu_backward",

@@ -20,6 +20,7 @@ I64 = torch.int64
 FWD = "max_pool2d_with_indices.default"
 BWD = "max_pool2d_with_indices_backward.default"
 RELU_BWD = "max_pool2d_relu_backward.default"  # kiln.passes.pool_relu
+RELU_FWD = "relu_max_pool2d.default"  # kiln.passes.relu_pool
 
 # (input shape, kernel, stride, padding, dilation, ceil_mode)
 WINDOWS = [
@@ -32,6 +33,7 @@ WINDOWS = [
     ((2, 1, 1, 1), [1, 1], [1, 1], [0, 0], [1, 1], False),  # 1x1
     ((2, 2, 3, 40), [2, 3], [1, 1], [1, 1], [1, 1], False),  # wide rows, every window overlaps
     ((0, 3, 8, 8), [2, 2], [], [0, 0], [1, 1], False),  # empty batch
+    ((4, 17, 66, 65), [2, 2], [], [0, 0], [1, 1], True),  # large enough for the parallel loop
 ]
 
 
@@ -49,20 +51,15 @@ def _special(shape: tuple) -> torch.Tensor:
     return x
 
 
-def _pool_graph(shape, k, s, p, d, c):
+def _pool_graph(shape, k, s, p, d, c, op=FWD):
     b = GraphBuilder()
     x = b.input(TensorType(shape, F32))
     y, i = torch.ops.aten.max_pool2d_with_indices(torch.empty(shape, device="meta"), k, s, p, d, c)
-    n = b.add(
-        Node(
-            FWD,
-            (x,),
-            (In(0), k, s, p, d, c),
-            (),
-            (TensorType(tuple(y.shape), F32), TensorType(tuple(i.shape), I64)),
-        )
-    )
-    return b.build([b.getitem(n, 0), b.getitem(n, 1)])
+    types = (TensorType(tuple(y.shape), F32), TensorType(tuple(i.shape), I64))
+    if op == RELU_FWD:  # (the ReLU's output first)
+        types = (TensorType(shape, F32), *types)
+    n = b.add(Node(op, (x,), (In(0), k, s, p, d, c), (), types))
+    return b.build([b.getitem(n, k) for k in range(len(types))])
 
 
 def _backward_graph(shape, k, s, p, d, c, out_shape, op=BWD):
@@ -77,18 +74,26 @@ def _backward_graph(shape, k, s, p, d, c, out_shape, op=BWD):
 
 
 @cpp_only
+@pytest.mark.parametrize("op", [FWD, RELU_FWD])
 @pytest.mark.parametrize("case", WINDOWS, ids=lambda c: "x".join(map(str, c[0])) + str(c[1:]))
-def test_forward_kernel_matches_aten(case, monkeypatch):
+def test_forward_kernel_matches_aten(case, op, monkeypatch):
     poison_outputs(monkeypatch)
-    g = _pool_graph(*case)
+    g = _pool_graph(*case, op=op)
     run, info = build(g)
     assert [k["kind"] for k in info["kernels"]] == ["max_pool"]
     x = _special(case[0])
     ref = Interpreter(g)([x])
     got = run([x])
-    torch.testing.assert_close(got[0], ref[0], equal_nan=True, rtol=0, atol=0)
-    assert torch.equal(got[1], ref[1])  # the same index, also among ties and NaNs
-    assert got[0].is_contiguous() and got[1].is_contiguous()
+    for a, b in zip(got, ref):
+        if a.dtype == I64:
+            assert torch.equal(a, b)  # the same index, also among ties and NaNs
+        else:  # (the ReLU's -0.0 may come out +0.0, as Kiln's relu kernels write it)
+            torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
+        assert a.is_contiguous()
+    # a non-contiguous input runs the reference
+    xt = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    for a, b in zip(run([xt]), ref):
+        torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
 
 
 @cpp_only
@@ -219,7 +224,8 @@ def test_cnn_training_steps_match_eager(size, ceil):
             if k["kind"] == "max_pool"
         ]
         # the backward with the ReLU's (kiln.passes.pool_relu)
-        assert sorted(kinds) == sorted([RELU_BWD, RELU_BWD, FWD, FWD]), kinds
+        # and the forward with the ReLU's (kiln.passes.relu_pool)
+        assert sorted(kinds) == sorted([RELU_BWD, RELU_BWD, RELU_FWD, RELU_FWD]), kinds
 
 
 def test_relu_pool_gradients_noncontiguous_input():

@@ -3,7 +3,8 @@ own passes (``fuse`` with this backend's :data:`CLAIMS`, then ``memory_plan``).
 
 Every ``fused`` node of the graph becomes one generated C++ function (so does each layer norm,
 forward and backward, see :mod:`kiln.codegen.cpp.layer_norm`, and each last-dim (log_)softmax
-backward, :mod:`kiln.codegen.cpp.softmax_backward`); identical kernels are shared, and a kernel
+backward, :mod:`kiln.codegen.cpp.softmax_backward`, and each 2-D max pool, forward and backward,
+:mod:`kiln.codegen.cpp.pool`); identical kernels are shared, and a kernel
 made of identical independent chains (horizontally fused per-parameter optimizer updates) emits
 the chain once, looped over the lanes (:mod:`kiln.codegen.cpp.lanes`).
 A kernel built before (by an earlier graph, in this process or another sharing the cache) is
@@ -46,6 +47,7 @@ from kiln.passes.cross_entropy import cross_entropy
 from kiln.passes.fuse import Claims, fuse
 from kiln.passes.memory_plan import memory_plan
 from kiln.passes.pool_relu import pool_relu
+from kiln.passes.relu_pool import relu_pool
 from kiln.passes.sink_expand import sink_expand
 from kiln.precision import cpp as lowp
 from kiln.precision.aten_sr import in_float, sr_call, sr_wanted
@@ -244,6 +246,7 @@ def _passes() -> list[tuple[str, Pass]]:
         ("cross_entropy", cross_entropy),  # the loss backward's one-hot + log-softmax backward
         ("sink_expand", sink_expand),  # elementwise ops read an expand's source (rows epilogues)
         ("pool_relu", pool_relu),  # max-pool backward + ReLU backward -> one node
+        ("relu_pool", relu_pool),  # ReLU + max pool -> one node
         ("fuse", fuse_claimed),
         ("memory_plan", memory_plan),  # fused outputs reuse dead buffers
     ]

@@ -13,6 +13,11 @@ The backward zeroes each plane of the input's gradient and adds each output grad
 index, in ATen's order (so overlapping windows add up the same way); an index of -1 is skipped as
 in ATen, any other index outside the plane raises (ATen would write outside the buffer).
 
+Two fused variants, built by passes of this backend: ``relu_max_pool2d`` (:mod:`kiln.passes.
+relu_pool`) writes a plane of the ReLU's output and pools it while it is in cache, and
+``max_pool2d_relu_backward`` (:mod:`kiln.passes.pool_relu`) adds a gradient only where the ReLU's
+output at its index is not ``<= 0`` (the ReLU's backward of the summed gradient).
+
 Taken at run time when the tensors are float32 and contiguous; any other call (another dtype, a
 channels-last or strided input, which ATen's own channels-last kernel handles well) runs ATen's
 op, with ATen's result layout.  Calling convention: ``int64_t name(void** P, const int64_t* I)``
@@ -37,7 +42,9 @@ FORWARD = "max_pool2d_with_indices.default"
 BACKWARD = "max_pool2d_with_indices_backward.default"
 # the backward and the ReLU's backward before it, as one node (kiln.passes.pool_relu)
 RELU_BACKWARD = "max_pool2d_relu_backward.default"
-OPS = (FORWARD, BACKWARD, RELU_BACKWARD)
+# a ReLU and the pool after it, as one node (kiln.passes.relu_pool): (relu out, values, indices)
+RELU_FORWARD = "relu_max_pool2d.default"
+OPS = (FORWARD, BACKWARD, RELU_BACKWARD, RELU_FORWARD)
 F32 = torch.float32
 
 
@@ -106,7 +113,7 @@ def node_window(n: Node) -> Window | None:
     """The window of a max-pool node whose tensors are all node inputs and whose other arguments
     are constants (None otherwise: ATen runs it)."""
     kw = dict(n.kwargs)
-    if n.op == FORWARD:
+    if n.op in (FORWARD, RELU_FORWARD):
         if not n.args or n.args[0] != In(0) or set(kw) - set(_FWD_NAMES):
             return None
         rest = list(n.args[1:]) + [None] * (5 - len(n.args[1:]))
@@ -126,10 +133,10 @@ def pool_ok(n: Node, in_types: list) -> bool:
     constant window."""
     if n.op not in OPS or node_window(n) is None:
         return False
-    x = in_types[0] if n.op == FORWARD else in_types[1]
+    x = in_types[0] if n.op in (FORWARD, RELU_FORWARD) else in_types[1]
     if x is None or x.dtype != F32 or len(x.shape) not in (3, 4):
         return False
-    if n.op != FORWARD:
+    if n.op in (BACKWARD, RELU_BACKWARD):
         g, idx = in_types[0], in_types[2]
         if g is None or idx is None or g.dtype != F32 or idx.dtype != torch.int64:
             return False
@@ -163,8 +170,9 @@ def _border(name: str, w: Window) -> list[str]:
     ]
 
 
-def emit_forward(name: str, w: Window) -> str:
-    """``P``: x, out, indices; ``I``: planes, H, W, OH, OW."""
+def emit_forward(name: str, w: Window, relu: bool = False) -> str:
+    """``P``: x, out, indices (``relu``: then the ReLU's output ``r``, which is written plane by
+    plane, each pooled right after: ``x`` is the ReLU's input); ``I``: planes, H, W, OH, OW."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = w.kernel, w.stride, w.padding, w.dilation
     # the straight-line window of an inside output at (ih, iw) = (oh*sh - ph, ow*sw - pw)
     body = []
@@ -177,6 +185,13 @@ def emit_forward(name: str, w: Window) -> str:
                 body.append(f"{name}_take(m, bi, xp[{q}], {q});")
     border = "\n".join("        " + s for s in _border(name, w))
     inside = "\n".join("          " + s for s in body)
+    # the ReLU as Kiln's relu kernels compute it (kiln_max: NaN kept, -0.0 -> 0)
+    relu_plane = (
+        "    const float* xc = x + c * H * W;\n"
+        "    float* xp = (float*)P[3] + c * H * W;\n"
+        "    #pragma omp simd\n"
+        "    for (int64_t j = 0; j < H * W; ++j) xp[j] = kiln_max(xc[j], 0.0f);"
+    )
     return f"""{_helpers(name)}
 extern "C" int64_t {name}(void** P, const int64_t* I) {{
   const float* x = (const float*)P[0];
@@ -191,7 +206,7 @@ extern "C" int64_t {name}(void** P, const int64_t* I) {{
   const int64_t ow_hi = std::min(OW, nw < 0 ? (int64_t)0 : nw / {sw} + 1);
   #pragma omp parallel for if(NC * OH * OW >= {PARALLEL_MIN})
   for (int64_t c = 0; c < NC; ++c) {{
-    const float* xp = x + c * H * W;
+{relu_plane if relu else "    const float* xp = x + c * H * W;"}
     float* yp = y + c * OH * OW;
     int64_t* ip = ix + c * OH * OW;
     for (int64_t oh = 0; oh < OH; ++oh) {{
@@ -266,7 +281,9 @@ def emit_pool(name: str, n: Node) -> str:
     """C++ source of the kernel for a node accepted by :func:`pool_ok`."""
     w = node_window(n)
     assert w is not None
-    return emit_forward(name, w) if n.op == FORWARD else emit_backward(name, n.op == RELU_BACKWARD)
+    if n.op in (FORWARD, RELU_FORWARD):
+        return emit_forward(name, w, relu=n.op == RELU_FORWARD)
+    return emit_backward(name, n.op == RELU_BACKWARD)
 
 
 def _aten_call(n: Node) -> Callable[[Sequence[Any]], Any]:
@@ -294,7 +311,8 @@ def pool_call(n: Node, fn: Any) -> Callable[[Sequence[Any]], list[torch.Tensor]]
         r = aten(ins)
         return list(r) if isinstance(r, (tuple, list)) else [r]
 
-    if n.op == FORWARD:
+    if n.op in (FORWARD, RELU_FORWARD):
+        relu_out = n.op == RELU_FORWARD
 
         def forward(ins: Sequence[Any]) -> list[torch.Tensor]:
             x = ins[0]
@@ -308,6 +326,11 @@ def pool_call(n: Node, fn: Any) -> Callable[[Sequence[Any]], list[torch.Tensor]]
             y = executor.new_output(shape, F32)
             ix = executor.new_output(shape, torch.int64)
             nc = x.numel() // (h * wd)
+            if relu_out:
+                r = executor.new_output(tuple(x.shape), F32)
+                ptrs = _P4(x.data_ptr(), y.data_ptr(), ix.data_ptr(), r.data_ptr())
+                fn(ptrs, _I5(nc, h, wd, oh, ow))
+                return [r, y, ix]
             fn(_P3(x.data_ptr(), y.data_ptr(), ix.data_ptr()), _I5(nc, h, wd, oh, ow))
             return [y, ix]
 
