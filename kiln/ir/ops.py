@@ -401,6 +401,50 @@ defop(
     impl=lambda op: _nll_log_softmax_backward,
     namespace="kiln",
 )  # built by fusion; its backend runs it
+
+
+def _max_pool2d_relu_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    kernel_size: Any,
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    ceil_mode: bool,
+    indices: torch.Tensor,
+) -> torch.Tensor:
+    """Reference for ``max_pool2d_relu_backward`` (built by :mod:`kiln.passes.pool_relu`): the
+    gradient of ``max_pool2d(relu(...))`` at the ReLU's input, ``where(x <= 0, 0,
+    max_pool2d_with_indices_backward(grad, x, ..., indices))`` with ``x`` the ReLU's output."""
+    g = torch.ops.aten.max_pool2d_with_indices_backward.default(
+        grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices
+    )
+    return torch.where(x <= 0, torch.zeros((), dtype=g.dtype), g)
+
+
+def _relu_max_pool2d(x: torch.Tensor, *window: Any) -> tuple[torch.Tensor, ...]:
+    """Reference for ``relu_max_pool2d`` (built by :mod:`kiln.passes.relu_pool`): ``r = relu(x)``
+    and ``max_pool2d_with_indices(r, *window)``, as ``(r, values, indices)``."""
+    r = torch.relu(x)
+    return (r, *torch.ops.aten.max_pool2d_with_indices.default(r, *window))
+
+
+# A ReLU and the max pool after it as one op (the C++ backend has a kernel)
+defop(
+    "relu_max_pool2d",
+    Category.DATA_MOVEMENT,
+    impl=lambda op: _relu_max_pool2d,
+    namespace="kiln",
+)
+
+
+# A max pool's backward and the ReLU's before it as one op (the C++ backend has a kernel)
+defop(
+    "max_pool2d_relu_backward",
+    Category.DATA_MOVEMENT,
+    impl=lambda op: _max_pool2d_relu_backward,
+    namespace="kiln",
+)
 defop("writeback", Category.META, impl=lambda op: writeback, side_effects=True)
 
 # Ops whose value depends on data and which no pass may duplicate or drop.

@@ -3,7 +3,8 @@ own passes (``fuse`` with this backend's :data:`CLAIMS`, then ``memory_plan``).
 
 Every ``fused`` node of the graph becomes one generated C++ function (so does each layer norm,
 forward and backward, see :mod:`kiln.codegen.cpp.layer_norm`, and each last-dim (log_)softmax
-backward, :mod:`kiln.codegen.cpp.softmax_backward`); identical kernels are shared, and a kernel
+backward, :mod:`kiln.codegen.cpp.softmax_backward`, and each 2-D max pool, forward and backward,
+:mod:`kiln.codegen.cpp.pool`); identical kernels are shared, and a kernel
 made of identical independent chains (horizontally fused per-parameter optimizer updates) emits
 the chain once, looped over the lanes (:mod:`kiln.codegen.cpp.lanes`).
 A kernel built before (by an earlier graph, in this process or another sharing the cache) is
@@ -37,6 +38,7 @@ from kiln.codegen.cpp.executor import Executor, make_fused_call
 from kiln.codegen.cpp.lanes import lane_kernel
 from kiln.codegen.cpp.layer_norm import emit_layer_norm, layer_norm_ok
 from kiln.codegen.cpp.ops import CTYPE, PRELUDE, supported
+from kiln.codegen.cpp.pool import emit_pool, pool_call, pool_ok
 from kiln.codegen.cpp.softmax_backward import emit_softmax_backward, softmax_backward_ok
 from kiln.config import config
 from kiln.ir.graph import Graph
@@ -44,6 +46,8 @@ from kiln.ir.ops import fresh_buffer
 from kiln.passes.cross_entropy import cross_entropy
 from kiln.passes.fuse import Claims, fuse
 from kiln.passes.memory_plan import memory_plan
+from kiln.passes.pool_relu import pool_relu
+from kiln.passes.relu_pool import relu_pool
 from kiln.passes.sink_expand import sink_expand
 from kiln.precision import cpp as lowp
 from kiln.precision.aten_sr import in_float, sr_call, sr_wanted
@@ -72,9 +76,18 @@ _SR_CASTS = "kiln_sr_casts"  # the stochastic-rounding cast kernels, as one kern
 def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
     specs: dict[int, KernelSpec] = {}
     unique: dict[str, str] = {}  # kernel name -> source
+    pools: dict[int, str] = {}  # max-pool nodes -> their kernel (kiln.codegen.cpp.pool)
+    # not a pass: "max_pool" in KILN_DISABLE_PASSES leaves max pooling to ATen (for A/B)
+    pool_kernels = "max_pool" not in config.disabled_passes
     for i, n in enumerate(g.nodes):
+        in_types = [g.nodes[j].types[0] if g.nodes[j].types else None for j in n.inputs]
+        if pool_kernels and pool_ok(n, in_types):
+            src = emit_pool("KILN_KERNEL", n)
+            name = "kiln_" + hashlib.sha256(src.encode()).hexdigest()[:16]
+            pools[i] = name
+            unique.setdefault(name, src.replace("KILN_KERNEL", name))
+            continue
         if n.op == "fused":
-            in_types = [g.nodes[j].types[0] for j in n.inputs]
             spec = kernel_spec("KILN_KERNEL", n, in_types)
             # identical per-parameter chains (horizontal fusion): the chain once, looped over
             # the lanes; else (and only then) the whole body as one loop nest
@@ -83,7 +96,6 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
                 src = emit_flat(spec, n, in_types)
         elif n.op in _DIRECT:
             ok, emit = _DIRECT[n.op]
-            in_types = [g.nodes[j].types[0] if g.nodes[j].types else None for j in n.inputs]
             # arguments or shapes outside the kernel's proven contract: ATen's kernel runs it,
             # counted (kiln.metrics fallbacks) with the reason
             if not ok(n, in_types):
@@ -112,7 +124,7 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
     # kernels built before (in any unit) are loaded from there; the new ones form new units,
     # compiled by g++ in build threads while the caller goes on (the graph's first run waits)
     pending = start_kernels(kernels, PRELUDE, SPLIT_AT, SPLIT_CHARS)
-    metrics.incr("fused_kernels", len(specs))
+    metrics.incr("fused_kernels", len(specs) + len(pools))
     info = {
         "backend": "cpp",
         "units": pending.n_units,
@@ -125,11 +137,21 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
                 "source": s.source,
             }
             for i, s in specs.items()
+        ]
+        + [
+            {
+                "name": k,
+                "node": i,
+                "kind": "max_pool",
+                "members": [g.nodes[i].op],
+                "source": unique[k],
+            }
+            for i, k in pools.items()
         ],
     }
     if pending.running:
-        return Deferred(lambda: _executor(g, specs, unique, sr_nodes, pending.wait())), info
-    return _executor(g, specs, unique, sr_nodes, pending.wait()), info
+        return Deferred(lambda: _executor(g, specs, unique, sr_nodes, pending.wait(), pools)), info
+    return _executor(g, specs, unique, sr_nodes, pending.wait(), pools), info
 
 
 def _executor(
@@ -138,10 +160,14 @@ def _executor(
     unique: dict[str, str],
     sr_nodes: list[int],
     libs: dict[str, ctypes.CDLL],
+    pools: dict[int, str],
 ) -> Executor:
     """The graph's executor, once its kernels' libraries are loaded."""
     fns: dict[str, ctypes._CFuncPtr] = {}
+    pool_names = set(pools.values())
     for name in unique:
+        if name in pool_names:
+            continue
         f = getattr(libs[name], name)
         f.argtypes = None  # called with ctypes arrays only: no per-call conversion
         f.restype = None
@@ -153,6 +179,8 @@ def _executor(
         i: make_fused_call(s, fns[s.name], plan.get(i), slots, final.get(i, frozenset()))
         for i, s in specs.items()
     }
+    for i, name in pools.items():
+        calls[i] = pool_call(g.nodes[i], getattr(libs[name], name))
     if sr_nodes:
         casts = {}
         for abbr, name in lowp.CAST_NAMES.items():
@@ -217,6 +245,8 @@ def _passes() -> list[tuple[str, Pass]]:
     return [
         ("cross_entropy", cross_entropy),  # the loss backward's one-hot + log-softmax backward
         ("sink_expand", sink_expand),  # elementwise ops read an expand's source (rows epilogues)
+        ("pool_relu", pool_relu),  # max-pool backward + ReLU backward -> one node
+        ("relu_pool", relu_pool),  # ReLU + max pool -> one node
         ("fuse", fuse_claimed),
         ("memory_plan", memory_plan),  # fused outputs reuse dead buffers
     ]
