@@ -110,7 +110,6 @@ def load() -> ModuleType:
         except Unavailable as e:
             raise NativeUnavailable(str(e)) from None
         except (BuildError, OSError, ImportError) as e:
-            metrics.incr("native_recorder_unavailable")
             raise NativeUnavailable(
                 f"Kiln's native lazy recorder is unavailable ({e}); it needs a working C++ "
                 "compiler (g++) and PyTorch's headers. The kiln device's Python recorder is "

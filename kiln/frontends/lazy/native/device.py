@@ -44,29 +44,82 @@ work run first, as ``LazyTensor`` does (libraries that save state dicts -- safet
 every other tensor goes through the wrapper to PyTorch's method: a CPU tensor's ``data_ptr()``
 59 -> 148 ns of thread CPU, medians of 5, load ~7).
 
+Where the recorder cannot be built or loaded (no C++ compiler, a failed build), the switch
+falls back: :func:`usable` answers False, the kiln device keeps making the Python recorder's
+tensors, and the process gets one :class:`NativeRecorderUnavailableWarning` naming the reason and
+the fix, counted once (``metrics`` ``native_recorder_unavailable``).
+
 Needs: the recorder extension (``native.load``), the kiln device registered.  Guarantees:
-nothing changes while the switch is off (the kiln device's kernels ask :func:`active` per call,
-and nothing here is installed until the first native factory call).
+nothing changes while the switch is off (the kiln device's kernels ask :func:`usable` per call,
+and nothing here is installed until the first native factory call); with the switch on and no
+recorder, the kiln device is the Python recorder's (one warning, counted), never an error.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
+from kiln import metrics
 from kiln.config import config
 
 _CPU = torch.device("cpu")
 _installed = False
 _install_lock = threading.Lock()
+# why the native recorder cannot serve the kiln device in this process, once a load failed
+_unavailable: list[str] = []
+
+
+class NativeRecorderUnavailableWarning(RuntimeWarning):
+    """``lazy_recorder = "native"`` was asked for, but the recorder cannot be built or loaded
+    here: the kiln device uses the Python recorder instead."""
 
 
 def active() -> bool:
-    """Whether kiln-device factories make native tensors now."""
-    return config.lazy_recorder == "native"
+    """Whether kiln-device factories make native tensors now (the switch is on and the recorder
+    has not failed to load; asks nothing, builds nothing)."""
+    return config.lazy_recorder == "native" and not _unavailable
+
+
+def usable() -> bool:
+    """Whether the kiln device's factories make native tensors: the switch is on and the
+    recorder loads (built on first use).  Where it cannot be built or loaded, the first call
+    warns once (:class:`NativeRecorderUnavailableWarning`, the reason and the fix), counts
+    ``native_recorder_unavailable`` and answers False from then on: the Python recorder serves
+    the kiln device for the rest of the process."""
+    if config.lazy_recorder != "native" or _unavailable:
+        return False
+    from kiln.frontends.lazy import native
+
+    if native.loaded():
+        return True
+    try:
+        native.load()
+    except native.NativeUnavailable as e:
+        _fall_back(str(e))
+        return False
+    return True
+
+
+def _fall_back(reason: str) -> None:
+    with _install_lock:
+        if _unavailable:
+            return
+        _unavailable.append(reason)
+    metrics.incr("native_recorder_unavailable")
+    warnings.warn(
+        "Kiln: the native lazy recorder was asked for (kiln.config.lazy_recorder = 'native', "
+        f"KILN_LAZY_RECORDER=native) but cannot be used here: {reason}  The kiln device uses the "
+        "Python recorder instead (same results, more recording time per op).  Fix: install a C++ "
+        "compiler (g++, or point CXX at one) and PyTorch's C++ headers, or set "
+        "KILN_LAZY_RECORDER=python to choose the Python recorder without this warning.",
+        NativeRecorderUnavailableWarning,
+        stacklevel=2,
+    )
 
 
 def factory(func: Any, args: tuple, kwargs: dict) -> Any:
