@@ -255,6 +255,13 @@ def last_graph() -> Any:
     return e.conv.graph if e is not None else None
 
 
+def random_factory(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A random factory with ``device=kiln`` recorded as a seeded graph node (stage 5's rules:
+    ``fallback.Handler.random_factory``)."""
+    load()
+    return _handler[0].random_factory(func, args, kwargs)
+
+
 def python_ops() -> dict[str, int]:
     """Calls handed to the Python fallback since the process started, per ATen overload."""
     return fallback.python_ops()

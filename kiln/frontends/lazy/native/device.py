@@ -5,10 +5,12 @@ With ``kiln.config.lazy_recorder == "native"`` (env ``KILN_LAZY_RECORDER=native`
 ``NativeImpl``), not the Python recorder's ``LazyTensor``:
 
 - factories with ``device=kiln`` (``torch.zeros(..., device=dev)``, ``torch.empty``, the composite
-  factories ``arange``/``full``/``randn``/..., ``torch.tensor(data, device=dev)``) reach the kiln
+  factories ``arange``/``full``/..., ``torch.tensor(data, device=dev)``) reach the kiln
   device's PrivateUse1 kernels (``lazy/device.py``), which hand them to :func:`factory`: the op
-  runs on the CPU (random factories draw from the CPU generator, as eager does) and its result
-  becomes a native tensor holding that value -- an upload, no graph node, no sync;
+  runs on the CPU and its result becomes a native tensor holding that value -- an upload, no
+  graph node, no sync.  Random factories (``randn``, ``rand``, ``randint``, ``randperm``,
+  ``normal`` with a size) are seeded graph nodes instead, as on the Python recorder (stage 5:
+  its values under one seed);
 - ``.to(dev)`` is PyTorch's ``_to_copy``: an ``empty`` on the kiln device (a factory, above) and a
   ``copy_`` from the CPU into it, which the recorder's fallback takes as an upload (the value is
   copied at copy time; later writes to the CPU tensor are not seen);
@@ -129,6 +131,8 @@ def factory(func: Any, args: tuple, kwargs: dict) -> Any:
 
     mod = native.load()
     install()
+    if _seeded_random(func):
+        return native.random_factory(func, args, kwargs)
     kw = {k: (_CPU if _is_kiln(v) else v) for k, v in kwargs.items()}
     if "device" not in kw:
         kw["device"] = _CPU
@@ -229,6 +233,18 @@ def _lazy_type() -> type:
     from kiln.frontends.lazy.tensor import LazyTensor
 
     return LazyTensor
+
+
+def _seeded_random(func: Any) -> bool:
+    """A random factory recorded as a seeded graph node (``randn``, ``rand``, ``randint``,
+    ``randperm``, ``normal`` with a size: ops lowered to ``Category.RANDOM``), as the Python
+    recorder records it.  (A call with ``generator=`` never gets here: PyTorch decomposes it
+    into ``empty`` and an in-place draw, which stage 5 records.)"""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    from kiln.frontends.lazy.native import rng
+
+    return rng.is_random_node(func)
 
 
 def _is_kiln(v: Any) -> bool:

@@ -143,7 +143,7 @@ class Handler:
     def __init__(self, mod: Any, mark_step: Callable[[], Any]) -> None:
         self.mod = mod
         self.mark_step = mark_step
-        self.ops: dict[tuple[str, str], _Op] = {}
+        self.ops: dict[Any, _Op] = {}  # by (name, overload); random factories by overload
         self.recipes: dict[tuple, _Recipe] = {}
         self.rng = rng.shared(mod)
 
@@ -158,6 +158,16 @@ class Handler:
         if op.plain and "device" not in kwargs and (op.foreach is None or not _device_active()):
             return self.record(op, args, kwargs)
         return self.dispatch(op, args, kwargs)
+
+    def random_factory(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A random factory with ``device=kiln`` (``torch.randn(3, device=dev)``, ``rand``,
+        ``randint``, ``randperm``, ``normal`` with a size): a seeded graph node, as the Python
+        recorder records it (stage 5's promise: the Python recorder's values under one seed),
+        not a draw from the CPU generator.  Asked by ``native.device.factory``."""
+        op = self.ops.get(func)
+        if op is None:
+            op = self.ops[func] = _Op(func)
+        return self.rng.record(self, op, args, kwargs)
 
     # -- what to do with one call ----------------------------------------------------------------
 
