@@ -273,6 +273,7 @@ def test_a_random_factory_each_step_is_a_new_seed_not_a_new_graph():
             kiln.mark_step()
             torch.manual_seed(11)
             w = torch.ones(4, 3, device=dev)
+            kiln.mark_step()  # (the ones node: a graph of its own)
             outs, compiled = [], []
             for _ in range(3):
                 metrics.reset()
@@ -290,3 +291,50 @@ def test_a_random_factory_each_step_is_a_new_seed_not_a_new_graph():
     want, _ = loop("python")
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+VALUE_FACTORIES = {
+    "zeros": lambda: [torch.zeros(3, 4, device=dev)],
+    "ones_int": lambda: [torch.ones(5, dtype=torch.int64, device=dev)],
+    "full": lambda: [torch.full((2, 3), 1.5, device=dev)],
+    "full_bool": lambda: [torch.full((3,), True, device=dev)],
+    "full_size_0": lambda: [torch.full((2, 0), 7.0, device=dev)],
+    "arange": lambda: [torch.arange(7, device=dev)],
+    "arange_float_step": lambda: [torch.arange(0.5, 3.0, 0.25, device=dev)],
+    "linspace": lambda: [torch.linspace(-1, 1, 9, device=dev)],
+    "eye": lambda: [torch.eye(3, 5, device=dev)],
+    "scalar_tensor": lambda: [torch.scalar_tensor(2.5, device=dev)],
+    "mask_used": lambda: [torch.ones(4, 4, device=dev).tril() * torch.arange(4, device=dev)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_FACTORIES))
+def test_factories_kiln_computes_are_graph_nodes_equal_to_eager(name):
+    """``torch.zeros(..., device=kiln)`` and the other factories Kiln lowers
+    (``Category.FACTORY``): graph nodes, as on the Python recorder (same graph), no seed, no
+    forced sync, eager's values exactly."""
+    fn = VALUE_FACTORIES[name]
+    metrics.reset()
+    got, _ = on("native", fn)
+    assert metrics.get("forced_syncs") == 0
+    assert metrics.get("graphs_executed") == 1, "no Kiln graph ran"
+    g = native.last_graph()
+    assert any(n.category is Category.FACTORY for n in g.nodes), str(g)
+    assert not any(n.kwarg("role") == "seed" for n in g.nodes)
+    both(fn)
+    for a, w in zip(got, _on_cpu(fn)):
+        assert a.dtype == w.dtype
+        torch.testing.assert_close(a, w, rtol=0, atol=0)
+
+
+def test_a_factory_the_value_of_which_changes_is_another_graph_not_a_stale_one():
+    """A factory's float arguments are part of its node (structural, as on the Python recorder):
+    another fill value or range is another node, never the first call's values."""
+    kiln.mark_step()
+    a = torch.full((2,), 1.5, device=dev)
+    b = torch.full((2,), -3.0, device=dev)
+    c = torch.arange(0.0, 1.0, 0.5, device=dev)
+    d = torch.arange(0.0, 2.0, 0.5, device=dev)
+    kiln.mark_step()
+    assert a.cpu().tolist() == [1.5, 1.5] and b.cpu().tolist() == [-3.0, -3.0]
+    assert c.cpu().tolist() == [0.0, 0.5] and d.cpu().tolist() == [0.0, 0.5, 1.0, 1.5]

@@ -255,11 +255,11 @@ def last_graph() -> Any:
     return e.conv.graph if e is not None else None
 
 
-def random_factory(func: Any, args: tuple, kwargs: dict) -> Any:
-    """A random factory with ``device=kiln`` recorded as a seeded graph node (stage 5's rules:
-    ``fallback.Handler.random_factory``)."""
+def factory(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A factory with ``device=kiln`` recorded as a graph node (a random one seeded, stage 5's
+    rules): ``fallback.Handler.factory``."""
     load()
-    return _handler[0].random_factory(func, args, kwargs)
+    return _handler[0].factory(func, args, kwargs)
 
 
 def python_ops() -> dict[str, int]:

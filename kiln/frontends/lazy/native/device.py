@@ -6,11 +6,12 @@ With ``kiln.config.lazy_recorder == "native"`` (env ``KILN_LAZY_RECORDER=native`
 
 - factories with ``device=kiln`` (``torch.zeros(..., device=dev)``, ``torch.empty``, the composite
   factories ``arange``/``full``/..., ``torch.tensor(data, device=dev)``) reach the kiln
-  device's PrivateUse1 kernels (``lazy/device.py``), which hand them to :func:`factory`: the op
-  runs on the CPU and its result becomes a native tensor holding that value -- an upload, no
-  graph node, no sync.  Random factories (``randn``, ``rand``, ``randint``, ``randperm``,
-  ``normal`` with a size) are seeded graph nodes instead, as on the Python recorder (stage 5:
-  its values under one seed);
+  device's PrivateUse1 kernels (``lazy/device.py``), which hand them to :func:`factory`: those
+  Kiln computes (``zeros``, ``ones``, ``full``, ``arange``, ``linspace``, ``eye``,
+  ``scalar_tensor``) are graph nodes, as on the Python recorder, random ones (``randn``,
+  ``rand``, ``randint``, ``randperm``) seeded nodes (stage 5: the Python recorder's values
+  under one seed); the ``empty`` family runs on the CPU and its result becomes a native tensor
+  holding that value -- no node, no sync;
 - ``.to(dev)`` is PyTorch's ``_to_copy``: an ``empty`` on the kiln device (a factory, above) and a
   ``copy_`` from the CPU into it, which the recorder's fallback takes as an upload (the value is
   copied at copy time; later writes to the CPU tensor are not seen);
@@ -125,14 +126,14 @@ def _fall_back(reason: str) -> None:
 
 
 def factory(func: Any, args: tuple, kwargs: dict) -> Any:
-    """A factory op with ``device=kiln`` under the native recorder: computed on the CPU, its
-    result a native tensor holding the value (no node, no sync)."""
+    """A factory op with ``device=kiln`` under the native recorder: a graph node (:func:`_as_node`),
+    or computed on the CPU, its result a native tensor holding the value (no node, no sync)."""
     from kiln.frontends.lazy import native
 
     mod = native.load()
     install()
-    if _seeded_random(func):
-        return native.random_factory(func, args, kwargs)
+    if _as_node(func):
+        return native.factory(func, args, kwargs)
     kw = {k: (_CPU if _is_kiln(v) else v) for k, v in kwargs.items()}
     if "device" not in kw:
         kw["device"] = _CPU
@@ -235,16 +236,34 @@ def _lazy_type() -> type:
     return LazyTensor
 
 
-def _seeded_random(func: Any) -> bool:
-    """A random factory recorded as a seeded graph node (``randn``, ``rand``, ``randint``,
-    ``randperm``, ``normal`` with a size: ops lowered to ``Category.RANDOM``), as the Python
-    recorder records it.  (A call with ``generator=`` never gets here: PyTorch decomposes it
-    into ``empty`` and an in-place draw, which stage 5 records.)"""
-    if torch.Tag.nondeterministic_seeded not in func.tags:
-        return False
-    from kiln.frontends.lazy.native import rng
+_AS_NODE: dict[Any, bool] = {}
+# uninitialized memory, and what ``.to(dev)`` / ``torch.tensor(data, device=dev)`` allocate before
+# their upload: computed on the CPU (no node)
+_ON_CPU = frozenset({"empty", "empty_strided", "empty_permuted"})
 
-    return rng.is_random_node(func)
+
+def _as_node(func: Any) -> bool:
+    """Whether a factory is recorded as a graph node, as the Python recorder records it: a
+    random one (``randn``, ``rand``, ``randint``, ``randperm``; lowered to ``Category.RANDOM``)
+    as a seeded node, one that Kiln computes (``zeros``, ``ones``, ``full``, ``arange``,
+    ``linspace``, ``eye``, ``scalar_tensor``: ``Category.FACTORY``) as a plain node.  The
+    ``empty`` family stays on the CPU.  (A call with ``generator=`` never gets here: PyTorch
+    decomposes it into ``empty`` and an in-place draw, which stage 5 records.)"""
+    r = _AS_NODE.get(func)
+    if r is None:
+        from kiln.frontends.lazy.native import rng
+        from kiln.ir.graph import Node
+        from kiln.ir.ops import Category
+        from kiln.lowering.aten import op_name
+
+        name, real = op_name(func)
+        r = (torch.Tag.nondeterministic_seeded in func.tags and rng.is_random_node(func)) or (
+            real
+            and Node(name).category is Category.FACTORY
+            and func._schema.name.split("::")[1] not in _ON_CPU
+        )
+        _AS_NODE[func] = r
+    return r
 
 
 def _is_kiln(v: Any) -> bool:

@@ -159,15 +159,17 @@ class Handler:
             return self.record(op, args, kwargs)
         return self.dispatch(op, args, kwargs)
 
-    def random_factory(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """A random factory with ``device=kiln`` (``torch.randn(3, device=dev)``, ``rand``,
-        ``randint``, ``randperm``, ``normal`` with a size): a seeded graph node, as the Python
-        recorder records it (stage 5's promise: the Python recorder's values under one seed),
-        not a draw from the CPU generator.  Asked by ``native.device.factory``."""
+    def factory(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A factory with ``device=kiln`` that Kiln computes (``torch.zeros(3, device=dev)``,
+        ``ones``, ``full``, ``arange``, ``linspace``, ``eye``, ``scalar_tensor``) or a random one
+        (``randn``, ``rand``, ``randint``, ``randperm``): one graph node, as the Python recorder
+        records it -- random ones seeded from the step's seed (stage 5's promise: the Python
+        recorder's values under one seed), not drawn from the CPU generator at the call.  Asked
+        by ``native.device.factory``."""
         op = self.ops.get(func)
         if op is None:
             op = self.ops[func] = _Op(func)
-        return self.rng.record(self, op, args, kwargs)
+        return self.rng.record(self, op, args, kwargs)  # (a plain node unless it is random)
 
     # -- what to do with one call ----------------------------------------------------------------
 
