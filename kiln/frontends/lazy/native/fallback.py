@@ -202,10 +202,19 @@ class Handler:
             # an out= op that does not resize its outputs: run on the values (everything
             # pending first), writing into the outputs' storages, as the Python device does
             return self.eager(func, args, kwargs, f"op:{name}")
+        if (
+            (func in _RESHAPING or (f.mutated and _is_out(func, kwargs)))
+            and _device_active()
+            and all(self.mod.is_native(t) for t in _written(op, args, kwargs))
+        ):
+            return self.reshape_in_place(op, args, kwargs)
         if f.inplace_view or func in _RESHAPING or (f.mutated and _is_out(func, kwargs)):
             raise NotImplementedError(
                 f"Kiln native recorder: {func} changes a tensor's shape or storage in place; "
-                "not supported yet (stage 3: views and in-place ops)"
+                "not supported yet on tensors made by native.tensor() (stage 3: views and "
+                "in-place ops). Fix: use the kiln device (kiln.config.lazy_recorder = 'native' "
+                "and .to(kiln.device())), where it is supported, or make a new tensor "
+                "(x.new_empty(size), x.reshape(size)) instead of resizing x"
             )
         if func is aten.copy_.default and self.mod.upload(args[0], args[1]):
             return args[0]  # a CPU value into a whole native storage: no node, no sync
@@ -248,6 +257,71 @@ class Handler:
         if torch.Tag.nondeterministic_seeded in func.tags:
             return self.rng.record(self, op, args, kwargs)
         return self.record(op, args, kwargs)
+
+    def reshape_in_place(self, op: _Op, args: tuple, kwargs: dict) -> Any:
+        """``resize_``, ``set_`` and ``out=`` ops that resize their outputs, on native tensors
+        with the native recorder as the kiln device's (eager's semantics):
+
+        - ``x.set_(y)`` (``y`` native): ``x`` takes ``y``'s storage, view chain and geometry
+          (``become``: no node, no sync; both see each other's writes); ``x.set_()``: ``x``
+          becomes an empty tensor on a storage of its own;
+        - ``resize_`` and ``out=``: run on the values after the pending work (a forced sync,
+          counted as a fallback): each written tensor's CPU value is resized by the op itself
+          (shrinking keeps the buffer, growing keeps the old elements); a tensor whose geometry
+          changed becomes a native tensor over that value, its buffer shared with its old
+          storage (both marked, so that writes through either land in it, as in eager)."""
+        func = op.func
+        x = args[0]
+        if func is aten.set_.source_Tensor:
+            src = args[1]
+            if not (isinstance(src, torch.Tensor) and self.mod.is_native(src)):
+                self.check_devices(func, (src,), {})
+                raise RuntimeError(
+                    f"Kiln native recorder: {func} of a native kiln tensor needs a kiln tensor "
+                    f"source, got one on {getattr(src, 'device', None)}; move it with "
+                    ".to(kiln.device()) first"
+                )
+            if src.dtype != x.dtype:
+                raise RuntimeError(
+                    f"Could not set tensor of type {src.dtype} to a tensor of type {x.dtype}"
+                )
+            self.mod.become(x, src)
+            return x
+        if func is aten.set_.default:
+            self.mod.become(x, self.mod.from_cpu(torch.empty(0, dtype=x.dtype)))
+            return x
+        if func not in (aten.resize_.default,) and not _is_out(func, kwargs):
+            raise NotImplementedError(
+                f"Kiln native recorder: {func} (setting a tensor to another storage) is not "
+                "supported on the kiln device; fix: x.set_(y) with y a kiln tensor, or make a "
+                "new tensor"
+            )
+        name = op.facts.name
+        metrics.fallback(name)
+        self.sync(f"op:{name}")
+        targets = _written(op, args, kwargs)
+        # (a new tensor over each value: ``value`` may be the storage's own data tensor, whose
+        # geometry the op must not change)
+        cpu = {id(t): self.mod.value(t).detach() for t in targets}
+
+        def conc(a: Any) -> Any:
+            if isinstance(a, torch.Tensor) and self.mod.is_native(a):
+                c = cpu.get(id(a))
+                return c if c is not None else self.mod.value(a)
+            return _cpu_device(a)
+
+        out = func(*tree_map(conc, args), **tree_map(conc, kwargs))
+        for t in targets:
+            c = cpu[id(t)]
+            if (
+                tuple(c.shape) != tuple(t.shape)
+                or c.stride() != t.stride()
+                or (c.storage_offset() != t.storage_offset())
+            ):
+                self.mod.lend(t)
+                self.mod.become(t, self.mod.from_cpu(c.detach(), True))
+        by_cpu = {id(c): t for t, c in ((t, cpu[id(t)]) for t in targets)}
+        return tree_map(lambda o: by_cpu.get(id(o), o) if isinstance(o, torch.Tensor) else o, out)
 
     def keeps_out_geometry(self, op: _Op, args: tuple, kwargs: dict) -> bool:
         """Whether an out= op leaves every written tensor's geometry as it is (native tensors;
