@@ -154,3 +154,37 @@ def test_out_ops_that_resize_their_output_match_eager():
     got, want = both(fn, torch.randn(3, 4), torch.randn(4), torch.empty(0), torch.zeros(5))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_out_ops_that_keep_their_outputs_are_recorded_without_a_sync():
+    """``out=`` into a whole tensor or a view, one or two outputs, another dtype: the functional
+    op recorded and copied into the output (no forced sync, no fallback), eager's values; a node
+    recorded before reads the output's old value."""
+
+    def fn(a, b, x, o, big, i):
+        o = o * 1
+        big = big * 1
+        old = o * 2  # recorded before the write: the old value
+        torch.mm(a, b, out=o)
+        torch.sum(x, -1, out=big[0, :3])  # into a view: lands in its base
+        torch.amax(x, 1, keepdim=True, out=big[1:4, 3:4])
+        v = torch.empty(3, device=x.device)
+        torch.max(x, 1, out=(v, i))  # two outputs
+        f = torch.zeros(2, 3, dtype=torch.float64, device=x.device)
+        n = torch.ones(2, 3, dtype=torch.int64, device=x.device)
+        torch.add(n, 2, out=f)  # cast into the output
+        return [old, o * 1, big * 1, v * 1, i * 1, f * 1]
+
+    inputs = [torch.randn(3, 5), torch.randn(5, 4), torch.randn(3, 6), torch.ones(3, 4)]
+    inputs += [torch.zeros(4, 4), torch.zeros(3, dtype=torch.int64)]
+    kiln.mark_step()
+    metrics.reset()
+    got = fn(*[t.to(dev) for t in inputs])
+    assert metrics.get("forced_syncs") == 0 and not metrics.counters()["fallbacks"], (
+        metrics.counters()["syncs"],
+        metrics.counters()["fallbacks"],
+    )
+    kiln.mark_step()
+    want = fn(*[t.clone() for t in inputs])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w)

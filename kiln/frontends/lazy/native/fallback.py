@@ -45,7 +45,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 from kiln import metrics
 from kiln.config import config
 from kiln.frontends.lazy.foreach import record_split
-from kiln.frontends.lazy.native import convert, rng, viewwrite
+from kiln.frontends.lazy.native import convert, outops, rng, viewwrite
+from kiln.frontends.lazy.native.outops import cpu_device as _cpu_device
+from kiln.frontends.lazy.native.outops import is_out as _is_out
+from kiln.frontends.lazy.native.outops import written as _written
 from kiln.frontends.lazy.shapes import infer_typed
 from kiln.frontends.lazy.tensor import _BIT_VIEWS, _facts, _with_defaults
 from kiln.ir.graph import In
@@ -127,16 +130,6 @@ class _Op:
         return tuple(args[:n]), kwargs
 
 
-def _written(op: _Op, args: tuple, kwargs: dict) -> list:
-    """The tensors an in-place or out= call writes (its schema's mutated arguments, tensor lists
-    flattened), in argument order."""
-    targets: list = []
-    for i in op.facts.mutated:
-        a = args[i] if i < len(args) else kwargs.get(op.func._schema.arguments[i].name)
-        targets.extend(a if isinstance(a, (list, tuple)) else [a])
-    return targets
-
-
 class Handler:
     """The callable the recorder calls for an op it hands to Python."""
 
@@ -199,15 +192,19 @@ class Handler:
             and func not in _RESHAPING
             and self.keeps_out_geometry(op, args, kwargs)
         ):
-            # an out= op that does not resize its outputs: run on the values (everything
-            # pending first), writing into the outputs' storages, as the Python device does
+            # an out= op that does not resize its outputs: its functional op recorded and
+            # copied into the outputs (no sync); else run on the values (everything pending
+            # first), writing into the outputs' storages, as the Python device does
+            out = outops.record_out(self, op, args, kwargs)
+            if out is not _NOT_DONE:
+                return out
             return self.eager(func, args, kwargs, f"op:{name}")
         if (
             (func in _RESHAPING or (f.mutated and _is_out(func, kwargs)))
             and _device_active()
             and all(self.mod.is_native(t) for t in _written(op, args, kwargs))
         ):
-            return self.reshape_in_place(op, args, kwargs)
+            return outops.reshape_in_place(self, op, args, kwargs)
         if f.inplace_view or func in _RESHAPING or (f.mutated and _is_out(func, kwargs)):
             raise NotImplementedError(
                 f"Kiln native recorder: {func} changes a tensor's shape or storage in place; "
@@ -257,71 +254,6 @@ class Handler:
         if torch.Tag.nondeterministic_seeded in func.tags:
             return self.rng.record(self, op, args, kwargs)
         return self.record(op, args, kwargs)
-
-    def reshape_in_place(self, op: _Op, args: tuple, kwargs: dict) -> Any:
-        """``resize_``, ``set_`` and ``out=`` ops that resize their outputs, on native tensors
-        with the native recorder as the kiln device's (eager's semantics):
-
-        - ``x.set_(y)`` (``y`` native): ``x`` takes ``y``'s storage, view chain and geometry
-          (``become``: no node, no sync; both see each other's writes); ``x.set_()``: ``x``
-          becomes an empty tensor on a storage of its own;
-        - ``resize_`` and ``out=``: run on the values after the pending work (a forced sync,
-          counted as a fallback): each written tensor's CPU value is resized by the op itself
-          (shrinking keeps the buffer, growing keeps the old elements); a tensor whose geometry
-          changed becomes a native tensor over that value, its buffer shared with its old
-          storage (both marked, so that writes through either land in it, as in eager)."""
-        func = op.func
-        x = args[0]
-        if func is aten.set_.source_Tensor:
-            src = args[1]
-            if not (isinstance(src, torch.Tensor) and self.mod.is_native(src)):
-                self.check_devices(func, (src,), {})
-                raise RuntimeError(
-                    f"Kiln native recorder: {func} of a native kiln tensor needs a kiln tensor "
-                    f"source, got one on {getattr(src, 'device', None)}; move it with "
-                    ".to(kiln.device()) first"
-                )
-            if src.dtype != x.dtype:
-                raise RuntimeError(
-                    f"Could not set tensor of type {src.dtype} to a tensor of type {x.dtype}"
-                )
-            self.mod.become(x, src)
-            return x
-        if func is aten.set_.default:
-            self.mod.become(x, self.mod.from_cpu(torch.empty(0, dtype=x.dtype)))
-            return x
-        if func not in (aten.resize_.default,) and not _is_out(func, kwargs):
-            raise NotImplementedError(
-                f"Kiln native recorder: {func} (setting a tensor to another storage) is not "
-                "supported on the kiln device; fix: x.set_(y) with y a kiln tensor, or make a "
-                "new tensor"
-            )
-        name = op.facts.name
-        metrics.fallback(name)
-        self.sync(f"op:{name}")
-        targets = _written(op, args, kwargs)
-        # (a new tensor over each value: ``value`` may be the storage's own data tensor, whose
-        # geometry the op must not change)
-        cpu = {id(t): self.mod.value(t).detach() for t in targets}
-
-        def conc(a: Any) -> Any:
-            if isinstance(a, torch.Tensor) and self.mod.is_native(a):
-                c = cpu.get(id(a))
-                return c if c is not None else self.mod.value(a)
-            return _cpu_device(a)
-
-        out = func(*tree_map(conc, args), **tree_map(conc, kwargs))
-        for t in targets:
-            c = cpu[id(t)]
-            if (
-                tuple(c.shape) != tuple(t.shape)
-                or c.stride() != t.stride()
-                or (c.storage_offset() != t.storage_offset())
-            ):
-                self.mod.lend(t)
-                self.mod.become(t, self.mod.from_cpu(c.detach(), True))
-        by_cpu = {id(c): t for t, c in ((t, cpu[id(t)]) for t in targets)}
-        return tree_map(lambda o: by_cpu.get(id(o), o) if isinstance(o, torch.Tensor) else o, out)
 
     def keeps_out_geometry(self, op: _Op, args: tuple, kwargs: dict) -> bool:
         """Whether an out= op leaves every written tensor's geometry as it is (native tensors;
@@ -587,7 +519,7 @@ def check_cpu_operand(func: Any, a: torch.Tensor) -> None:
     )
 
 
-_NOT_DONE = object()
+_NOT_DONE = outops.NOT_DONE
 _TENSOR = object()  # a tensor output's slot in a recipe's output shape (others: their value)
 
 
@@ -641,10 +573,6 @@ def _out_of_place(func: Any) -> Any | None:
     return None
 
 
-def _is_out(func: Any, kwargs: dict) -> bool:
-    return "out" in kwargs or func._overloadname.endswith("out")
-
-
 def _same(v: Any, d: Any) -> bool:
     """``v`` is the schema default ``d`` (as the IValue comparison PyTorch uses)."""
     if d is None or v is None:
@@ -681,12 +609,6 @@ def _is_tensor(a: Any) -> bool:
 
 def _is_cpu(d: Any) -> bool:
     return d is not None and torch.device(d).type == "cpu"
-
-
-def _cpu_device(a: Any) -> Any:
-    if isinstance(a, torch.device) and a.type == "kiln":
-        return _CPU
-    return a
 
 
 def python_ops() -> dict[str, int]:
