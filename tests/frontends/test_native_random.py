@@ -91,9 +91,8 @@ def test_random_ops_are_nodes_with_the_python_recorders_values_and_graph(name):
 @pytest.mark.parametrize("p", [0.0, 1.0, 0.5])
 def test_dropout_edge_probabilities_and_sizes(shape, p):
     x = torch.randn(shape)
-    # (p=1 is ``x * zeros(())`` in ATen: a factory, which the native recorder makes a graph
-    # input and the Python recorder a node -- docs/native_recorder.md, Known limits)
-    (got,) = both(lambda t: [F.dropout(t.to(dev), p, training=True)], x, same_graph=p != 1.0)
+    # (p=1 is ``x * zeros(())`` in ATen: a factory, a node on both recorders since stage 8)
+    (got,) = both(lambda t: [F.dropout(t.to(dev), p, training=True)], x)
     assert got.shape == x.shape
     if p == 0.0:
         torch.testing.assert_close(got, x, rtol=0, atol=0)
@@ -221,8 +220,8 @@ FACTORIES = {
     "randn_size_0": lambda: [torch.randn(0, 3, device=dev)],
     "randn_1_element": lambda: [torch.randn((), device=dev)],
     "two_factories": lambda: [torch.randn(3, device=dev), torch.randint(0, 2, (3,), device=dev)],
-    # normal with a size: ATen's ``empty`` (a graph input here, a node there: Known limits) and a
-    # ``normal_``, recorded as a seeded node by the in-place path
+    # normal with a size: ATen's ``empty`` (a node) and a ``normal_``, recorded as a seeded node
+    # by the in-place path
     "normal_size": lambda: [torch.normal(0.5, 2.0, (3, 2), device=dev)],
 }
 
@@ -243,7 +242,7 @@ def test_random_factories_are_seeded_nodes_with_the_python_recorders_values(name
     again, _ = on("native", fn)
     for a, b in zip(got, again):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    want = both(fn, same_graph=name != "normal_size")
+    want = both(fn)
     for a, w in zip(want, _on_cpu(fn)):  # eager's shapes and dtypes
         assert a.shape == w.shape and a.dtype == w.dtype
     if name == "randperm":
@@ -338,3 +337,38 @@ def test_a_factory_the_value_of_which_changes_is_another_graph_not_a_stale_one()
     kiln.mark_step()
     assert a.cpu().tolist() == [1.5, 1.5] and b.cpu().tolist() == [-3.0, -3.0]
     assert c.cpu().tolist() == [0.0, 0.5] and d.cpu().tolist() == [0.0, 0.5, 1.0, 1.5]
+
+
+def test_empty_is_a_graph_node_and_to_device_still_an_upload():
+    """``torch.empty`` / ``empty_strided`` with ``device=kiln``: graph nodes, as on the Python
+    recorder (eager's shape, dtype and strides; the values are uninitialized on both sides).
+    ``.to(dev)`` allocates through ``empty`` and then uploads: its value is taken at the call
+    (a later change to the CPU tensor is not seen) and the dead node is pruned from the graph."""
+    kiln.mark_step()
+    metrics.reset()
+    e = torch.empty(3, 4, dtype=torch.float64, device=dev)
+    s = torch.empty_strided((2, 3), (1, 2), device=dev)
+    z = torch.empty(0, 5, device=dev)
+    assert native.trace_len() > 0  # recorded, not made on the CPU
+    kiln.mark_step()
+    g = native.last_graph()
+    assert sorted(n.op for n in g.nodes if n.category is Category.FACTORY) == [
+        "empty.memory_format",
+        "empty.memory_format",
+        "empty_strided.default",
+    ], str(g)
+    for got, want in [
+        (e, torch.empty(3, 4, dtype=torch.float64)),
+        (s, torch.empty_strided((2, 3), (1, 2))),
+        (z, torch.empty(0, 5)),
+    ]:
+        c = got.cpu()
+        assert c.shape == want.shape and c.dtype == want.dtype and got.stride() == want.stride()
+    src = torch.randn(4, 3)
+    lx = src.to(dev)
+    y = lx * 2
+    src.add_(100)  # after the upload: not seen
+    kiln.mark_step()
+    assert not any(n.category is Category.FACTORY for n in native.last_graph().nodes)
+    torch.testing.assert_close(y.cpu(), (src - 100) * 2)
+    assert metrics.get("forced_syncs") == 0

@@ -7,11 +7,11 @@ With ``kiln.config.lazy_recorder == "native"`` (env ``KILN_LAZY_RECORDER=native`
 - factories with ``device=kiln`` (``torch.zeros(..., device=dev)``, ``torch.empty``, the composite
   factories ``arange``/``full``/..., ``torch.tensor(data, device=dev)``) reach the kiln
   device's PrivateUse1 kernels (``lazy/device.py``), which hand them to :func:`factory`: those
-  Kiln computes (``zeros``, ``ones``, ``full``, ``arange``, ``linspace``, ``eye``,
+  Kiln lowers (``empty``, ``zeros``, ``ones``, ``full``, ``arange``, ``linspace``, ``eye``,
   ``scalar_tensor``) are graph nodes, as on the Python recorder, random ones (``randn``,
   ``rand``, ``randint``, ``randperm``) seeded nodes (stage 5: the Python recorder's values
-  under one seed); the ``empty`` family runs on the CPU and its result becomes a native tensor
-  holding that value -- no node, no sync;
+  under one seed); any other (``empty_permuted``) runs on the CPU and its result becomes a
+  native tensor holding that value -- no node, no sync;
 - ``.to(dev)`` is PyTorch's ``_to_copy``: an ``empty`` on the kiln device (a factory, above) and a
   ``copy_`` from the CPU into it, which the recorder's fallback takes as an upload (the value is
   copied at copy time; later writes to the CPU tensor are not seen);
@@ -237,18 +237,16 @@ def _lazy_type() -> type:
 
 
 _AS_NODE: dict[Any, bool] = {}
-# uninitialized memory, and what ``.to(dev)`` / ``torch.tensor(data, device=dev)`` allocate before
-# their upload: computed on the CPU (no node)
-_ON_CPU = frozenset({"empty", "empty_strided", "empty_permuted"})
 
 
 def _as_node(func: Any) -> bool:
     """Whether a factory is recorded as a graph node, as the Python recorder records it: a
     random one (``randn``, ``rand``, ``randint``, ``randperm``; lowered to ``Category.RANDOM``)
-    as a seeded node, one that Kiln computes (``zeros``, ``ones``, ``full``, ``arange``,
-    ``linspace``, ``eye``, ``scalar_tensor``: ``Category.FACTORY``) as a plain node.  The
-    ``empty`` family stays on the CPU.  (A call with ``generator=`` never gets here: PyTorch
-    decomposes it into ``empty`` and an in-place draw, which stage 5 records.)"""
+    as a seeded node, one that Kiln lowers (``empty``, ``empty_strided``, ``zeros``, ``ones``,
+    ``full``, ``arange``, ``linspace``, ``eye``, ``scalar_tensor``: ``Category.FACTORY``) as a
+    plain node.  ``.to(dev)`` allocates through ``empty`` and then uploads over it (the node is
+    dead: the cut prunes it).  (A call with ``generator=`` never gets here: PyTorch decomposes
+    it into ``empty`` and an in-place draw, which stage 5 records.)"""
     r = _AS_NODE.get(func)
     if r is None:
         from kiln.frontends.lazy.native import rng
@@ -258,9 +256,7 @@ def _as_node(func: Any) -> bool:
 
         name, real = op_name(func)
         r = (torch.Tag.nondeterministic_seeded in func.tags and rng.is_random_node(func)) or (
-            real
-            and Node(name).category is Category.FACTORY
-            and func._schema.name.split("::")[1] not in _ON_CPU
+            real and Node(name).category is Category.FACTORY
         )
         _AS_NODE[func] = r
     return r

@@ -153,8 +153,8 @@ class Handler:
         return self.dispatch(op, args, kwargs)
 
     def factory(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """A factory with ``device=kiln`` that Kiln computes (``torch.zeros(3, device=dev)``,
-        ``ones``, ``full``, ``arange``, ``linspace``, ``eye``, ``scalar_tensor``) or a random one
+        """A factory with ``device=kiln`` that Kiln lowers (``torch.zeros(3, device=dev)``,
+        ``empty``, ``ones``, ``full``, ``arange``, ``linspace``, ``eye``, ...) or a random one
         (``randn``, ``rand``, ``randint``, ``randperm``): one graph node, as the Python recorder
         records it -- random ones seeded from the step's seed (stage 5's promise: the Python
         recorder's values under one seed), not drawn from the CPU generator at the call.  Asked
