@@ -48,6 +48,7 @@ from kiln.frontends.lazy.foreach import record_split
 from kiln.frontends.lazy.native import convert, outops, rng, viewwrite
 from kiln.frontends.lazy.native.outops import cpu_device as _cpu_device
 from kiln.frontends.lazy.native.outops import is_out as _is_out
+from kiln.frontends.lazy.native.outops import writes_outputs as _writes_outputs
 from kiln.frontends.lazy.native.outops import written as _written
 from kiln.frontends.lazy.shapes import infer_typed
 from kiln.frontends.lazy.tensor import _BIT_VIEWS, _facts, _with_defaults
@@ -186,7 +187,7 @@ class Handler:
                 return args[0]
         if (
             f.mutated
-            and _is_out(func, kwargs)
+            and _writes_outputs(func, kwargs)
             and _device_active()
             and not f.inplace_view
             and func not in _RESHAPING
@@ -200,7 +201,7 @@ class Handler:
                 return out
             return self.eager(func, args, kwargs, f"op:{name}")
         if (
-            (func in _RESHAPING or (f.mutated and _is_out(func, kwargs)))
+            (func in _RESHAPING or (f.mutated and _writes_outputs(func, kwargs)))
             and _device_active()
             and all(self.mod.is_native(t) for t in _written(op, args, kwargs))
         ):

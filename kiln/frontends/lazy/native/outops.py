@@ -40,13 +40,18 @@ def written(op: _Op, args: tuple, kwargs: dict) -> list:
 
 
 def is_out(func: Any, kwargs: dict) -> bool:
-    """An ``out=`` overload (``mm.out``; ``max.dim_max``, whose outputs are named otherwise)."""
+    """An ``out=`` call by its overload's name or an ``out`` argument (``mm.out``)."""
+    return "out" in kwargs or func._overloadname.endswith("out")
+
+
+def writes_outputs(func: Any, kwargs: dict) -> bool:
+    """An ``out=`` overload by its schema too (``max.dim_max``, whose outputs are named
+    otherwise): what the kiln device records or resizes (with the switch off, only
+    :func:`is_out` calls are refused, as before)."""
     r = _IS_OUT.get(func)
     if r is None:
-        r = _IS_OUT[func] = func._overloadname.endswith("out") or any(
-            a.is_out for a in func._schema.arguments
-        )
-    return r or "out" in kwargs
+        r = _IS_OUT[func] = any(a.is_out for a in func._schema.arguments)
+    return r or is_out(func, kwargs)
 
 
 _IS_OUT: dict[Any, bool] = {}
