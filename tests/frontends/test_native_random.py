@@ -16,6 +16,7 @@ import kiln
 from kiln import metrics
 from kiln.frontends.lazy import native, trace
 from kiln.frontends.lazy.tensor import LazyTensor
+from kiln.ir.ops import Category
 
 dev = kiln.device()
 pytestmark = pytest.mark.usefixtures("native_device")
@@ -90,9 +91,8 @@ def test_random_ops_are_nodes_with_the_python_recorders_values_and_graph(name):
 @pytest.mark.parametrize("p", [0.0, 1.0, 0.5])
 def test_dropout_edge_probabilities_and_sizes(shape, p):
     x = torch.randn(shape)
-    # (p=1 is ``x * zeros(())`` in ATen: a factory, which the native recorder makes a graph
-    # input and the Python recorder a node -- docs/native_recorder.md, Known limits)
-    (got,) = both(lambda t: [F.dropout(t.to(dev), p, training=True)], x, same_graph=p != 1.0)
+    # (p=1 is ``x * zeros(())`` in ATen: a factory, a node on both recorders since stage 8)
+    (got,) = both(lambda t: [F.dropout(t.to(dev), p, training=True)], x)
     assert got.shape == x.shape
     if p == 0.0:
         torch.testing.assert_close(got, x, rtol=0, atol=0)
@@ -207,3 +207,168 @@ def test_python_recorder_tensors_are_untouched():
         kiln.mark_step()
     finally:
         kiln.config.update(lazy_recorder="native")
+
+
+FACTORIES = {
+    "randn": lambda: [torch.randn(4, 5, device=dev)],
+    "rand": lambda: [torch.rand(3, device=dev)],
+    "randint_low": lambda: [torch.randint(-3, 9, (6,), device=dev)],
+    "randint": lambda: [torch.randint(9, (2, 3), device=dev)],
+    "randperm": lambda: [torch.randperm(7, device=dev)],
+    "randn_float64": lambda: [torch.randn(2, 3, dtype=torch.float64, device=dev)],
+    "rand_odd_then_used": lambda: [torch.rand(5, 1, 3, device=dev) * 2 + 1],
+    "randn_size_0": lambda: [torch.randn(0, 3, device=dev)],
+    "randn_1_element": lambda: [torch.randn((), device=dev)],
+    "two_factories": lambda: [torch.randn(3, device=dev), torch.randint(0, 2, (3,), device=dev)],
+    # normal with a size: ATen's ``empty`` (a node) and a ``normal_``, recorded as a seeded node
+    # by the in-place path
+    "normal_size": lambda: [torch.normal(0.5, 2.0, (3, 2), device=dev)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_random_factories_are_seeded_nodes_with_the_python_recorders_values(name):
+    """``torch.randn(..., device=kiln)`` and the other random factories: one seeded random node
+    each (not a draw from the CPU generator at the call), no forced sync, reproducible under
+    ``manual_seed``, the Python recorder's values bit for bit and its graph."""
+    fn = FACTORIES[name]
+    metrics.reset()
+    got, _ = on("native", fn)
+    assert metrics.get("forced_syncs") == 0
+    assert metrics.get("graphs_executed") == 1, "no Kiln graph ran"
+    g = native.last_graph()
+    assert [n.op for n in g.nodes if n.kwarg("role") == "seed"] == ["scalar"]
+    assert any(n.category is Category.RANDOM for n in g.nodes)
+    again, _ = on("native", fn)
+    for a, b in zip(got, again):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    want = both(fn)
+    for a, w in zip(want, _on_cpu(fn)):  # eager's shapes and dtypes
+        assert a.shape == w.shape and a.dtype == w.dtype
+    if name == "randperm":
+        assert sorted(got[0].tolist()) == list(range(7))
+    if name == "randint_low":
+        assert bool(((got[0] >= -3) & (got[0] < 9)).all())
+
+
+def _on_cpu(fn):
+    """``fn``'s results with ``device=kiln`` replaced by the CPU (the module's ``dev``)."""
+    global dev
+    saved = dev
+    dev = torch.device("cpu")
+    try:
+        return fn()
+    finally:
+        dev = saved
+
+
+def test_a_random_factory_each_step_is_a_new_seed_not_a_new_graph():
+    """Noise drawn with ``torch.randn(..., device=kiln)`` in every step of a loop: one graph
+    compiled, new values every step, the same values as the Python recorder's loop."""
+
+    def loop(recorder):
+        kiln.config.update(lazy_recorder=recorder)
+        try:
+            kiln.mark_step()
+            torch.manual_seed(11)
+            w = torch.ones(4, 3, device=dev)
+            kiln.mark_step()  # (the ones node: a graph of its own)
+            outs, compiled = [], []
+            for _ in range(3):
+                metrics.reset()
+                w = w * 0.5 + torch.randn(4, 3, device=dev)
+                kiln.mark_step()
+                compiled.append(metrics.get("graphs_compiled") + metrics.get("cache_hits_disk"))
+                outs.append(w.cpu())
+            return outs, compiled
+        finally:
+            kiln.config.update(lazy_recorder="native")
+
+    got, compiled = loop("native")
+    assert sum(compiled[1:]) == 0, compiled
+    assert not torch.equal(got[1] - 0.5 * got[0], got[2] - 0.5 * got[1])
+    want, _ = loop("python")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+VALUE_FACTORIES = {
+    "zeros": lambda: [torch.zeros(3, 4, device=dev)],
+    "ones_int": lambda: [torch.ones(5, dtype=torch.int64, device=dev)],
+    "full": lambda: [torch.full((2, 3), 1.5, device=dev)],
+    "full_bool": lambda: [torch.full((3,), True, device=dev)],
+    "full_size_0": lambda: [torch.full((2, 0), 7.0, device=dev)],
+    "arange": lambda: [torch.arange(7, device=dev)],
+    "arange_float_step": lambda: [torch.arange(0.5, 3.0, 0.25, device=dev)],
+    "linspace": lambda: [torch.linspace(-1, 1, 9, device=dev)],
+    "eye": lambda: [torch.eye(3, 5, device=dev)],
+    "scalar_tensor": lambda: [torch.scalar_tensor(2.5, device=dev)],
+    "mask_used": lambda: [torch.ones(4, 4, device=dev).tril() * torch.arange(4, device=dev)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_FACTORIES))
+def test_factories_kiln_computes_are_graph_nodes_equal_to_eager(name):
+    """``torch.zeros(..., device=kiln)`` and the other factories Kiln lowers
+    (``Category.FACTORY``): graph nodes, as on the Python recorder (same graph), no seed, no
+    forced sync, eager's values exactly."""
+    fn = VALUE_FACTORIES[name]
+    metrics.reset()
+    got, _ = on("native", fn)
+    assert metrics.get("forced_syncs") == 0
+    assert metrics.get("graphs_executed") == 1, "no Kiln graph ran"
+    g = native.last_graph()
+    assert any(n.category is Category.FACTORY for n in g.nodes), str(g)
+    assert not any(n.kwarg("role") == "seed" for n in g.nodes)
+    both(fn)
+    for a, w in zip(got, _on_cpu(fn)):
+        assert a.dtype == w.dtype
+        torch.testing.assert_close(a, w, rtol=0, atol=0)
+
+
+def test_a_factory_the_value_of_which_changes_is_another_graph_not_a_stale_one():
+    """A factory's float arguments are part of its node (structural, as on the Python recorder):
+    another fill value or range is another node, never the first call's values."""
+    kiln.mark_step()
+    a = torch.full((2,), 1.5, device=dev)
+    b = torch.full((2,), -3.0, device=dev)
+    c = torch.arange(0.0, 1.0, 0.5, device=dev)
+    d = torch.arange(0.0, 2.0, 0.5, device=dev)
+    kiln.mark_step()
+    assert a.cpu().tolist() == [1.5, 1.5] and b.cpu().tolist() == [-3.0, -3.0]
+    assert c.cpu().tolist() == [0.0, 0.5] and d.cpu().tolist() == [0.0, 0.5, 1.0, 1.5]
+
+
+def test_empty_is_a_graph_node_and_to_device_still_an_upload():
+    """``torch.empty`` / ``empty_strided`` with ``device=kiln``: graph nodes, as on the Python
+    recorder (eager's shape, dtype and strides; the values are uninitialized on both sides).
+    ``.to(dev)`` allocates through ``empty`` and then uploads: its value is taken at the call
+    (a later change to the CPU tensor is not seen) and the dead node is pruned from the graph."""
+    kiln.mark_step()
+    metrics.reset()
+    e = torch.empty(3, 4, dtype=torch.float64, device=dev)
+    s = torch.empty_strided((2, 3), (1, 2), device=dev)
+    z = torch.empty(0, 5, device=dev)
+    assert native.trace_len() > 0  # recorded, not made on the CPU
+    kiln.mark_step()
+    g = native.last_graph()
+    assert sorted(n.op for n in g.nodes if n.category is Category.FACTORY) == [
+        "empty.memory_format",
+        "empty.memory_format",
+        "empty_strided.default",
+    ], str(g)
+    for got, want in [
+        (e, torch.empty(3, 4, dtype=torch.float64)),
+        (s, torch.empty_strided((2, 3), (1, 2))),
+        (z, torch.empty(0, 5)),
+    ]:
+        c = got.cpu()
+        assert c.shape == want.shape and c.dtype == want.dtype and got.stride() == want.stride()
+    src = torch.randn(4, 3)
+    lx = src.to(dev)
+    y = lx * 2
+    src.add_(100)  # after the upload: not seen
+    kiln.mark_step()
+    assert not any(n.category is Category.FACTORY for n in native.last_graph().nodes)
+    torch.testing.assert_close(y.cpu(), (src - 100) * 2)
+    assert metrics.get("forced_syncs") == 0

@@ -49,17 +49,24 @@ def _factory(op: Any, args: tuple, kwargs: dict) -> Any:
     """A factory with ``device=kiln``: a tensor of the recorder ``config.lazy_recorder`` names
     (asked per call, so both recorders can serve one process; the engine probe always uses the
     Python recorder's throw-away trace, and the eager debug mode, ``config.eager``, the Python
-    recorder, which implements it)."""
+    recorder, which implements it).  Where the native recorder cannot be built or loaded, the
+    Python recorder serves the call (``native.device.usable``: one warning, counted)."""
     if config.lazy_recorder == "native" and not _probing and not config.eager:
-        from kiln.frontends.lazy import device_module as devmod
         from kiln.frontends.lazy.native import device as native_device
 
-        if devmod.unusable is not None or devmod.pending_probe is not None:
-            devmod.check_usable()
-        return native_device.factory(op, args, kwargs)
+        if native_device.usable():
+            return _native_factory(native_device, op, args, kwargs)
     from kiln.frontends.lazy.tensor import factory
 
     return factory(op, *args, **kwargs)
+
+
+def _native_factory(native_device: Any, op: Any, args: tuple, kwargs: dict) -> Any:
+    from kiln.frontends.lazy import device_module as devmod
+
+    if devmod.unusable is not None or devmod.pending_probe is not None:
+        devmod.check_usable()
+    return native_device.factory(op, args, kwargs)
 
 
 def _factory_kernel(op: Any) -> Any:

@@ -90,7 +90,7 @@ def split_links(func: Any, args: tuple, kwargs: dict, out_metas: list) -> list[L
         start = 0
         for m in out_metas:
             n = m.shape[dim]
-            links.append((aten.slice.Tensor, (dim, start, start + n, 1), ()))
+            links.append((aten.slice.Tensor, (dim, start, start + n), ()))  # (step: default)
             start += n
         return links
     raise NotImplementedError(f"Kiln lazy device: multi-output view {func} is not supported")

@@ -110,7 +110,6 @@ def load() -> ModuleType:
         except Unavailable as e:
             raise NativeUnavailable(str(e)) from None
         except (BuildError, OSError, ImportError) as e:
-            metrics.incr("native_recorder_unavailable")
             raise NativeUnavailable(
                 f"Kiln's native lazy recorder is unavailable ({e}); it needs a working C++ "
                 "compiler (g++) and PyTorch's headers. The kiln device's Python recorder is "
@@ -254,6 +253,13 @@ def last_graph() -> Any:
     """The Kiln IR graph of the last native step run (tests, tools), or None."""
     e = _graphs.get(_last_graph[0])
     return e.conv.graph if e is not None else None
+
+
+def factory(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A factory with ``device=kiln`` recorded as a graph node (a random one seeded, stage 5's
+    rules): ``fallback.Handler.factory``."""
+    load()
+    return _handler[0].factory(func, args, kwargs)
 
 
 def python_ops() -> dict[str, int]:

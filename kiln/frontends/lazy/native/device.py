@@ -5,10 +5,13 @@ With ``kiln.config.lazy_recorder == "native"`` (env ``KILN_LAZY_RECORDER=native`
 ``NativeImpl``), not the Python recorder's ``LazyTensor``:
 
 - factories with ``device=kiln`` (``torch.zeros(..., device=dev)``, ``torch.empty``, the composite
-  factories ``arange``/``full``/``randn``/..., ``torch.tensor(data, device=dev)``) reach the kiln
-  device's PrivateUse1 kernels (``lazy/device.py``), which hand them to :func:`factory`: the op
-  runs on the CPU (random factories draw from the CPU generator, as eager does) and its result
-  becomes a native tensor holding that value -- an upload, no graph node, no sync;
+  factories ``arange``/``full``/..., ``torch.tensor(data, device=dev)``) reach the kiln
+  device's PrivateUse1 kernels (``lazy/device.py``), which hand them to :func:`factory`: those
+  Kiln lowers (``empty``, ``zeros``, ``ones``, ``full``, ``arange``, ``linspace``, ``eye``,
+  ``scalar_tensor``) are graph nodes, as on the Python recorder, random ones (``randn``,
+  ``rand``, ``randint``, ``randperm``) seeded nodes (stage 5: the Python recorder's values
+  under one seed); any other (``empty_permuted``) runs on the CPU and its result becomes a
+  native tensor holding that value -- no node, no sync;
 - ``.to(dev)`` is PyTorch's ``_to_copy``: an ``empty`` on the kiln device (a factory, above) and a
   ``copy_`` from the CPU into it, which the recorder's fallback takes as an upload (the value is
   copied at copy time; later writes to the CPU tensor are not seen);
@@ -44,38 +47,93 @@ work run first, as ``LazyTensor`` does (libraries that save state dicts -- safet
 every other tensor goes through the wrapper to PyTorch's method: a CPU tensor's ``data_ptr()``
 59 -> 148 ns of thread CPU, medians of 5, load ~7).
 
+Where the recorder cannot be built or loaded (no C++ compiler, a failed build), the switch
+falls back: :func:`usable` answers False, the kiln device keeps making the Python recorder's
+tensors, and the process gets one :class:`NativeRecorderUnavailableWarning` naming the reason and
+the fix, counted once (``metrics`` ``native_recorder_unavailable``).
+
 Needs: the recorder extension (``native.load``), the kiln device registered.  Guarantees:
-nothing changes while the switch is off (the kiln device's kernels ask :func:`active` per call,
-and nothing here is installed until the first native factory call).
+nothing changes while the switch is off (the kiln device's kernels ask :func:`usable` per call,
+and nothing here is installed until the first native factory call); with the switch on and no
+recorder, the kiln device is the Python recorder's (one warning, counted), never an error.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
+from kiln import metrics
 from kiln.config import config
 
 _CPU = torch.device("cpu")
 _installed = False
 _install_lock = threading.Lock()
+# why the native recorder cannot serve the kiln device in this process, once a load failed
+_unavailable: list[str] = []
+
+
+class NativeRecorderUnavailableWarning(RuntimeWarning):
+    """``lazy_recorder = "native"`` was asked for, but the recorder cannot be built or loaded
+    here: the kiln device uses the Python recorder instead."""
 
 
 def active() -> bool:
-    """Whether kiln-device factories make native tensors now."""
-    return config.lazy_recorder == "native"
+    """Whether kiln-device factories make native tensors now (the switch is on and the recorder
+    has not failed to load; asks nothing, builds nothing)."""
+    return config.lazy_recorder == "native" and not _unavailable
+
+
+def usable() -> bool:
+    """Whether the kiln device's factories make native tensors: the switch is on and the
+    recorder loads (built on first use).  Where it cannot be built or loaded, the first call
+    warns once (:class:`NativeRecorderUnavailableWarning`, the reason and the fix), counts
+    ``native_recorder_unavailable`` and answers False from then on: the Python recorder serves
+    the kiln device for the rest of the process."""
+    if config.lazy_recorder != "native" or _unavailable:
+        return False
+    from kiln.frontends.lazy import native
+
+    if native.loaded():
+        return True
+    try:
+        native.load()
+    except native.NativeUnavailable as e:
+        _fall_back(str(e))
+        return False
+    return True
+
+
+def _fall_back(reason: str) -> None:
+    with _install_lock:
+        if _unavailable:
+            return
+        _unavailable.append(reason)
+    metrics.incr("native_recorder_unavailable")
+    warnings.warn(
+        "Kiln: the native lazy recorder was asked for (kiln.config.lazy_recorder = 'native', "
+        f"KILN_LAZY_RECORDER=native) but cannot be used here: {reason}  The kiln device uses the "
+        "Python recorder instead (same results, more recording time per op).  Fix: install a C++ "
+        "compiler (g++, or point CXX at one) and PyTorch's C++ headers, or set "
+        "KILN_LAZY_RECORDER=python to choose the Python recorder without this warning.",
+        NativeRecorderUnavailableWarning,
+        stacklevel=2,
+    )
 
 
 def factory(func: Any, args: tuple, kwargs: dict) -> Any:
-    """A factory op with ``device=kiln`` under the native recorder: computed on the CPU, its
-    result a native tensor holding the value (no node, no sync)."""
+    """A factory op with ``device=kiln`` under the native recorder: a graph node (:func:`_as_node`),
+    or computed on the CPU, its result a native tensor holding the value (no node, no sync)."""
     from kiln.frontends.lazy import native
 
     mod = native.load()
     install()
+    if _as_node(func):
+        return native.factory(func, args, kwargs)
     kw = {k: (_CPU if _is_kiln(v) else v) for k, v in kwargs.items()}
     if "device" not in kw:
         kw["device"] = _CPU
@@ -176,6 +234,32 @@ def _lazy_type() -> type:
     from kiln.frontends.lazy.tensor import LazyTensor
 
     return LazyTensor
+
+
+_AS_NODE: dict[Any, bool] = {}
+
+
+def _as_node(func: Any) -> bool:
+    """Whether a factory is recorded as a graph node, as the Python recorder records it: a
+    random one (``randn``, ``rand``, ``randint``, ``randperm``; lowered to ``Category.RANDOM``)
+    as a seeded node, one that Kiln lowers (``empty``, ``empty_strided``, ``zeros``, ``ones``,
+    ``full``, ``arange``, ``linspace``, ``eye``, ``scalar_tensor``: ``Category.FACTORY``) as a
+    plain node.  ``.to(dev)`` allocates through ``empty`` and then uploads over it (the node is
+    dead: the cut prunes it).  (A call with ``generator=`` never gets here: PyTorch decomposes
+    it into ``empty`` and an in-place draw, which stage 5 records.)"""
+    r = _AS_NODE.get(func)
+    if r is None:
+        from kiln.frontends.lazy.native import rng
+        from kiln.ir.graph import Node
+        from kiln.ir.ops import Category
+        from kiln.lowering.aten import op_name
+
+        name, real = op_name(func)
+        r = (torch.Tag.nondeterministic_seeded in func.tags and rng.is_random_node(func)) or (
+            real and Node(name).category is Category.FACTORY
+        )
+        _AS_NODE[func] = r
+    return r
 
 
 def _is_kiln(v: Any) -> bool:

@@ -45,7 +45,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 from kiln import metrics
 from kiln.config import config
 from kiln.frontends.lazy.foreach import record_split
-from kiln.frontends.lazy.native import convert, rng, viewwrite
+from kiln.frontends.lazy.native import convert, outops, rng, viewwrite
+from kiln.frontends.lazy.native.outops import cpu_device as _cpu_device
+from kiln.frontends.lazy.native.outops import is_out as _is_out
+from kiln.frontends.lazy.native.outops import writes_outputs as _writes_outputs
+from kiln.frontends.lazy.native.outops import written as _written
 from kiln.frontends.lazy.shapes import infer_typed
 from kiln.frontends.lazy.tensor import _BIT_VIEWS, _facts, _with_defaults
 from kiln.ir.graph import In
@@ -127,23 +131,13 @@ class _Op:
         return tuple(args[:n]), kwargs
 
 
-def _written(op: _Op, args: tuple, kwargs: dict) -> list:
-    """The tensors an in-place or out= call writes (its schema's mutated arguments, tensor lists
-    flattened), in argument order."""
-    targets: list = []
-    for i in op.facts.mutated:
-        a = args[i] if i < len(args) else kwargs.get(op.func._schema.arguments[i].name)
-        targets.extend(a if isinstance(a, (list, tuple)) else [a])
-    return targets
-
-
 class Handler:
     """The callable the recorder calls for an op it hands to Python."""
 
     def __init__(self, mod: Any, mark_step: Callable[[], Any]) -> None:
         self.mod = mod
         self.mark_step = mark_step
-        self.ops: dict[tuple[str, str], _Op] = {}
+        self.ops: dict[Any, _Op] = {}  # by (name, overload); random factories by overload
         self.recipes: dict[tuple, _Recipe] = {}
         self.rng = rng.shared(mod)
 
@@ -158,6 +152,18 @@ class Handler:
         if op.plain and "device" not in kwargs and (op.foreach is None or not _device_active()):
             return self.record(op, args, kwargs)
         return self.dispatch(op, args, kwargs)
+
+    def factory(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A factory with ``device=kiln`` that Kiln lowers (``torch.zeros(3, device=dev)``,
+        ``empty``, ``ones``, ``full``, ``arange``, ``linspace``, ``eye``, ...) or a random one
+        (``randn``, ``rand``, ``randint``, ``randperm``): one graph node, as the Python recorder
+        records it -- random ones seeded from the step's seed (stage 5's promise: the Python
+        recorder's values under one seed), not drawn from the CPU generator at the call.  Asked
+        by ``native.device.factory``."""
+        op = self.ops.get(func)
+        if op is None:
+            op = self.ops[func] = _Op(func)
+        return self.rng.record(self, op, args, kwargs)  # (a plain node unless it is random)
 
     # -- what to do with one call ----------------------------------------------------------------
 
@@ -181,19 +187,32 @@ class Handler:
                 return args[0]
         if (
             f.mutated
-            and _is_out(func, kwargs)
+            and _writes_outputs(func, kwargs)
             and _device_active()
             and not f.inplace_view
             and func not in _RESHAPING
             and self.keeps_out_geometry(op, args, kwargs)
         ):
-            # an out= op that does not resize its outputs: run on the values (everything
-            # pending first), writing into the outputs' storages, as the Python device does
+            # an out= op that does not resize its outputs: its functional op recorded and
+            # copied into the outputs (no sync); else run on the values (everything pending
+            # first), writing into the outputs' storages, as the Python device does
+            out = outops.record_out(self, op, args, kwargs)
+            if out is not _NOT_DONE:
+                return out
             return self.eager(func, args, kwargs, f"op:{name}")
+        if (
+            (func in _RESHAPING or (f.mutated and _writes_outputs(func, kwargs)))
+            and _device_active()
+            and all(self.mod.is_native(t) for t in _written(op, args, kwargs))
+        ):
+            return outops.reshape_in_place(self, op, args, kwargs)
         if f.inplace_view or func in _RESHAPING or (f.mutated and _is_out(func, kwargs)):
             raise NotImplementedError(
                 f"Kiln native recorder: {func} changes a tensor's shape or storage in place; "
-                "not supported yet (stage 3: views and in-place ops)"
+                "not supported yet on tensors made by native.tensor() (stage 3: views and "
+                "in-place ops). Fix: use the kiln device (kiln.config.lazy_recorder = 'native' "
+                "and .to(kiln.device())), where it is supported, or make a new tensor "
+                "(x.new_empty(size), x.reshape(size)) instead of resizing x"
             )
         if func is aten.copy_.default and self.mod.upload(args[0], args[1]):
             return args[0]  # a CPU value into a whole native storage: no node, no sync
@@ -501,7 +520,7 @@ def check_cpu_operand(func: Any, a: torch.Tensor) -> None:
     )
 
 
-_NOT_DONE = object()
+_NOT_DONE = outops.NOT_DONE
 _TENSOR = object()  # a tensor output's slot in a recipe's output shape (others: their value)
 
 
@@ -555,10 +574,6 @@ def _out_of_place(func: Any) -> Any | None:
     return None
 
 
-def _is_out(func: Any, kwargs: dict) -> bool:
-    return "out" in kwargs or func._overloadname.endswith("out")
-
-
 def _same(v: Any, d: Any) -> bool:
     """``v`` is the schema default ``d`` (as the IValue comparison PyTorch uses)."""
     if d is None or v is None:
@@ -595,12 +610,6 @@ def _is_tensor(a: Any) -> bool:
 
 def _is_cpu(d: Any) -> bool:
     return d is not None and torch.device(d).type == "cpu"
-
-
-def _cpu_device(a: Any) -> Any:
-    if isinstance(a, torch.device) and a.type == "kiln":
-        return _CPU
-    return a
 
 
 def python_ops() -> dict[str, int]:

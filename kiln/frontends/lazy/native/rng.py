@@ -70,7 +70,7 @@ class RandomOps:
         self.replay = None
 
     def record(self, h: Handler, op: _Op, args: tuple, kwargs: dict) -> Any:
-        if not _is_random_node(op.func):
+        if not is_random_node(op.func):
             return h.record(op, args, kwargs)  # lowered as another kind of node: a plain one
         gen = self._current()
         key, inputs = h.signature(op, args, kwargs)
@@ -166,7 +166,7 @@ class RandomOps:
 _RANDOM_NODE: dict[Any, bool] = {}
 
 
-def _is_random_node(func: Any) -> bool:
+def is_random_node(func: Any) -> bool:
     """Whether ``func`` lowers to a ``Category.RANDOM`` node (what the Python recorder seeds)."""
     r = _RANDOM_NODE.get(func)
     if r is None:
