@@ -16,7 +16,7 @@ Matched chain (every intermediate with exactly one user)::
     a = a * s  |  a / s                     # optional, s a Python number
     a = a.masked_fill(m, -inf)  |  a + bias # optional: bool m (True = masked) or float bias
     p = softmax(a, dim=-1)                  # dtype None or float32
-    p = p.to(float32) | p.type(float32)     # optional, a no-op cast
+    p = p.to(float32)                       # optional, a no-op cast
     p = dropout(p, 0.0, ...)                # optional, only p == 0
     y = matmul(p, v)
 
@@ -189,7 +189,7 @@ def _match(mm: torch.fx.Node) -> _Match | None:
         return None
     m.chain.append(nxt)
     cur, nxt = nxt, _only_user(nxt)
-    if nxt is not None and nxt.op == "call_method" and nxt.target in ("to", "type"):
+    if nxt is not None and nxt.op == "call_method" and nxt.target == "to":
         rest = list(nxt.args[1:]) + list(nxt.kwargs.values())
         if nxt.args[0] is not cur or rest != [torch.float32]:
             return None
