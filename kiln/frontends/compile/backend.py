@@ -42,6 +42,7 @@ from kiln.frontends.compile.aot_cache import (
 )
 from kiln.frontends.compile.attention import attention_to_sdpa
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
+from kiln.frontends.compile.gqa import sdpa_gqa
 from kiln.ir.ops import keep_whole_ops
 from kiln.runtime.compiler import compile_graph
 from kiln.runtime.steps import call_site, stack_trace_frames
@@ -125,13 +126,16 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
     """Dynamo's graph -> graph-level rewrites (hand-written attention -> SDPA, see
-    :mod:`kiln.frontends.compile.attention`) -> AOTAutograd, with AOTAutograd's cache on for Kiln
+    :mod:`kiln.frontends.compile.attention`; repeated k/v heads -> grouped-query SDPA, see
+    :mod:`kiln.frontends.compile.gqa`) -> AOTAutograd, with AOTAutograd's cache on for Kiln
     (see :mod:`kiln.frontends.compile.aot_cache`): a new process skips AOTAutograd and Kiln's
-    passes.  The rewrite runs first, so the cache key is that of the rewritten graph.  The cyclic
+    passes.  The rewrites run first, so the cache key is that of the rewritten graph.  The cyclic
     garbage collector pauses for the call (:func:`_cyclic_gc_paused`)."""
     with _cyclic_gc_paused():
         if "attention" not in config.disabled_passes:
             attention_to_sdpa(gm)
+        if "gqa" not in config.disabled_passes:
+            sdpa_gqa(gm)
         with aot_cache_settings():
             return _aot_backend()(gm, example_inputs, **kwargs)
 
