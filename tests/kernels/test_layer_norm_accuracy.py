@@ -139,7 +139,8 @@ def test_forward_of_near_constant_rows_vs_float64(n: int, affine: bool, mode: st
     """The forward on rows spread 1e-2 around a mean of order 1: ``x - mean`` is the small
     difference of two numbers of order 1.  Taken against the float (rounded) mean, the mean's
     rounding shifts the whole row by up to 6e-8, which rstd (~100) amplifies: Kiln's error was
-    then 7.1e-6 RMS here on rows of 2 with weight and bias (eager's 6.9e-6), up to 5e5x the bound below."""
+    then 7.1e-6 RMS here on rows of 2 with weight and bias (eager's 6.9e-6), and up to 5e5x the
+    bound below."""
     xs, _ = _near_constant_rows(n)
     fn = _ln if affine else _ln_eps
     ref = fn(*[t.double() for t in xs])
