@@ -23,6 +23,20 @@ such rows (measured), so a comparison with eager's own error alone fails on chan
 base gradient also passes element by element within ``RTOL`` of the summed magnitudes
 (float64, ``sum |view gradient|`` over the positions folded into each element) plus ``SLACK``
 times eager's error.
+
+Last, eager's error on one draw can be luck.  Where a result is ill-conditioned in the rounding of
+an intermediate (the input gradient of a layer norm of a layer norm over rows of 2: the float
+``rstd`` the forward saves is rounded, and ``1 - xhat^2`` cancels, so half an ulp of ``rstd``
+moves the gradient by ~1e-5 relative; or a broadcast input's gradient whose terms cancel), both
+float32 results are ulps of ``rstd`` times a large factor off float64, and which one lands closer
+is chance: eager is 10x closer than its own typical error on a few rows in ten thousand.  So a
+tensor that failed both tests above is measured once more against eager's *typical* error at
+this point (``near``): eager float32 and float64 rerun on ``NEAR_DRAWS`` copies of the inputs,
+each element moved by up to ``NEAR_ULPS`` float32 ulps (the same conditioning, other rounding),
+and per element the median over the draws of eager's error against its own float64 result.
+Kiln's error must be within ``SLACK`` times that (root mean square and worst element, as above).
+A median, so one draw that crosses a branch (``where``, ``relu``, ``maximum``) does not widen the
+band; a well-conditioned result has a typical error of an ulp or two, no looser than before.
 """
 
 from __future__ import annotations
@@ -37,6 +51,9 @@ import torch.nn.functional as F
 from fuzz_programs import Input, Program
 
 RTOL, ATOL, SLACK = 1e-5, 1e-6, 4.0
+NEAR_DRAWS, NEAR_ULPS = 16, 2
+# how many tensors passed on eager's typical error alone (the third test of ``compare``)
+COUNTS = {"near_passes": 0}
 
 _counter = [0]
 
@@ -215,8 +232,49 @@ def run_many(
     return results
 
 
-def compare(what: str, got: Result, ref32: Result, ref64: Result) -> list[str]:
-    """Mismatch descriptions (empty: all match)."""
+def perturbed(prog: Program, data: Data, k: int) -> Data:
+    """``data`` with every float input element moved by up to ``NEAR_ULPS`` float32 ulps (draw
+    ``k``; masks kept, the same cotangents)."""
+    g = torch.Generator().manual_seed(1_000_003 * (k + 1))
+    bases = []
+    for b in data.bases:
+        if not b.is_floating_point():
+            bases.append(b)
+            continue
+        u = torch.rand(b.shape, generator=g, dtype=torch.float64) * 2 - 1
+        bases.append((b.double() * (1 + u * NEAR_ULPS * 2.0**-23)).to(b.dtype))
+    return Data(bases, data.cots)
+
+
+Near = Callable[[], list[tuple[Result, Result]]]
+
+
+def near_references(prog: Program, fn: Callable, data: Data) -> Near:
+    """A function giving eager's float32 and float64 results at ``NEAR_DRAWS`` inputs next to
+    ``data`` (:func:`perturbed`), run on the first call only (a tensor that failed both plain
+    tests); [] when eager refuses one of them."""
+    cache: list[list[tuple[Result, Result]]] = []
+
+    def get() -> list[tuple[Result, Result]]:
+        if not cache:
+            pairs = []
+            try:
+                for k in range(NEAR_DRAWS):
+                    d = perturbed(prog, data, k)
+                    pairs.append((run(prog, fn, d), run(prog, fn, d, torch.float64)))
+            except (RuntimeError, IndexError, ValueError):
+                pairs = []
+            cache.append(pairs)
+        return cache[0]
+
+    return get
+
+
+def compare(
+    what: str, got: Result, ref32: Result, ref64: Result, near: Near | None = None
+) -> list[str]:
+    """Mismatch descriptions (empty: all match).  ``near``: eager's results next to these inputs
+    (:func:`near_references`), for the typical-error test; None: no such test."""
     bad = []
     for kind in ("outs", "grads", "bufs", "vgrads"):
         gs, es, rs = getattr(got, kind), getattr(ref32, kind), getattr(ref64, kind)
@@ -227,15 +285,46 @@ def compare(what: str, got: Result, ref32: Result, ref64: Result) -> list[str]:
             folded = None
             if kind == "grads" and r is not None and ref64.vgrads[i] is not None:
                 folded = ref64.vgrads[i].abs().sum_to_size(r.shape)
-            msg = _compare_one(g, e, r, folded)
+            typical = None if near is None else (lambda kind=kind, i=i: _typical(near, kind, i))
+            msg = _compare_one(g, e, r, folded, typical)
             if msg:
                 bad.append(f"{what}: {kind}[{i}] {msg}")
     return bad
 
 
-def _compare_one(g: Any, e: Any, r: Any, folded: torch.Tensor | None = None) -> str | None:
+def _typical(near: Near, kind: str, i: int) -> torch.Tensor | None:
+    """Per element, the median over the near draws of eager's float32 error against its float64
+    result (NaN where a draw is not finite there); None without draws."""
+    errs = []
+    for e32, e64 in near():
+        e, r = getattr(e32, kind)[i], getattr(e64, kind)[i]
+        if e is None or r is None:
+            return None
+        err = (e.double() - r.double()).abs()
+        errs.append(torch.where(torch.isfinite(err), err, torch.nan))
+    if not errs:
+        return None
+    return torch.stack(errs).nanmedian(dim=0).values
+
+
+def _within(ke: torch.Tensor, ee: torch.Tensor, r: torch.Tensor) -> bool:
+    """Kiln's error ``ke`` at most SLACK times ``ee`` (root mean square and worst element)."""
+    rms = lambda t: float(t.square().mean().sqrt())
+    return rms(ke) <= SLACK * rms(ee) + ATOL and float(ke.max()) <= SLACK * float(ee.max()) + (
+        ATOL + RTOL * float(r.abs().max())
+    )
+
+
+def _compare_one(
+    g: Any,
+    e: Any,
+    r: Any,
+    folded: torch.Tensor | None = None,
+    typical: Callable[[], torch.Tensor | None] | None = None,
+) -> str | None:
     """``folded``: for an expanded input's gradient, the float64 sum of the magnitudes of the
-    view-gradient terms summed into each element."""
+    view-gradient terms summed into each element; ``typical``: eager's typical error per element
+    at nearby inputs (:func:`_typical`)."""
     if e is None or g is None:
         if e is None and g is None:
             return None
@@ -260,14 +349,12 @@ def _compare_one(g: Any, e: Any, r: Any, folded: torch.Tensor | None = None) -> 
     ok = (g - e).abs() <= ATOL + RTOL * e.abs()
     if bool(ok.all()):
         return None
+    detail = ""
     if bool(torch.isfinite(r).all()):
         # measured against float64: Kiln's error at most SLACK times float32 eager's own, over
         # the tensor (root mean square and worst element), as Inductor's fp64-reference check
         ke, ee = (g - r).abs(), (e - r).abs()
-        rms = lambda t: float(t.square().mean().sqrt())
-        if rms(ke) <= SLACK * rms(ee) + ATOL and float(ke.max()) <= SLACK * float(ee.max()) + (
-            ATOL + RTOL * float(r.abs().max())
-        ):
+        if _within(ke, ee, r):
             return None
         if folded is not None:
             # a sum over broadcast positions: within RTOL of what was summed (float32 rounding
@@ -275,8 +362,18 @@ def _compare_one(g: Any, e: Any, r: Any, folded: torch.Tensor | None = None) -> 
             f = folded.double()[keep][~inf_ok]
             if bool((ke <= SLACK * ee + ATOL + RTOL * f).all()):
                 return None
+        t = None if typical is None else typical()
+        if t is not None:
+            # eager's error at this point may be luck: held to its median error nearby
+            t = t[keep][~inf_ok]
+            if bool(torch.isfinite(t).all()) and _within(ke, t, r):
+                COUNTS["near_passes"] += 1
+                return None
+        detail = f"; max error vs float64: kiln {float(ke.max()):.3g} eager {float(ee.max()):.3g}"
+        if t is not None:
+            detail += f" (eager nearby, median {float(t.max()):.3g})"
     i = int((~ok).nonzero()[0])
     return (
         f"{int((~ok).sum())}/{ok.numel()} elements off; first: kiln {g[i].item():.9g} "
-        f"eager {e[i].item():.9g} float64 {r[i].item():.9g}"
+        f"eager {e[i].item():.9g} float64 {r[i].item():.9g}{detail}"
     )

@@ -5,10 +5,15 @@ the last dim of a float32 tensor (any rank, one-element rows included), with or 
 and bias, becomes one kernel.
 
 Forward, per row: mean and variance in double (two passes over the row, like a stable
-``var(unbiased=False)``), ``rstd = 1 / sqrt(var + eps)``, ``out = (x - mean) * rstd * w + b``
-in float; outputs ``(out, mean, rstd)`` with ATen's shapes (``mean``/``rstd`` keep the
-normalized dim as 1).  A row of equal values (one element, or a broadcast value) has an exact
-double mean (so also as a float), its ``x - mean`` is exactly 0 and ``out`` exactly ``b``.
+``var(unbiased=False)``), ``rstd = 1 / sqrt(var + eps)``, ``out = ((x - m) - mc) * rstd * w + b``
+in float, ``m`` the mean rounded to float and ``mc = mean - m`` what the rounding left out; outputs
+``(out, mean, rstd)`` with ATen's shapes (``mean``/``rstd`` keep the normalized dim as 1).
+``x - m`` is exact where ``x`` is near the mean, so ``x - mean`` is rounded once there.  With
+``x - m`` alone the mean's rounding shifted the whole row, which ``rstd`` amplifies: on rows
+spread 1e-2 around a mean of 1 the output error was 100x this one's and above eager's (ATen
+computes ``x * rstd - mean * rstd`` in float; ``tests/kernels/test_layer_norm_accuracy.py``).  A
+row of equal values (one element, or a broadcast value) has an exact double mean, ``mc`` is 0,
+``x - m`` exactly 0 and ``out`` exactly ``b``.
 
 Backward (any output mask: all three are computed, the unrequested ones are not read), per row
 with ``xhat = (x - mean) * rstd`` and ``g = dy * w`` (``dy`` without weight), in double, ``mean``
@@ -155,7 +160,8 @@ def _forward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
         if a is not None and tuple(in_types[a.k].shape) != tuple(shape[-1:]):
             raise ValueError(f"layer norm: {nm} of shape {tuple(in_types[a.k].shape)}")
     eps = repr(float(n.args[4]))
-    y = "(xr[j] - m) * rstd"
+    # x - mean as (x - m) - mc: m the float mean, mc what its rounding left out (module doc)
+    y = "((xr[j] - m) - mc) * rstd"
     if w is not None:
         y = f"{y} * w[j]"
     if b is not None:
@@ -175,6 +181,7 @@ def _forward(name: str, n: Node, in_types: list) -> tuple[str, KernelSpec]:
         "    for (int64_t j = 0; j < L; ++j) { const double d = (double)xr[j] - mean; v += d * d; }",
         f"    const float rstd = (float)(1.0 / __builtin_sqrt(v / (double)L + {eps}));",
         "    const float m = (float)mean;",
+        "    const float mc = (float)(mean - (double)m);",
         "    #pragma omp simd",
         f"    for (int64_t j = 0; j < L; ++j) yr[j] = {y};",
         "    out1[r] = m;",
