@@ -58,7 +58,16 @@ __all__ = [
 
 _HERE = Path(__file__).parent
 # recorder.cpp includes these (one translation unit); all of them are in the build's cache key
-HEADERS = ("tensor.h", "trace.h", "op_table.h", "record.h", "foreach.h", "cut.h", "api.h")
+HEADERS = (
+    "tensor.h",
+    "trace.h",
+    "op_table.h",
+    "record.h",
+    "foreach.h",
+    "cut.h",
+    "api.h",
+    "guard.h",
+)
 _EXT = Extension(
     "kiln_native_recorder",
     _HERE / "recorder.cpp",
@@ -116,6 +125,9 @@ def load() -> ModuleType:
                 "unaffected."
             ) from None
         mod.configure(table.OPS, table.STRUCTURAL, table.foreach_splits())
+        # the kiln device's guard in C++: a Python error raised inside a backward pass (a hook)
+        # then reaches backward() instead of ending the process (native/guard.h)
+        mod.install_device_guard()
         handler = fallback.Handler(mod, lambda: mark_step(forced=True))
         mod.set_fallback(handler)
         mod.set_foreach_hooks(
