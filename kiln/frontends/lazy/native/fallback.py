@@ -144,7 +144,10 @@ class Handler:
     def __call__(self, qual: str, overload: str, vals: list) -> Any:
         op = self.ops.get((qual, overload))
         if op is None:
-            packet = getattr(aten, qual.split("::")[1])
+            # (an op of another namespace than aten: ``c10d::allreduce_``, the functional
+            # collectives ``_c10d_functional::all_reduce``, ...)
+            ns, name = qual.split("::")
+            packet = getattr(getattr(torch.ops, ns), name)
             op = self.ops[(qual, overload)] = _Op(getattr(packet, overload or "default"))
         counts[op.counter] += 1
         metrics.incr("native_python_ops")
