@@ -84,12 +84,6 @@ EXPECTED: dict[tuple[str, str, str], str] = {
         "to be on cpu, but it's on kiln:0'), while the lazy device rejects CPU tensors of rank > 0 "
         "next to kiln tensors"
     ),
-    ("to", "lazy", "grad"): (
-        "backward of a kiln->cpu copy with a dtype change (samples 0-7: to('cpu', float64)): "
-        "PyTorch's engine asserts on the Python device guard's streams ('opt_ready_stream && "
-        "opt_parent_stream', engine.cpp:1096); kiln raises 'kiln: backward through a copy ...' "
-        "naming the fix (test_lazy_to_cpu_backward_never_shows_the_engine_assert)"
-    ),
     ("sparse.sampled_addmm", "lazy", "*"): _SPARSE,
     ("sparse.mm.reduce", "lazy", "*"): _SPARSE,
     ("to_sparse", "lazy", "*"): _SPARSE + " ('to(options) doesn't support converting to a "

@@ -180,7 +180,11 @@ def _grads_of(calls: list, outs: list, mask: list[bool], dev: Any = None) -> lis
     all_outs = [t for _, os_ in per for t in os_]
     gouts = [g for _, os_ in per for g in grad_outputs(os_)]
     if dev is not None:
-        gouts = [g.to(dev) for g in gouts]
+        # each on its output's device, as eager has them: the kiln device's, or the CPU for an
+        # output copied off it (``x.to("cpu")``; PyTorch rejects a kiln gradient for a CPU
+        # output, "invalid gradient ... expected device cpu", unless the tensor is a Python
+        # subclass, which the Python recorder's are and the native recorder's are not)
+        gouts = [g.to(o.device) for g, o in zip(gouts, all_outs)]
     flat = torch.autograd.grad(all_outs, all_ins, gouts, allow_unused=True) if all_outs else ()
     res, k = [], 0
     for (ins, _), m in zip(per, mask):

@@ -305,3 +305,20 @@ def test_lazy_to_cpu_backward_never_shows_the_engine_assert() -> None:
             out = x.to(*s.args, **s.kwargs)
             (want,) = torch.autograd.grad(out, [x], grad_outputs([out]))
             torch.testing.assert_close(got[0], want)
+    # the gradient of the CPU output given on the kiln device: the Python recorder's tensors
+    # (Python subclasses) have it moved to the CPU, where the engine's stream assert is what kiln
+    # translates; the native recorder's are not subclasses, and PyTorch rejects the gradient as
+    # it does for any other device.  Either way a Python error naming the problem, no assert.
+    dev = kiln.device()
+    for s in samples(op, 2, True):
+        if not (s.args and s.args[0] == "cpu" and torch.float64 in s.args):
+            continue
+        x = s.input.detach().to(dev).requires_grad_()
+        out = x.to(*s.args, **s.kwargs)
+        g = torch.ones(out.shape, dtype=out.dtype).to(dev)
+        with pytest.raises(RuntimeError) as info:
+            torch.autograd.grad(out, [x], g)
+        msg = str(info.value)
+        assert "INTERNAL ASSERT" not in msg, msg
+        assert "kiln: backward through a copy" in msg or "expected device cpu" in msg, msg
+        kiln.mark_step()

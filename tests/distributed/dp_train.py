@@ -28,6 +28,7 @@ from torch import nn
 import kiln
 import kiln.distributed as kd
 import kiln.distributed.checkpoint
+import kiln.frontends.lazy.native
 
 V, D, H, T, B = 64, 32, 2, 8, 8  # vocab, width, heads, sequence length, global batch
 
@@ -209,6 +210,8 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "NEURON_RT_VISIBLE_CORES": os.environ.get("NEURON_RT_VISIBLE_CORES"),
         "metrics": kiln.metrics.counters(),
+        # the kiln device's recorder made native tensors (KILN_LAZY_RECORDER=native)
+        "native": kiln.frontends.lazy.native.loaded(),
     }
     ranks = [mine]
     if world > 1:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import kiln
+from kiln.frontends.lazy import native
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -23,6 +24,7 @@ y = funcol.all_reduce(x, "sum", dist.group.WORLD)
 z = y * 2
 kiln.mark_step()
 out["funcol"] = z.cpu().tolist()
+out["native"] = native.is_native(x)
 
 # with an explicit wait: the same
 w = funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD)) + 1

@@ -8,6 +8,7 @@ import subprocess
 import time
 
 import dp_train
+import pytest
 import torch
 from dist_testlib import (
     REL_TOL,
@@ -101,6 +102,35 @@ def test_two_workers_match_single_process(tmp_path, reference):
     for k in s1:
         torch.testing.assert_close(s2[k]["exp_avg_sq"], s1[k]["exp_avg_sq"], rtol=1e-3, atol=1e-8)
         assert float(s2[k]["step"]) == STEPS
+
+
+def test_two_workers_native_recorder_match_single_process(tmp_path, reference):
+    """The kiln device's native recorder (KILN_LAZY_RECORDER=native) in both workers: GradientSync
+    (its post-accumulate hooks record the bucket all-reduces inside backward) and the kiln process
+    group train as the single process does.  This job used to end with SIGABRT in both ranks
+    (a Python error in the hook, then PyTorch's Python device guard called with it pending)."""
+    from kiln.frontends.lazy import native
+
+    if not native.available():
+        pytest.skip("native recorder unavailable")
+    out = tmp_path / "dp.json"
+    modes = ["lazy", "lazy_pg"]
+    cmd = kiln_run("--nproc-per-node", "2", SCRIPT, "--modes", ",".join(modes))
+    cmd += ["--steps", str(STEPS), "--out", str(out)]
+    env = job_env(tmp_path / "cache")
+    env["KILN_LAZY_RECORDER"] = "native"
+    p = run(cmd, env, timeout=420)
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = load(out)
+    assert res["world"] == 2
+    assert all(r["native"] for r in res["ranks"]), res["ranks"]
+    for mode in modes:
+        got, ref = res["losses"][mode], reference["losses"]["lazy"]
+        assert max_rel_diff(got, ref) < REL_TOL, (mode, got, ref)
+        assert got[-1] < got[0] * 0.5  # it trained
+    fb = res["fallbacks"]
+    assert fb["lazy"].get("all_reduce", 0) > 0 and fb["lazy_pg"].get("all_reduce", 0) > 0, fb
+    assert all(r["metrics"].get("grad_buckets_issued", 0) >= 2 * STEPS for r in res["ranks"])
 
 
 def test_two_nodes_two_workers_c10d_rendezvous(tmp_path, reference):

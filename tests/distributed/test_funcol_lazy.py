@@ -9,14 +9,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from dist_testlib import free_port, job_env
 
 WORKER = str(Path(__file__).resolve().parent / "funcol_worker.py")
 
 
-def test_funcol_without_wait_on_kiln_tensors(tmp_path):
+def _native_available() -> bool:
+    from kiln.frontends.lazy import native
+
+    return native.available()
+
+
+@pytest.mark.parametrize("recorder", ["python", "native"])
+def test_funcol_without_wait_on_kiln_tensors(tmp_path, recorder):
+    """With either recorder of the kiln device (the native one records the functional
+    collectives through its Python fallback, ``_c10d_functional`` ops looked up in their own
+    namespace)."""
+    if recorder == "native" and not _native_available():
+        pytest.skip("native recorder unavailable")
     env = job_env(tmp_path / "cache")
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    env["KILN_LAZY_RECORDER"] = recorder
     procs = [
         subprocess.Popen(
             [sys.executable, WORKER],
@@ -36,6 +50,7 @@ def test_funcol_without_wait_on_kiln_tensors(tmp_path):
         assert p.returncode == 0, f"worker exited with {p.returncode}:\n{se[-3000:]}"
         outs.append(json.loads(so))
     for o in outs:
+        assert o["native"] == (recorder == "native"), o  # the recorder asked for recorded it
         # rank 0 holds [0, 1, 2, 3], rank 1 [1, 2, 3, 4]: the sum is [1, 3, 5, 7]
         assert o["funcol"] == [2.0, 6.0, 10.0, 14.0]
         assert o["waited"] == [2.0, 4.0, 6.0, 8.0]

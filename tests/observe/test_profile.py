@@ -8,6 +8,7 @@ stage ranges is within 10% of the step time Kiln measured itself (``kiln.metrics
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -63,7 +64,16 @@ def _nested(inner: dict, events: list[dict], outer: str) -> bool:
     )
 
 
-def test_kiln_profile_writes_a_trace_of_kiln_stages(tmp_path: Path) -> None:
+@pytest.mark.parametrize("recorder", ["python", "native"])
+def test_kiln_profile_writes_a_trace_of_kiln_stages(tmp_path: Path, recorder: str) -> None:
+    """With either recorder of the kiln device (``KILN_LAZY_RECORDER``): the native recorder's
+    cuts open and close the same ranges as the Python recorder's."""
+    if recorder == "native":
+        from kiln.frontends.lazy import native
+
+        if not native.available():
+            pytest.skip("native recorder unavailable")
+    env = {**os.environ, "KILN_LAZY_RECORDER": recorder}
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     out = tmp_path / "trace.json"
@@ -87,6 +97,7 @@ def test_kiln_profile_writes_a_trace_of_kiln_stages(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=600,
+        env=env,
     )
     assert run.returncode == 0, run.stderr
     assert "in Kiln stages" in run.stdout  # the summary

@@ -58,7 +58,16 @@ __all__ = [
 
 _HERE = Path(__file__).parent
 # recorder.cpp includes these (one translation unit); all of them are in the build's cache key
-HEADERS = ("tensor.h", "trace.h", "op_table.h", "record.h", "foreach.h", "cut.h", "api.h")
+HEADERS = (
+    "tensor.h",
+    "trace.h",
+    "op_table.h",
+    "record.h",
+    "foreach.h",
+    "cut.h",
+    "api.h",
+    "guard.h",
+)
 _EXT = Extension(
     "kiln_native_recorder",
     _HERE / "recorder.cpp",
@@ -116,7 +125,10 @@ def load() -> ModuleType:
                 "unaffected."
             ) from None
         mod.configure(table.OPS, table.STRUCTURAL, table.foreach_splits())
-        handler = fallback.Handler(mod, lambda: mark_step(forced=True))
+        # the kiln device's guard in C++: a Python error raised inside a backward pass (a hook)
+        # then reaches backward() instead of ending the process (native/guard.h)
+        mod.install_device_guard()
+        handler = fallback.Handler(mod, lambda reason: mark_step(forced=True, reason=reason))
         mod.set_fallback(handler)
         mod.set_foreach_hooks(
             fallback._device_active, lambda: metrics.incr("native_inplace_writes")
@@ -179,20 +191,29 @@ def trace_len() -> int:
     return load().trace_len()
 
 
-def mark_step(forced: bool = False) -> Any:
+def mark_step(forced: bool = False, reason: str | None = None) -> Any:
     """Cut the pending trace and run it: every native tensor still alive that holds a value
     computed in this step gets it.  A graph seen before is recognised by the recorder (hash, then
     node keys) and not converted again.  ``forced``: a sync the program did not ask for (a
-    ``.cpu()``, a data-dependent op), which does not end a step.  Returns the cut (``graph_id``,
-    ``is_new``, ``hash``), or None when nothing was pending."""
+    ``.cpu()``, a data-dependent op; ``reason`` names it), which does not end a step.  Returns
+    the cut (``graph_id``, ``is_new``, ``hash``), or None when nothing was pending.
+
+    While a profiler runs, the stages appear as the Python recorder's do (``lazy/trace.py``
+    ``sync``): ``kiln::mark_step`` or ``kiln::sync <reason>`` around the cut and its run, and
+    ``kiln::record`` from the end of one cut to the start of the next."""
     mod = load()
-    c = mod.cut()
+    metrics.close_span("record")
+    compiled = False
+    with metrics.span(f"kiln::sync {reason or 'forced'}" if forced else "kiln::mark_step"):
+        c = mod.cut()
+        if c.graph_id >= 0:
+            values = c.values()
+            results, compiled = _run(mod, c, values)
+            _assign(c, results)
+            del values, results
+    metrics.open_span("record", "kiln::record")
     if c.graph_id < 0:
         return None
-    values = c.values()
-    results, compiled = _run(mod, c, values)
-    _assign(c, results)
-    del values, results
     random_ops = rng.active()
     if random_ops is not None:
         random_ops.cut()  # the cut trace's random outputs, kept for replays, let go

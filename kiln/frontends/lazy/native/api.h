@@ -70,6 +70,22 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
     table_lib->impl(reg.c_str(),
                     torch::CppFunction::makeFromBoxedFunction<&guarded<&unsupported_kernel>>());
   }
+  // The functional collectives (`_c10d_functional::all_reduce`, `wait_tensor`, ...) have
+  // CompositeExplicitAutograd kernels too, which would run the collective eagerly on the native
+  // tensor (reaching `c10d::allreduce_` on the key, which nothing records).  They go to the
+  // Python fallback instead, which records each as one graph node, as the Python recorder does.
+  c10d_lib = std::make_unique<torch::Library>(torch::Library::IMPL, "_c10d_functional",
+                                              c10::DispatchKey::PrivateUse2, __FILE__, __LINE__);
+  const std::string ns = "_c10d_functional::";
+  for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
+    if (name.name.rfind(ns, 0) != 0) continue;
+    auto op = c10::Dispatcher::singleton().findOp(name);
+    if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) continue;
+    std::string reg = name.name.substr(ns.size());
+    if (!name.overload_name.empty()) reg += "." + name.overload_name;
+    c10d_lib->impl(reg.c_str(),
+                   torch::CppFunction::makeFromBoxedFunction<&guarded<&unsupported_kernel>>());
+  }
 }
 
 // `borrowed`: `t` is the caller's tensor (`native.tensor`), which a step must not write into.

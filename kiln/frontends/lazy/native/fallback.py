@@ -134,7 +134,7 @@ class _Op:
 class Handler:
     """The callable the recorder calls for an op it hands to Python."""
 
-    def __init__(self, mod: Any, mark_step: Callable[[], Any]) -> None:
+    def __init__(self, mod: Any, mark_step: Callable[[str], Any]) -> None:
         self.mod = mod
         self.mark_step = mark_step
         self.ops: dict[Any, _Op] = {}  # by (name, overload); random factories by overload
@@ -144,7 +144,10 @@ class Handler:
     def __call__(self, qual: str, overload: str, vals: list) -> Any:
         op = self.ops.get((qual, overload))
         if op is None:
-            packet = getattr(aten, qual.split("::")[1])
+            # (an op of another namespace than aten: ``c10d::allreduce_``, the functional
+            # collectives ``_c10d_functional::all_reduce``, ...)
+            ns, name = qual.split("::")
+            packet = getattr(getattr(torch.ops, ns), name)
             op = self.ops[(qual, overload)] = _Op(getattr(packet, overload or "default"))
         counts[op.counter] += 1
         metrics.incr("native_python_ops")
@@ -425,7 +428,7 @@ class Handler:
     def sync(self, reason: str) -> None:
         if self.mod.trace_len() > 0:
             metrics.forced_sync(reason)
-            self.mark_step()
+            self.mark_step(reason)
 
     def eager(self, func: Any, args: tuple, kwargs: dict, reason: str) -> Any:
         """Run one op on materialized CPU values after everything pending (as the Python

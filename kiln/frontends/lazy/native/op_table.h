@@ -15,6 +15,7 @@ struct OpFacts {
 };
 std::unordered_map<const void*, OpFacts> table;  // by operator handle identity (schema address)
 std::unique_ptr<torch::Library> table_lib;
+std::unique_ptr<torch::Library> c10d_lib;  // the functional collectives (api.h configure)
 
 const void* op_key(const c10::OperatorHandle& op) { return &op.schema(); }
 

@@ -35,12 +35,14 @@
 //   foreach.h   `_foreach_*` ops split into per-tensor ops, in-place ones written back
 //   cut.h       graphs seen before, the Cut, cut()
 //   api.h       the functions the module binds (configure, value, the fallback's bridge ...)
+//   guard.h     the kiln device's guard in C++ (no Python call inside the autograd engine)
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 #include <c10/core/DefaultDtype.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
@@ -78,6 +80,7 @@ TORCH_PYTHON_API IValue toIValue(py::handle obj, const c10::TypePtr& type,
 #include "foreach.h"
 #include "cut.h"
 #include "api.h"
+#include "guard.h"
 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -89,6 +92,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("configure", &configure, py::arg("ops"), py::arg("structural"), py::arg("foreach"),
         nogil());
   m.def("set_foreach_hooks", &set_foreach_hooks);
+  m.def("install_device_guard", &install_device_guard);
+  m.def("device_guard_installed", &device_guard_installed);
   m.def("foreach_calls", [] { return n_foreach.load(); });
   m.def("from_cpu", &from_cpu, py::arg("t"), py::arg("aliased") = false,
         py::arg("borrowed") = false, nogil());

@@ -1,0 +1,125 @@
+"""A Python error raised inside a backward pass on the native recorder's kiln tensors -- a
+post-accumulate-grad hook (what ``kiln.distributed.GradientSync`` uses), a tensor hook, an
+``autograd.Function``'s backward -- reaches ``backward()`` as that Python exception, and the
+process goes on training.
+
+Before native/guard.h the kiln device's guard was PyTorch's Python device guard, whose
+``noexcept`` stream functions call into Python: the autograd engine unwinding from the hook with
+the Python error still pending called them, the call failed, and the process ended with SIGABRT
+("terminate called without an active exception").  Each case runs in a fresh process for that
+reason: the failure before the fix is the child's death, not an exception here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_CHILD = r"""
+import json, sys
+import torch
+import kiln
+from kiln.frontends.lazy import native
+
+native.load()
+dev = kiln.device()
+case = sys.argv[1]
+torch.manual_seed(0)
+w_ref = torch.randn(5, 3, requires_grad=True)
+x = torch.randn(7, 5)
+w = w_ref.detach().to(dev).requires_grad_()
+xd = x.to(dev)
+
+
+class Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("planted error in Function.backward")
+
+
+def planted(*a):
+    raise ValueError(f"planted error in a {case} hook")
+
+
+if case == "post_accumulate":
+    handle = w.register_post_accumulate_grad_hook(planted)
+elif case == "tensor":
+    handle = w.register_hook(planted)
+out = {"native": native.is_native(w)}
+try:
+    y = Boom.apply(xd @ w) if case == "function" else xd @ w
+    y.sum().backward()
+    out["raised"] = None
+except Exception as e:
+    out["raised"] = [type(e).__name__, str(e)]
+if case != "function":
+    handle.remove()
+kiln.mark_step()
+# the process goes on: a training step afterwards matches eager
+w.grad = None
+loss = (xd @ w).relu().pow(2).mean()
+loss.backward()
+kiln.mark_step()
+ref = (x @ w_ref).relu().pow(2).mean()
+ref.backward()
+torch.testing.assert_close(loss.cpu(), ref.detach())
+torch.testing.assert_close(w.grad.cpu(), w_ref.grad)
+out["trained"] = True
+print(json.dumps(out))
+"""
+
+
+def _run(case: str, tmp_path: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env.update(
+        KILN_LAZY_RECORDER="native",
+        KILN_CACHE_DIR=str(tmp_path / "cache"),
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", _CHILD, case],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+    )
+    if "native recorder unavailable" in p.stderr or "NativeUnavailable" in p.stderr:
+        pytest.skip("native recorder unavailable: " + p.stderr[-500:])
+    assert p.returncode == 0, (p.returncode, p.stderr[-4000:])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ["post_accumulate", "tensor", "function"])
+def test_python_error_in_backward_raises_instead_of_aborting(case, tmp_path):
+    out = _run(case, tmp_path)
+    assert out["native"], out
+    assert out["raised"] is not None, out
+    kind, msg = out["raised"]
+    assert kind == "ValueError", out["raised"]
+    assert "planted error" in msg, out["raised"]
+    assert out["trained"]
+
+
+def test_native_recorder_installs_its_device_guard():
+    """Loading the recorder makes its C++ guard the kiln device's guard (in this process too)."""
+    from kiln.frontends.lazy import native
+
+    try:
+        mod = native.load()
+    except native.NativeUnavailable as e:
+        pytest.skip(f"native recorder unavailable: {e}")
+    assert mod.device_guard_installed()
+    assert not mod.install_device_guard()  # idempotent: already the guard
