@@ -4,7 +4,11 @@ the reason, where it cannot be built), and running a function on native tensors 
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,3 +77,30 @@ def check(fn, *inputs, exact=False):
         else:
             torch.testing.assert_close(g, w, equal_nan=True)
     return cut
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_native_child(
+    code: str, case: str, tmp_path: Path, **env: str
+) -> subprocess.CompletedProcess:
+    """``python -c code case`` in a fresh process whose kiln device records with the native
+    recorder (``KILN_LAZY_RECORDER=native``, its own cache under ``tmp_path``, no other ``KILN_*``
+    variable of this process; ``env`` adds more), this checkout first on the path."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    full.update(
+        KILN_LAZY_RECORDER="native",
+        KILN_CACHE_DIR=str(tmp_path / "cache"),
+        PYTHONPATH=os.pathsep.join([str(ROOT), full.get("PYTHONPATH", "")]),
+        **env,
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, case],
+        check=False,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+    )

@@ -13,14 +13,10 @@ reason: the failure before the fix is the child's death, not an exception here.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from _native_testlib import run_native_child
 
 _CHILD = r"""
 import json, sys
@@ -81,21 +77,7 @@ print(json.dumps(out))
 
 
 def _run(case: str, tmp_path: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-    env.update(
-        KILN_LAZY_RECORDER="native",
-        KILN_CACHE_DIR=str(tmp_path / "cache"),
-        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
-    )
-    p = subprocess.run(
-        [sys.executable, "-c", _CHILD, case],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(tmp_path),
-    )
+    p = run_native_child(_CHILD, case, tmp_path)
     if "native recorder unavailable" in p.stderr or "NativeUnavailable" in p.stderr:
         pytest.skip("native recorder unavailable: " + p.stderr[-500:])
     assert p.returncode == 0, (p.returncode, p.stderr[-4000:])

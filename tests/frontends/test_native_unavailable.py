@@ -11,14 +11,10 @@ layer for two SGD steps on the kiln device and compare loss, gradients and param
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from _native_testlib import run_native_child
 
 _CHILD = r"""
 import copy, json, sys, warnings
@@ -80,22 +76,9 @@ print(json.dumps({
 
 
 def _run(case: str, tmp_path: Path, extra_env: dict[str, str]) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-    env.update(
-        KILN_LAZY_RECORDER="native",
-        KILN_LAUNCHER_DIR=str(tmp_path / "launcher"),  # nothing built there: a build is needed
-        KILN_CACHE_DIR=str(tmp_path / "cache"),
-        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
-        **extra_env,
-    )
-    p = subprocess.run(
-        [sys.executable, "-c", _CHILD, case],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(tmp_path),
+    # nothing built in the launcher dir: a build is needed
+    p = run_native_child(
+        _CHILD, case, tmp_path, KILN_LAUNCHER_DIR=str(tmp_path / "launcher"), **extra_env
     )
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
