@@ -87,14 +87,15 @@ def run_native_child(
 ) -> subprocess.CompletedProcess:
     """``python -c code case`` in a fresh process whose kiln device records with the native
     recorder (``KILN_LAZY_RECORDER=native``, its own cache under ``tmp_path``, no other ``KILN_*``
-    variable of this process; ``env`` adds more), this checkout first on the path."""
+    variable of this process; ``env`` adds more or overrides, e.g. ``KILN_LAZY_RECORDER="python"``),
+    this checkout first on the path."""
     full = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
     full.update(
         KILN_LAZY_RECORDER="native",
         KILN_CACHE_DIR=str(tmp_path / "cache"),
         PYTHONPATH=os.pathsep.join([str(ROOT), full.get("PYTHONPATH", "")]),
-        **env,
     )
+    full.update(env)
     return subprocess.run(
         [sys.executable, "-c", code, case],
         check=False,

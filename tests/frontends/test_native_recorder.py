@@ -300,7 +300,9 @@ def test_every_recorder_file_is_built_and_keyed(monkeypatch, tmp_path):
     source = native._EXT.source.read_text()
     here = native._EXT.source.parent
     assert sorted(p.name for p in here.glob("*.h")) == sorted(native.HEADERS)
-    for h in native.HEADERS:
+    assert all((here.parent / h).is_file() for h in native.SHARED_HEADERS)
+    every = (*native.HEADERS, *native.SHARED_HEADERS)
+    for h in every:
         assert f'#include "{h}"' in source
 
     copies = []
@@ -321,8 +323,8 @@ def test_every_recorder_file_is_built_and_keyed(monkeypatch, tmp_path):
         path.write_text(path.read_text() + "\n// edited\n")
         with pytest.raises(OSError):
             ext.load()
-    assert len(built) == len(copies) == len(set(built)) == 1 + len(native.HEADERS)
-    assert set(ext.header_texts()) == set(native.HEADERS)
+    assert len(built) == len(copies) == len(set(built)) == 1 + len(every)
+    assert set(ext.header_texts()) == set(every)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.int32])

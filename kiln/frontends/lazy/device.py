@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kiln.config import config
-from kiln.frontends.lazy import backward_thread, device_module
+from kiln.frontends.lazy import backward_thread, device_guard, device_module
 from kiln.frontends.lazy.device_module import KILN_MODULE
 
 _registered = False
@@ -196,6 +196,8 @@ def _engine_check() -> str | None:
     kiln device; its backward passes then run on the calling thread
     (:mod:`kiln.frontends.lazy.backward_thread`).  The check is itself a backward pass, so it
     waits for the device's first use: after it, PyTorch refuses autograd in forked children."""
+    # the guard the engine calls while it unwinds from a raising hook must not call Python
+    device_guard.install()
     if _backward_reaches_kiln():
         return None
     backward_thread.install()

@@ -66,14 +66,15 @@ HEADERS = (
     "foreach.h",
     "cut.h",
     "api.h",
-    "guard.h",
 )
+# ... and this one, shared with the device guard extension (lazy/guard.h)
+SHARED_HEADERS = ("guard.h",)
 _EXT = Extension(
     "kiln_native_recorder",
     _HERE / "recorder.cpp",
     ["-O2", "-w"],
     "native lazy recorder",
-    headers=tuple(_HERE / h for h in HEADERS),
+    headers=(*(_HERE / h for h in HEADERS), *(_HERE.parent / h for h in SHARED_HEADERS)),
 )
 
 
@@ -126,7 +127,7 @@ def load() -> ModuleType:
             ) from None
         mod.configure(table.OPS, table.STRUCTURAL, table.foreach_splits())
         # the kiln device's guard in C++: a Python error raised inside a backward pass (a hook)
-        # then reaches backward() instead of ending the process (native/guard.h)
+        # then reaches backward() instead of ending the process (lazy/guard.h)
         mod.install_device_guard()
         handler = fallback.Handler(mod, lambda reason: mark_step(forced=True, reason=reason))
         mod.set_fallback(handler)

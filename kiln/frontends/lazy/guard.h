@@ -1,8 +1,9 @@
 // The kiln device's guard in C++: what PyTorch's autograd engine and device guards call for a
-// tensor on the kiln device (PrivateUse1), without calling into Python.
-// Part of recorder.cpp's single translation unit (see recorder.cpp).
+// tensor on the kiln device (PrivateUse1), without calling into Python.  Self-contained: built
+// alone as the device guard extension (guard.cpp, loaded at the device's first use, see
+// lazy/device_guard.py) and included in the native recorder's translation unit.
 //
-// The kiln device registers PyTorch's Python device guard (torch._C._acc.DeviceGuard, see
+// The kiln device first registers PyTorch's Python device guard (torch._C._acc.DeviceGuard, see
 // lazy/device.py).  Its stream functions are `noexcept` but each asks the Python object for the
 // device type.  The autograd engine holds a stream guard on a kiln node while it runs the node
 // and its hooks; when a Python hook or function raises there (GradientSync's post-accumulate
@@ -15,6 +16,8 @@
 // PyTorch's guard registry in place of the Python one (the registry is non-owning: the guard is
 // never freed, as PyTorch's own guards are not).
 #pragma once
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 namespace {
 

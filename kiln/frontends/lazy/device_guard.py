@@ -1,0 +1,60 @@
+"""The kiln device's guard in C++, for every process that uses the device.
+
+PyTorch's Python device guard (what ``torch._C._acc`` offers a Python backend) asks Python for the
+device type inside ``noexcept`` functions; when a backward hook raises on a kiln tensor, the
+autograd engine unwinds with the Python error pending, that call fails and the process aborts
+(SIGABRT, "terminate called without an active exception") instead of raising the hook's error
+from ``backward()``.  ``guard.h`` is the same guard in C++; ``guard.cpp`` makes it a tiny
+extension (~1.5 s to build, once per machine, cached beside the launcher by
+:mod:`kiln.codegen.cpp.extension`) that :func:`install` loads at the device's first use.
+
+Where it cannot be built (no compiler), the Python guard stays: everything works except that a
+raising backward hook on a kiln tensor ends the process; one ``RuntimeWarning`` says so and
+``metrics`` counts ``device_guard_unavailable``.  The native recorder carries the same guard in
+its own extension and installs it when it loads.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from kiln import metrics
+from kiln.codegen.cpp.build import BuildError
+from kiln.codegen.cpp.extension import Extension, Unavailable
+
+_HERE = Path(__file__).parent
+_EXT = Extension(
+    "kiln_device_guard",
+    _HERE / "guard.cpp",
+    ["-O2", "-w"],
+    "kiln device guard",
+    headers=(_HERE / "guard.h",),
+)
+
+
+def install() -> bool:
+    """Make the C++ guard the kiln device's guard; whether it is (False: the Python guard stays,
+    with one warning per process)."""
+    try:
+        mod = _EXT.load()
+    except Unavailable:
+        return False
+    except (BuildError, OSError, ImportError) as e:
+        metrics.incr("device_guard_unavailable")
+        warnings.warn(
+            f"Kiln's C++ device guard is unavailable ({e}); the kiln device uses PyTorch's Python "
+            "device guard, with which an exception raised in a backward hook on a kiln tensor "
+            "ends the process (SIGABRT) instead of reaching backward(). It needs a working C++ "
+            "compiler (g++) and PyTorch's headers.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    mod.install_device_guard()
+    return True
+
+
+def installed() -> bool:
+    """Whether this extension's guard is the kiln device's guard now."""
+    return _EXT.module is not None and bool(_EXT.module.device_guard_installed())
