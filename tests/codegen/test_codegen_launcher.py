@@ -155,3 +155,58 @@ def test_numbers_where_the_op_takes_a_tensor():
     want = torch.ops.aten.mul.Tensor(torch.ops.aten.add.Tensor(xv, 0.9999), 2.5)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "size, viewable",
+    [
+        ([-1], False),  # inferred size, strides that cannot merge: reshape copies
+        ([60], False),
+        ([10, 2, 3], True),  # splits the last dim of a transposed tensor: a view
+        ([-1, 3], False),  # regroups across both dims
+        ([5, 2, 6], True),  # splits the first dim (stride 1): a view
+    ],
+)
+def test_views_of_transposed_values_on_both_executors(size, viewable):
+    """``view`` of a permuted kernel output: where the strides allow it a view of the same
+    storage, otherwise reshape's copy (the launcher now decides before the call instead of
+    catching ATen's error) -- eager's values on both executors."""
+    b = GraphBuilder()
+    x = b.input(t((6, 10)))
+    y = op(b, "mul.Tensor", (x,), (In(0), 2.0), t((6, 10)))
+    yt = op(b, "permute.default", (y,), (In(0), [1, 0]), t((10, 6)))
+    shape = torch.empty(10, 6).view(size).shape
+    v = op(b, "view.default", (yt,), (In(0), size), t(tuple(shape)))
+    g = b.build([v])
+    x_in = torch.randn(6, 10)
+    want = (x_in * 2).t().reshape(size)
+    assert _viewable(x_in.t(), size) == viewable  # the case is what it says
+    for on in (True, False):
+        kiln.config.update(launcher=on)
+        try:
+            run, _ = build(memory_plan(fuse(g)))
+        finally:
+            kiln.config.update(launcher=True)
+        (got,) = run([x_in])
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _viewable(x: torch.Tensor, size: list[int]) -> bool:
+    try:
+        x.view(size)
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_a_bad_view_size_still_raises_on_the_launcher():
+    """A size with the wrong element count is an error (ATen's), never a silent reshape."""
+    b = GraphBuilder()
+    x = b.input(t((6, 10)))
+    y = op(b, "mul.Tensor", (x,), (In(0), 2.0), t((6, 10)))
+    yt = op(b, "permute.default", (y,), (In(0), [1, 0]), t((10, 6)))
+    v = op(b, "view.default", (yt,), (In(0), [7, 9]), t((7, 9)))
+    g = b.build([v])
+    run, _ = build(memory_plan(fuse(g)))
+    with pytest.raises(RuntimeError, match="invalid for input of size|shape"):
+        run([torch.randn(6, 10)])

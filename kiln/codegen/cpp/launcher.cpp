@@ -13,6 +13,7 @@
 
 #include <ATen/ExpandUtils.h>
 #include <ATen/ScalarOps.h>
+#include <ATen/TensorUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/Dtype.h>
@@ -467,7 +468,11 @@ class Launcher {
         }
       }
     }
-    if (in.fallback_op != nullptr) {  // view: a copy where a kernel's layout makes it impossible
+    if (in.fallback_op != nullptr && !viewable(stack)) {
+      // view: a copy where a kernel's layout makes it impossible, known before the call (a
+      // failed view costs a C++ exception, ~14 us)
+      in.fallback_op->callBoxed(&stack);
+    } else if (in.fallback_op != nullptr) {
       torch::jit::Stack keep = stack;
       try {
         in.op->callBoxed(&stack);
@@ -486,6 +491,33 @@ class Launcher {
     if (in.n_returns == 1) return std::move(stack[0]);
     if (in.n_returns == 0) return IValue();
     return c10::ivalue::Tuple::create(std::move(stack));
+  }
+
+  // Whether `view(self, size)` (the stack of a view node) can be a view: false only where the
+  // size is valid and self's strides cannot be viewed as it (then reshape copies); anything
+  // unusual (a bad size, another layout) says true and the call itself decides, raising as ATen
+  // does.
+  static bool viewable(const torch::jit::Stack& stack) {
+    if (stack.size() < 2 || !stack[0].isTensor() || !stack[1].isIntList()) return true;
+    const at::Tensor& self = stack[0].toTensor();
+    if (self.layout() != at::kStrided || self.is_nested() || self.is_contiguous()) return true;
+    const std::vector<int64_t> size = stack[1].toIntVector();
+    int64_t known = 1, infer = 0;
+    for (int64_t d : size) {
+      if (d == -1) ++infer;
+      else if (d < 0) return true;
+      else known *= d;
+    }
+    if (infer > 1) return true;
+    at::DimVector shape(size.begin(), size.end());
+    if (infer == 1) {
+      if (known == 0 || self.numel() % known != 0) return true;
+      for (auto& d : shape)
+        if (d == -1) d = self.numel() / known;
+    } else if (known != self.numel()) {
+      return true;
+    }
+    return at::detail::computeStride(self.sizes(), self.strides(), shape).has_value();
   }
 
   at::Tensor new_output(c10::IntArrayRef shape, c10::ScalarType dt) {
