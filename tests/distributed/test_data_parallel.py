@@ -69,6 +69,7 @@ def test_two_workers_match_single_process(tmp_path, reference):
     assert fb["compile_funcol"].get("all_reduce") == fb["compile_funcol"].get("wait_tensor")
     assert fb["compile_funcol"].get("all_reduce", 0) >= n_params, fb
     assert fb["lazy"].get("all_reduce", 0) > 0 and fb["lazy_pg"].get("all_reduce", 0) > 0, fb
+    assert fb["lazy_ddp"].get("allreduce_", 0) >= STEPS, fb  # the reducer's bucket all-reduces
     lazy_ranks = [r["metrics"] for r in res["ranks"]]
     assert all(m.get("grad_buckets_issued", 0) >= 2 * STEPS for m in lazy_ranks)  # bucketed
     # each worker pinned to its own core(s), with as many threads
@@ -107,14 +108,18 @@ def test_two_workers_match_single_process(tmp_path, reference):
 def test_two_workers_native_recorder_match_single_process(tmp_path, reference):
     """The kiln device's native recorder (KILN_LAZY_RECORDER=native) in both workers: GradientSync
     (its post-accumulate hooks record the bucket all-reduces inside backward) and the kiln process
-    group train as the single process does.  This job used to end with SIGABRT in both ranks
-    (a Python error in the hook, then PyTorch's Python device guard called with it pending)."""
+    group train as the single process does, and so does PyTorch's DistributedDataParallel (its
+    c10d collectives on native tensors: native/c10d.py; its reducer's aliasing checks: the
+    native tensors' storage handles).  This job used to end with SIGABRT in both ranks (a Python
+    error in the hook, then PyTorch's Python device guard called with it pending); DDP failed
+    with "Could not run 'c10d::allgather_' ... 'AutogradPrivateUse2'", then "Cannot access
+    storage of TensorImpl"."""
     from kiln.frontends.lazy import native
 
     if not native.available():
         pytest.skip("native recorder unavailable")
     out = tmp_path / "dp.json"
-    modes = ["lazy", "lazy_pg"]
+    modes = ["lazy", "lazy_pg", "lazy_ddp"]
     cmd = kiln_run("--nproc-per-node", "2", SCRIPT, "--modes", ",".join(modes))
     cmd += ["--steps", str(STEPS), "--out", str(out)]
     env = job_env(tmp_path / "cache")
@@ -130,6 +135,7 @@ def test_two_workers_native_recorder_match_single_process(tmp_path, reference):
         assert got[-1] < got[0] * 0.5  # it trained
     fb = res["fallbacks"]
     assert fb["lazy"].get("all_reduce", 0) > 0 and fb["lazy_pg"].get("all_reduce", 0) > 0, fb
+    assert fb["lazy_ddp"].get("allreduce_", 0) >= STEPS, fb  # the reducer's bucket all-reduces
     assert all(r["metrics"].get("grad_buckets_issued", 0) >= 2 * STEPS for r in res["ranks"])
 
 

@@ -353,3 +353,22 @@ def test_reshape_and_as_strided_of_computed_permuted_values_match_eager():
     check(lambda t: (t.t() * 2).as_strided((5, 3), (1, 5)), x)
     q = torch.randn(2, 3, 5)
     check(lambda t: torch.nn.functional.scaled_dot_product_attention(t, t * 0.5, t), q)
+
+
+def test_aliasing_as_pytorch_sees_it():
+    """``is_alias_of`` (what DistributedDataParallel's reducer asks of a gradient and its bucket
+    view) says what shares a storage: a tensor and its views do, two tensors -- even of equal
+    values, or a copy -- do not."""
+    alias = torch._C._is_alias_of  # Tensor::is_alias_of, as C++ callers see it
+    x = native.tensor(torch.arange(12.0))
+    v = x.view(3, 4)[1:]
+    y = native.tensor(torch.arange(12.0))
+    c = x.clone()
+    z = x * 1
+    assert alias(x, v) and alias(v, x) and alias(x[2:], v.t())
+    assert not alias(x, y) and not alias(x, c) and not alias(x, z)
+    x.mul_(2)  # an in-place update keeps the alias (the storage is the same)
+    assert alias(x, v)
+    native.mark_step()
+    assert alias(x, v) and not alias(x, z)
+    torch.testing.assert_close(native.cpu(v), torch.arange(12.0).view(3, 4)[1:] * 2)

@@ -35,7 +35,7 @@ from kiln.codegen.cpp.extension import Extension, Unavailable
 from kiln.config import config
 from kiln.frontends.lazy import dynamic
 from kiln.frontends.lazy.memory import update_peak
-from kiln.frontends.lazy.native import fallback, rng, table
+from kiln.frontends.lazy.native import c10d, fallback, rng, table
 from kiln.frontends.lazy.native.convert import Converted, convert
 from kiln.frontends.lazy.trace import _settle_heap as settle_heap
 from kiln.ir.graph import Graph
@@ -101,6 +101,7 @@ _run_lock = threading.Lock()  # _graphs and lazy.dynamic's families: one cut dec
 _configured: list[ModuleType] = []
 _graphs: dict[int, _Entry] = {}  # native graph id -> its Kiln graph and how it runs
 _handler: list[fallback.Handler] = []  # the Python fallback installed by load()
+_libs: list[torch.library.Library] = []  # registrations load() made, kept alive
 
 
 class NativeUnavailable(RuntimeError):
@@ -134,6 +135,7 @@ def load() -> ModuleType:
         mod.set_foreach_hooks(
             fallback._device_active, lambda: metrics.incr("native_inplace_writes")
         )
+        _libs.extend(c10d.register())  # collectives a ProcessGroup dispatches (DDP)
         _handler.append(handler)
         _configured.append(mod)
         return mod

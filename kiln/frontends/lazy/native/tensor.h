@@ -1,6 +1,6 @@
 // The native tensor and its geometry: the hash mixer, interned geometries (sizes, strides,
-// offset, dtype; compared by id), a storage, and NativeImpl (the storage-less TensorImpl on the
-// PrivateUse2 key) with native_of / make_tensor.
+// offset, dtype; compared by id), a storage, and NativeImpl (the TensorImpl on the PrivateUse2
+// key, its c10 storage a data-less handle shared by views) with native_of / make_tensor.
 // Part of recorder.cpp's single translation unit: included by it, in order, after the
 // headers the earlier parts need (see recorder.cpp).
 #pragma once
@@ -75,7 +75,22 @@ struct Storage {
   // buffer -- a parameter's, an optimizer state's -- keeps its address across steps
   int32_t input = -1;
   bool held = false;  // listed in `holding`
+  // What `tensor.storage()` returns for this storage's tensors: a data-less c10 storage on the
+  // kiln device, one per Storage and shared by its views, so that PyTorch's checks of aliasing
+  // (`is_alias_of`: DistributedDataParallel's reducer asks it of gradients and bucket views) see
+  // what shares a Storage here, as they do for the Python recorder's tensors.
+  c10::Storage handle;
 };
+
+// `st`'s handle, made at its first tensor (under the recorder's lock, as tensors are made).
+c10::Storage handle_of(Storage& st) {
+  if (!st.handle) {
+    st.handle = c10::Storage(c10::Storage::use_byte_size_t{}, 0, c10::GetAllocator(c10::kMeta),
+                             /*resizable=*/false);
+    st.handle.set_data_ptr_noswap(at::DataPtr{nullptr, c10::Device(c10::DeviceType::PrivateUse1, 0)});
+  }
+  return st.handle;
+}
 
 // Storages that hold data (from_cpu, uploads, step results), weakly, for the kiln device's
 // memory statistics (`held_bytes`); each listed once (a storage updated in place every step
@@ -112,14 +127,13 @@ struct NativeImpl final : c10::TensorImpl {
       // autocast key is the kiln device's, AutocastPrivateUse1 -- PyTorch gives PrivateUse2 none
       // -- so `torch.autocast("kiln")` reaches the kiln autocast kernels, lazy/autocast.py; it
       // is excluded, costing nothing, outside autocast regions.)
-      : c10::TensorImpl(c10::DispatchKeySet(c10::DispatchKey::PrivateUse2) |
+      : c10::TensorImpl(handle_of(*s),
+                        c10::DispatchKeySet(c10::DispatchKey::PrivateUse2) |
                             c10::DispatchKeySet(c10::DispatchKey::AutocastPrivateUse1),
-                        c10::scalarTypeToTypeMeta(dtype),
-                        c10::Device(c10::DeviceType::PrivateUse1, 0)),
+                        c10::scalarTypeToTypeMeta(dtype)),
         st(std::move(s)),
         chain(std::move(c)),
         geo(g) {
-    set_storage_access_should_throw();
     set_sizes_and_strides(sizes, strides, offset);
   }
 

@@ -1,0 +1,62 @@
+"""c10d's collective ops (``c10d::allgather_``, ``allreduce_``, ``broadcast_``, ...) on the
+native recorder's tensors.
+
+A ``ProcessGroup``'s C++ methods dispatch these ops: what ``DistributedDataParallel`` calls (its
+parameter-shape check, its module-state broadcast, its reducer's bucket all-reduces).  PyTorch
+registers their kernels per backend (CPU, CUDA, PrivateUse1: each picks the group's backend for
+the tensors' device type) and no autograd kernel, leaving the autograd keys to each backend's
+autograd fallback -- and PrivateUse2, the native tensors' key, has none: the call failed with
+"Could not run 'c10d::allgather_' with arguments from the 'AutogradPrivateUse2' backend".
+
+:func:`register` gives each c10d op that has a CPU kernel a fallthrough on ``AutogradPrivateUse2``
+(collectives are not differentiable; what PyTorch's autograd fallback does for the other
+backends) and a ``PrivateUse2`` kernel that runs it as the Python recorder runs it on its
+tensors: the pending step first (a forced sync, counted ``c10d``), then the op on the CPU values
+of the native tensors -- their storages' buffers, so the collective's in-place writes land in the
+tensors -- through the group's CPU backend (gloo); the op's results that are those CPU values are
+handed back as the native tensors they came from.  Counted as a fallback under the op's name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from kiln import metrics
+
+
+def _kernel(op: Any, name: str) -> Any:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        from kiln.frontends.lazy import native
+
+        metrics.fallback(name)
+        flat, spec = tree_flatten((args, kwargs))
+        is_nat = [isinstance(a, torch.Tensor) and native.is_native(a) for a in flat]
+        if any(is_nat):
+            native.value_for(flat[is_nat.index(True)], "c10d")  # the pending step runs first
+        mod = native.load()
+        cflat = [mod.value(a) if nat else a for a, nat in zip(flat, is_nat)]
+        cargs, ckwargs = tree_unflatten(cflat, spec)
+        out = op(*cargs, **ckwargs)
+        back = {id(c): a for c, a, nat in zip(cflat, flat, is_nat) if nat}
+        return tree_map(lambda o: back.get(id(o), o) if isinstance(o, torch.Tensor) else o, out)
+
+    return kernel
+
+
+def register() -> list[torch.library.Library]:
+    """Register the kernels (module docstring); the libraries, to keep alive."""
+    lib = torch.library.Library("c10d", "IMPL")
+    for qual in sorted(torch._C._dispatch_get_all_op_names()):
+        if not qual.startswith("c10d::"):
+            continue
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CPU"):
+            continue
+        name = qual.split("::", 1)[1]
+        base, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.c10d, base), overload or "default")
+        lib.impl(name, torch.library.fallthrough_kernel, "AutogradPrivateUse2")
+        lib.impl(name, _kernel(op, base), "PrivateUse2")
+    return [lib]
