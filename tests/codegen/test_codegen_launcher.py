@@ -210,3 +210,21 @@ def test_a_bad_view_size_still_raises_on_the_launcher():
     run, _ = build(memory_plan(fuse(g)))
     with pytest.raises(RuntimeError, match="invalid for input of size|shape"):
         run([torch.randn(6, 10)])
+
+
+def test_an_extension_build_says_so_once_and_a_cached_load_is_silent(tmp_path, monkeypatch, capfd):
+    """Building a C++ extension takes seconds to a minute, once per machine: the build prints
+    one line naming it and where it is cached; loading the cached build prints nothing."""
+    from kiln.codegen.cpp.extension import Extension
+    from kiln.frontends.lazy import device_guard
+
+    monkeypatch.setattr(kiln.config, "launcher_dir", str(tmp_path))
+    src = device_guard._EXT
+    ext = Extension("kiln_notice_test", src.source, src.cflags, "test extension", src.headers)
+    ext.load()
+    err = capfd.readouterr().err
+    assert err.count("kiln: building the test extension (once per machine") == 1, err
+    assert str(tmp_path) in err
+    ext.forget()
+    ext.load()
+    assert "building" not in capfd.readouterr().err

@@ -144,6 +144,12 @@ class Extension:
             if not _valid(so):
                 with FileLock(str(d / f"{name}.lock"), timeout=900):
                     if not _valid(so):
+                        # a one-time wait of seconds to a minute: say what it is
+                        print(
+                            f"kiln: building the {self.what} (once per machine, cached in {d})",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         mod, secs = (builder or self.build)(name, source, so)
                         metrics.incr(f"{self.prefix}_builds")
                         metrics.incr(f"{self.prefix}_build_ms", int(secs * 1000))
