@@ -74,9 +74,10 @@ class Config:
     # lazy device: a step whose only change is a size reuses one shape-generic graph (0: one
     # graph per shape, as PyTorch/XLA)
     dynamic_shapes: bool = True
-    # lazy device: which recorder makes kiln tensors: "python" (kiln/frontends/lazy/tensor.py) or
-    # "native" (the C++ recorder, docs/native_recorder.md; stage 2, not yet the default)
-    lazy_recorder: str = "python"
+    # lazy device: which recorder makes kiln tensors: "native" (the C++ recorder,
+    # docs/native_recorder.md; built at the device's first use, the Python one where it cannot be)
+    # or "python" (kiln/frontends/lazy/tensor.py)
+    lazy_recorder: str = "native"
     publish: bool = True  # publish this process's state at step boundaries (kiln ls, kiln top)
     runtime_dir: str = field(default_factory=_default_runtime_dir)  # where state is published
     tensorboard_dir: str = ""  # write Kiln's per-step metrics as TensorBoard events here
