@@ -10,13 +10,22 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _native_testlib import check, recorder, run_native  # noqa: F401
+from _native_testlib import check, device_recorder, recorder, run_native  # noqa: F401
 
 import kiln
 from kiln import metrics
 from kiln.frontends.lazy import native
 from kiln.frontends.lazy.native import fallback
 from kiln.runtime import compiler
+
+
+@pytest.fixture(scope="module", autouse=True)
+def device_switch_off():
+    """These tests drive the recorder directly (``native.tensor(t)``, stage 2) with the kiln
+    device's switch off -- its rules for ops on device tensors (``_device_active``) differ -- so
+    the device records with the Python recorder while they run, whatever the default is."""
+    with device_recorder("python"):
+        yield
 
 
 def program(x, y, w, b, cpu_row):

@@ -135,7 +135,7 @@ def load() -> ModuleType:
         mod.set_foreach_hooks(
             fallback._device_active, lambda: metrics.incr("native_inplace_writes")
         )
-        _libs.extend(c10d.register())  # collectives a ProcessGroup dispatches (DDP)
+        _libs.extend(c10d.register(mod, handler.sync))  # collectives a ProcessGroup dispatches
         _handler.append(handler)
         _configured.append(mod)
         return mod

@@ -19,6 +19,7 @@ handed back as the native tensors they came from.  Counted as a fallback under t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,16 +28,13 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from kiln import metrics
 
 
-def _kernel(op: Any, name: str) -> Any:
+def _kernel(op: Any, name: str, mod: Any, sync: Callable[[str], Any]) -> Any:
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        from kiln.frontends.lazy import native
-
         metrics.fallback(name)
         flat, spec = tree_flatten((args, kwargs))
-        is_nat = [isinstance(a, torch.Tensor) and native.is_native(a) for a in flat]
+        is_nat = [isinstance(a, torch.Tensor) and mod.is_native(a) for a in flat]
         if any(is_nat):
-            native.value_for(flat[is_nat.index(True)], "c10d")  # the pending step runs first
-        mod = native.load()
+            sync("c10d")  # the pending step runs first
         cflat = [mod.value(a) if nat else a for a, nat in zip(flat, is_nat)]
         cargs, ckwargs = tree_unflatten(cflat, spec)
         out = op(*cargs, **ckwargs)
@@ -46,8 +44,9 @@ def _kernel(op: Any, name: str) -> Any:
     return kernel
 
 
-def register() -> list[torch.library.Library]:
-    """Register the kernels (module docstring); the libraries, to keep alive."""
+def register(mod: Any, sync: Callable[[str], Any]) -> list[torch.library.Library]:
+    """Register the kernels (module docstring) for the recorder extension ``mod``; ``sync(reason)``
+    runs its pending step.  The libraries, to keep alive."""
     lib = torch.library.Library("c10d", "IMPL")
     for qual in sorted(torch._C._dispatch_get_all_op_names()):
         if not qual.startswith("c10d::"):
@@ -58,5 +57,5 @@ def register() -> list[torch.library.Library]:
         base, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.c10d, base), overload or "default")
         lib.impl(name, torch.library.fallthrough_kernel, "AutogradPrivateUse2")
-        lib.impl(name, _kernel(op, base), "PrivateUse2")
+        lib.impl(name, _kernel(op, base, mod, sync), "PrivateUse2")
     return [lib]
