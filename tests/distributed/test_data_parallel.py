@@ -8,7 +8,6 @@ import subprocess
 import time
 
 import dp_train
-import pytest
 import torch
 from dist_testlib import (
     REL_TOL,
@@ -105,37 +104,26 @@ def test_two_workers_match_single_process(tmp_path, reference):
         assert float(s2[k]["step"]) == STEPS
 
 
-def test_two_workers_native_recorder_match_single_process(tmp_path, reference):
-    """The kiln device's native recorder (KILN_LAZY_RECORDER=native) in both workers: GradientSync
-    (its post-accumulate hooks record the bucket all-reduces inside backward) and the kiln process
-    group train as the single process does, and so does PyTorch's DistributedDataParallel (its
-    c10d collectives on native tensors: native/c10d.py; its reducer's aliasing checks: the
-    native tensors' storage handles).  This job used to end with SIGABRT in both ranks (a Python
-    error in the hook, then PyTorch's Python device guard called with it pending); DDP failed
-    with "Could not run 'c10d::allgather_' ... 'AutogradPrivateUse2'", then "Cannot access
-    storage of TensorImpl"."""
-    from kiln.frontends.lazy import native
-
-    if not native.available():
-        pytest.skip("native recorder unavailable")
+def test_two_workers_python_recorder_match_single_process(tmp_path, reference):
+    """The kiln device's Python recorder (``KILN_LAZY_RECORDER=python``; the native one is the
+    default, which test_two_workers_match_single_process runs) in both workers: GradientSync,
+    the kiln process group and PyTorch's DistributedDataParallel train as the single process
+    does."""
     out = tmp_path / "dp.json"
     modes = ["lazy", "lazy_pg", "lazy_ddp"]
     cmd = kiln_run("--nproc-per-node", "2", SCRIPT, "--modes", ",".join(modes))
     cmd += ["--steps", str(STEPS), "--out", str(out)]
     env = job_env(tmp_path / "cache")
-    env["KILN_LAZY_RECORDER"] = "native"
+    env["KILN_LAZY_RECORDER"] = "python"
     p = run(cmd, env, timeout=420)
     assert p.returncode == 0, p.stderr[-4000:]
     res = load(out)
     assert res["world"] == 2
-    assert all(r["native"] for r in res["ranks"]), res["ranks"]
+    assert not any(r["native"] for r in res["ranks"]), res["ranks"]
     for mode in modes:
         got, ref = res["losses"][mode], reference["losses"]["lazy"]
         assert max_rel_diff(got, ref) < REL_TOL, (mode, got, ref)
         assert got[-1] < got[0] * 0.5  # it trained
-    fb = res["fallbacks"]
-    assert fb["lazy"].get("all_reduce", 0) > 0 and fb["lazy_pg"].get("all_reduce", 0) > 0, fb
-    assert fb["lazy_ddp"].get("allreduce_", 0) >= STEPS, fb  # the reducer's bucket all-reduces
     assert all(r["metrics"].get("grad_buckets_issued", 0) >= 2 * STEPS for r in res["ranks"])
 
 

@@ -1,5 +1,5 @@
-"""The native lazy recorder, stage 2: op capture in C++ (``recorder.cpp`` and the headers it
-includes), opt-in; ops outside its C++ table go through a boxed fallback to Python
+"""The native lazy recorder: op capture in C++ (``recorder.cpp`` and the headers it includes),
+the kiln device's recorder by default (:mod:`.device`); ops outside its C++ table go through a boxed fallback to Python
 (``fallback.py``, counted), so none is lost.
 
     from kiln.frontends.lazy import native
@@ -9,9 +9,9 @@ includes), opt-in; ops outside its C++ table go through a boxed fallback to Pyth
     native.mark_step()                        # cut, convert to Kiln IR (new graphs only), run
     native.cpu(y)                             # the value
 
-This is not yet the kiln device's recorder (that is still :mod:`kiln.frontends.lazy.tensor`):
-native tensors use the PrivateUse2 dispatch key, so nothing the kiln device registers (on
-PrivateUse1 and the Python key) sees them, and nothing registered here sees the device's tensors.
+Native tensors use the PrivateUse2 dispatch key (the device's factories, on PrivateUse1, make them
+through :mod:`.device`; the Python recorder's ``LazyTensor`` is on PrivateUse1 and the Python
+key, and what is registered here does not see it).
 The recorder is a PyTorch C++ extension built once per machine and cached with the native graph
 launcher (:mod:`kiln.codegen.cpp.extension`).  Where it cannot be built, :func:`load` raises
 :class:`NativeUnavailable` with the reason, and the Python recorder is what there is.

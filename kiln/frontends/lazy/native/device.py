@@ -1,7 +1,7 @@
-"""The native recorder as the kiln device's recorder (stage 2's remainder, behind a switch).
+"""The native recorder as the kiln device's recorder (the default since 2026-12-01).
 
-With ``kiln.config.lazy_recorder == "native"`` (env ``KILN_LAZY_RECORDER=native``; the default is
-``"python"``), the tensors the kiln device makes are native tensors (``recorder.cpp``'s
+With ``kiln.config.lazy_recorder == "native"`` (the default; ``KILN_LAZY_RECORDER=python`` picks
+the Python recorder), the tensors the kiln device makes are native tensors (``recorder.cpp``'s
 ``NativeImpl``), not the Python recorder's ``LazyTensor``:
 
 - factories with ``device=kiln`` (``torch.zeros(..., device=dev)``, ``torch.empty``, the composite
