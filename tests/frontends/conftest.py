@@ -7,6 +7,7 @@ modules run with the configured recorder; those that need one say so themselves
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -23,10 +24,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(autouse=True)
 def lazy_recorder(request: pytest.FixtureRequest):
     """The kiln device's recorder for this test: the parameter's, where the module is one of the
-    lazy device's (above); otherwise the configured one."""
+    lazy device's (above) -- in this process and, through ``KILN_LAZY_RECORDER``, in the
+    processes the test starts; otherwise the configured one."""
     name = getattr(request, "param", None)
     if name is None:
         yield None
         return
-    with device_recorder(name):
-        yield name
+    before = os.environ.get("KILN_LAZY_RECORDER")
+    os.environ["KILN_LAZY_RECORDER"] = name
+    try:
+        with device_recorder(name):
+            yield name
+    finally:
+        if before is None:
+            del os.environ["KILN_LAZY_RECORDER"]
+        else:
+            os.environ["KILN_LAZY_RECORDER"] = before
