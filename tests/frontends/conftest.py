@@ -16,9 +16,18 @@ from _native_testlib import device_recorder
 RECORDERS = ("native", "python")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "one_recorder: a test of a lazy-device module that does not depend on the recorder "
+        "(compile mode, CPU tensors): run once, with the default",
+    )
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if Path(metafunc.definition.fspath).name.startswith("test_lazy_"):
-        metafunc.parametrize("lazy_recorder", RECORDERS, indirect=True, scope="module")
+        if metafunc.definition.get_closest_marker("one_recorder") is None:
+            metafunc.parametrize("lazy_recorder", RECORDERS, indirect=True, scope="module")
 
 
 @pytest.fixture(autouse=True)

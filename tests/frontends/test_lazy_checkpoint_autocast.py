@@ -26,6 +26,7 @@ def _grads(m: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().cpu() for p in m.parameters()]
 
 
+@pytest.mark.one_recorder  # CPU tensors only
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpoint_on_cpu_tensors_with_kiln_imported(use_reentrant):
     m = _mlp()
@@ -88,6 +89,7 @@ def test_rng_state_restore_within_a_step_repeats_draws_as_eager():
     assert not torch.equal(b.cpu(), c.cpu())
 
 
+@pytest.mark.one_recorder  # compile mode only
 def test_checkpoint_in_compile_mode():
     ref = _mlp()
     m = _mlp()
