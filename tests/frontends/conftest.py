@@ -25,9 +25,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if Path(metafunc.definition.fspath).name.startswith("test_lazy_"):
-        if metafunc.definition.get_closest_marker("one_recorder") is None:
-            metafunc.parametrize("lazy_recorder", RECORDERS, indirect=True, scope="module")
+    lazy_module = Path(metafunc.definition.fspath).name.startswith("test_lazy_")
+    if lazy_module and metafunc.definition.get_closest_marker("one_recorder") is None:
+        metafunc.parametrize("lazy_recorder", RECORDERS, indirect=True, scope="module")
 
 
 @pytest.fixture(autouse=True)
