@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kiln  # noqa: F401 - registers the backend
+import kiln
 
 S = (2, 4, 16, 8)
 
@@ -72,6 +72,32 @@ def test_sdpa_non_contiguous_qkv_and_learned_mask():
     torch._dynamo.reset()
     ko, kg = _grads(torch.compile(fn, backend="kiln"), xs, cot)
     eo, eg = _grads(fn, xs, cot)
+    torch.testing.assert_close(ko, eo, rtol=1e-5, atol=1e-6)
+    for a, b in zip(kg, eg):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("launcher", ["native", "python"])
+def test_sdpa_input_whose_last_stride_differs_from_eager(launcher):
+    """q is a view of a Kiln kernel's output: eager keeps the permuted layout of the kernel's input
+    (``x.transpose * 2`` is laid out as x, so transposing back is contiguous), Kiln's kernel writes
+    it contiguous, so the view reaches the flash kernel with a last stride of 8.  ATen's CPU flash
+    kernels read the last dim as unit-strided: the forward was off by ~3.5, silently."""
+    torch.manual_seed(0)
+    xs = [torch.randn(S) for _ in range(3)]
+
+    def fn(x, k, v):
+        q = (x.transpose(-1, -2) * 2).transpose(-1, -2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    cot = torch.randn(S)
+    torch._dynamo.reset()
+    eo, eg = _grads(fn, xs, cot)
+    kiln.config.update(launcher=launcher == "native")
+    try:
+        ko, kg = _grads(torch.compile(fn, backend="kiln"), xs, cot)
+    finally:
+        kiln.config.update(launcher=True)
     torch.testing.assert_close(ko, eo, rtol=1e-5, atol=1e-6)
     for a, b in zip(kg, eg):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

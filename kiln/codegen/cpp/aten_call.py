@@ -47,6 +47,36 @@ def _view(x: torch.Tensor, shape: Any) -> torch.Tensor:
         return x.reshape(shape)
 
 
+def _unit_last_stride(a: Any) -> Any:
+    if isinstance(a, torch.Tensor) and a.dim() and a.stride(-1) != 1 and a.size(-1) > 1:
+        return a.contiguous()
+    return a
+
+
+def _unit_last_stride_call(op: Callable) -> Callable:
+    """``op`` with every tensor argument made contiguous when its last dim's stride is not 1.
+
+    ATen's CPU flash-attention kernels read the last dim as if its stride were 1 and give wrong
+    numbers, silently, when it is not (``sdp_utils_cpp``'s choice sends such inputs to the math
+    path, but only for the strides it sees at trace time); a Kiln kernel's output is contiguous
+    where eager kept an input's permuted layout, so a view of it can reach the kernel with a last
+    stride eager's tensor did not have."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(_unit_last_stride(a) for a in args)
+        kwargs = {k: _unit_last_stride(v) for k, v in kwargs.items()}
+        return op(*args, **kwargs)
+
+    return call
+
+
+# Ops that must see a unit last-dim stride (see _unit_last_stride_call): always called from Python
+# (the native launcher runs them as PYCALLs), through the wrapper.
+UNIT_LAST_STRIDE = (
+    "_scaled_dot_product_flash_attention_for_cpu.default",
+    "_scaled_dot_product_flash_attention_for_cpu_backward.default",
+)
+
 # View ops called as Tensor methods: same ATen kernels, without the OpOverload Python dispatch
 # (~5 us -> ~2 us a call; a transformer step runs a few hundred of them).
 _METHODS: dict[str, Callable] = {
@@ -60,6 +90,8 @@ _METHODS: dict[str, Callable] = {
     "transpose.int": torch.Tensor.transpose,
     "select.int": torch.Tensor.select,
 }
+for _op in UNIT_LAST_STRIDE:
+    _METHODS[_op] = _unit_last_stride_call(resolve(_op))
 
 
 def prepare_aten_call(n: Node) -> Callable[[Sequence[Any]], Any]:

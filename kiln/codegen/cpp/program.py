@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kiln.codegen.cpp.aten_call import has_in, prepared
+from kiln.codegen.cpp.aten_call import UNIT_LAST_STRIDE, has_in, prepared
 from kiln.ir.graph import Graph, In, Node
 from kiln.ir.kernel import OutKind
 from kiln.ir.semantics import resolve
@@ -67,8 +67,10 @@ def _arg(v: Any, type_str: str, inp: Sequence[int]) -> tuple | None:
 
 def aten_instr(n: Node, inp: Sequence[int]) -> tuple | None:
     """``(schema name, overload, argument specs, fallback op)`` for an ATen node, or None."""
-    if n.op.startswith("opaque."):
-        return None  # kept on the Python path: named profiler ranges, data-dependent results
+    if n.op.startswith("opaque.") or n.op in UNIT_LAST_STRIDE:
+        # kept on the Python path: named profiler ranges, data-dependent results, and the
+        # kernels that need their inputs' last stride checked
+        return None
     try:
         op = resolve(n.op)
     except (AttributeError, KeyError):
