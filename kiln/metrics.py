@@ -252,7 +252,11 @@ _NO_SPAN = _NoSpan()
 # Set by kiln.observe.ranges (imported with kiln): executor -> its graph function with a named range
 # around each generated kernel and fallback, which the C++ executor runs while a profiler records.
 profiled_runner: Callable[[Any], Callable] | None = None
-_open_spans: dict[str, Any] = {}
+_open_spans: dict[str, Any] = {}  # key -> (RecordFunction, its profiler session's token)
+_parked: list[Any] = []  # ranges whose session stopped before they ended (close_span)
+# Set by the lazy device's guard extension (kiln.frontends.lazy.device_guard): (this thread's
+# profiler session token or None, whether a token is this thread's current session).
+profiler_sessions: tuple[Callable[[], Any], Callable[[Any], bool]] | None = None
 
 
 def profiling() -> bool:
@@ -270,15 +274,35 @@ def span(name: str) -> Any:
 
 def open_span(key: str, name: str) -> None:
     """Begin a range that ends in another call (:func:`close_span`), e.g. the lazy device's
-    recording of a step, from one cut to the next.  Only while a profiler runs."""
-    if _profiler._is_profiler_enabled and key not in _open_spans:
+    recording of a step, from one cut to the next.  Only while a profiler runs, and only where
+    :data:`profiler_sessions` can tell profiler sessions apart (see :func:`close_span`)."""
+    if _profiler._is_profiler_enabled and key not in _open_spans and profiler_sessions:
+        token = profiler_sessions[0]()
+        if token is None:
+            return
+        _end_parked()
         rf = _RecordFunctionFast(name)
         rf.__enter__()
-        _open_spans[key] = rf
+        _open_spans[key] = (rf, token)
 
 
 def close_span(key: str) -> None:
+    """End the range :func:`open_span` began under ``key``.  A range whose profiler session has
+    stopped since is not ended while another session records: ending it writes its end time into
+    the stopped session's freed records (heap corruption, a crash later); it is parked and ended
+    once no profiler runs (ending is then a no-op for the profiler)."""
     if _open_spans:
-        rf = _open_spans.pop(key, None)
-        if rf is not None:
-            rf.__exit__(None, None, None)
+        entry = _open_spans.pop(key, None)
+        if entry is not None:
+            rf, token = entry
+            if profiler_sessions[1](token):
+                rf.__exit__(None, None, None)
+            else:
+                _parked.append(rf)
+    _end_parked()
+
+
+def _end_parked() -> None:
+    if _parked and profiler_sessions and profiler_sessions[0]() is None:
+        while _parked:
+            _parked.pop().__exit__(None, None, None)

@@ -176,3 +176,45 @@ def test_trace_picture_and_summary_of_a_hand_made_trace(tmp_path: Path) -> None:
         render_step(trace, tmp_path / "x.png", step="ProfilerStep#7")
     with pytest.raises(ValueError, match="no ProfilerStep"):
         render_step({"traceEvents": trace["traceEvents"][1:]}, tmp_path / "y.png")
+
+
+SESSIONS = textwrap.dedent(
+    """
+    import gc, torch, kiln
+    from torch.profiler import profile
+    dev = kiln.device()
+    names = set()
+    for i in range(8):
+        with profile() as prof:
+            a = torch.randn(4, 8).to(dev)
+            b = (a * 2).sum()
+            print(float(b.cpu()))  # a cut inside the session: kiln::record opens until the next
+        names |= {e.name for e in prof.events()}
+        gc.collect()
+    kiln.mark_step()
+    gc.collect()
+    print("RECORD", "kiln::record" in names)
+    """
+)
+
+
+@pytest.mark.parametrize("recorder", ["python", "native"])
+def test_profiler_sessions_one_after_another_on_the_kiln_device(
+    tmp_path: Path, recorder: str
+) -> None:
+    """``kiln::record`` runs from one cut to the next, across calls: opened in one profiler
+    session and ended in the next, it wrote into the first session's freed records and the
+    process crashed at a later GC (SIGSEGV / "free(): invalid next size"); now a range is only
+    ended in its own session."""
+    env = {**os.environ, "KILN_LAZY_RECORDER": recorder}
+    run = subprocess.run(
+        [sys.executable, "-c", SESSIONS],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=str(tmp_path),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "RECORD True" in run.stdout  # the range is still recorded within a session

@@ -8,6 +8,10 @@ from ``backward()``.  ``guard.h`` is the same guard in C++; ``guard.cpp`` makes 
 extension (~1.5 s to build, once per machine, cached beside the launcher by
 :mod:`kiln.codegen.cpp.extension`) that :func:`install` loads at the device's first use.
 
+The same extension tells profiler sessions apart for the lazy device's ``kiln::record`` range,
+which begins in one call and ends in a later one (``metrics.open_span``): ended after its session
+stopped, it wrote into that session's freed records and a later GC crashed.
+
 Where it cannot be built (no compiler), the Python guard stays: everything works except that a
 raising backward hook on a kiln tensor ends the process; one ``RuntimeWarning`` says so and
 ``metrics`` counts ``device_guard_unavailable``.  The native recorder carries the same guard in
@@ -52,6 +56,7 @@ def install() -> bool:
         )
         return False
     mod.install_device_guard()
+    metrics.profiler_sessions = (mod.profiler_session, mod.same_profiler_session)
     return True
 
 
