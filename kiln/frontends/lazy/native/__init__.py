@@ -66,6 +66,7 @@ HEADERS = (
     "foreach.h",
     "cut.h",
     "api.h",
+    "attention.h",
 )
 # ... and this one, shared with the device guard extension (lazy/guard.h)
 SHARED_HEADERS = ("guard.h",)

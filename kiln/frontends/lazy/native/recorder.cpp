@@ -36,6 +36,7 @@
 //   cut.h       graphs seen before, the Cut, cut()
 //   api.h       the functions the module binds (configure, value, the fallback's bridge ...)
 //   guard.h     the kiln device's guard in C++ (no Python call inside the autograd engine)
+//   attention.h the kiln device's scaled-dot-product-attention choice: the CPU's
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -81,6 +82,7 @@ TORCH_PYTHON_API IValue toIValue(py::handle obj, const c10::TypePtr& type,
 #include "cut.h"
 #include "api.h"
 #include "guard.h"
+#include "attention.h"
 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
