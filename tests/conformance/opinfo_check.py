@@ -24,6 +24,7 @@ from opinfo_runner import (
     rounding_only,
     run_eager,
     samples,
+    spread,
 )
 from torch.testing._internal.common_methods_invocations import op_db
 
@@ -69,7 +70,7 @@ def op_outcomes(name: str, mode: str) -> dict[str, Outcome]:
     # earlier ops): a failure reproduces with the op alone
     torch.manual_seed(zlib.crc32(name.encode()))
     try:
-        ss = samples(op, max_samples(mode), requires_grad=op.supports_autograd)
+        ss = spread(samples(op, None, requires_grad=op.supports_autograd), max_samples(mode))
     except Exception as e:  # noqa: BLE001 - reported as the op's skip reason
         skip = Outcome("skip", f"sample_inputs raised {type(e).__name__}: {e}")
         return {"fwd": skip, "grad": out.get("grad", skip)}

@@ -33,13 +33,14 @@ in order, so ``-k`` selects what runs; a worker that aborts (a C++ crash) fails 
 and the sweep goes on in a fresh worker.  ``KILN_TEST_OPINFO_TIMEOUT`` (s, default 600) bounds
 one op.
 
-What CI runs (``pytest -q``): the full sweep, every op of op_db (702) in both modes, forward and
-gradients, every sample (19,038; 18,679 run in eager; max_pool2d and its backward have 1,440
-each).  Measured 2026-12-01 (2-core machine, loaded): the compile sweep ~850 CPU-s (its cost is
-Dynamo's and AOTAutograd's tracing of every sample: fake tensors, functionalization,
-decompositions, the partitioner; g++ is ~14%, the kernel-level build cache reuses kernels across
-chunks), the lazy sweep ~265 CPU-s, on the sweep's 2 worker processes.
-``KILN_TEST_OPINFO_SAMPLES=N`` caps each op at its first N samples in both modes (a quick run);
+What CI runs (``pytest -q``): every op of op_db (702) in both modes, forward and gradients; in
+lazy mode every sample (19,038; 18,679 run in eager; max_pool2d and its backward have 1,440
+each), in compile mode at most 12 samples per op, spread evenly over the op's list
+(``opinfo_runner.max_samples``): the compile sweep's cost is Dynamo's and AOTAutograd's tracing of
+every sample (fake tensors, functionalization, decompositions, the partitioner), ~850 CPU-s for
+every sample on the 2-core machine, too much for CI's 20 minutes beside everything else.
+``KILN_TEST_OPINFO_SAMPLES=all`` runs every sample in both modes (the full sweep); ``=N`` caps
+both modes at each op's N samples, spread the same way.
 ``KILN_TEST_OPINFO_OPS=a:b`` runs ops a..b-1 of op_db's order; ``KILN_TEST_OPINFO_CHUNK=N`` sets
 how many samples share one Kiln run (default 32 lazy, 64 compile; 1: each sample alone).  Which ops fell back to ATen
 (``kiln.metrics.counters()["fallbacks"]``) is recorded per test in ``FALLBACKS`` and the junit
