@@ -9,7 +9,8 @@ sees identical batches.  Two size classes (``SIZES``): the small one, where one 
 takes roughly 10-100 ms on two CPU cores, and the large one (``*-large``: 4-layer d=256
 transformers at batch 8 x seq 128, an MLP and a CNN of comparable cost), a few hundred ms per
 step; ``quick=True`` shrinks everything for the smoke test.  The ``transformers`` models are
-built from small configs (no weight download), with dropout 0 and eager attention.
+built from small configs (no weight download), with dropout 0 and the library's default attention
+(SDPA), as users run them.
 """
 
 from __future__ import annotations
@@ -163,8 +164,7 @@ def _hf(kind: str, quick: bool, n: int, g: torch.Generator, large: bool = False)
     else:
         cfg = tf.LlamaConfig(**common, num_key_value_heads=2, attention_dropout=0.0)
         cls = tf.LlamaForCausalLM
-    cfg._attn_implementation = "eager"
-    model = cls(cfg)
+    model = cls(cfg)  # the default attention implementation (SDPA), as users get it
     data = []
     for _ in range(n):
         ids = torch.randint(0, vocab, (batch, seq), generator=g)
