@@ -34,6 +34,8 @@ class JobError(RuntimeError):
 
 
 _DEVICE_TYPES = ("NeuronDevice", "GPU")
+# How long the other tasks of a job may take to finish after one finished with exit code 0.
+FINISH_GRACE_S = 120.0
 
 
 @dataclass
@@ -137,11 +139,15 @@ class DataParallelJob:
     def wait(
         self, ecs: Any, arns: list[str], cluster: str = "default", timeout: float = 600.0
     ) -> dict[str, Any]:
-        """Wait for every task to stop.  When one stops, the others are stopped too.  Returns the
-        tasks (DescribeTasks) and their exit codes; raises :class:`JobError` on timeout (after
-        stopping the job)."""
+        """Wait for every task to stop.  When one fails or is stopped (a non-zero exit), the
+        others are stopped at once; when one finishes (exit code 0), the others get
+        ``FINISH_GRACE_S`` to finish too (the ranks of a job end together but not at the same
+        instant: a rank still tearing down was killed with exit code 143), then are stopped.
+        Returns the tasks (DescribeTasks) and their exit codes; raises :class:`JobError` on
+        timeout (after stopping the job)."""
         deadline = time.monotonic() + timeout
         stopping = False
+        grace_end: float | None = None
         while True:
             tasks = describe(ecs, arns, cluster)
             stopped = [t for t in tasks if t["lastStatus"] == "STOPPED"]
@@ -149,11 +155,20 @@ class DataParallelJob:
                 codes = [t["containers"][0].get("exitCode") for t in tasks]
                 return {"tasks": tasks, "exitCodes": codes}
             if stopped and not stopping:
-                first = stopped[0]
+                # failed, or stopped by StopTask (whatever its exit code): stop the rest now
+                failed = [
+                    t for t in stopped if _exit(t) != 0 or t.get("stopCode") == "UserInitiated"
+                ]
+                first = failed[0] if failed else stopped[0]
                 why = first.get("stoppedReason") or f"exit code {_exit(first)}"
-                rest = [t["taskArn"] for t in tasks if t["lastStatus"] != "STOPPED"]
-                self.stop(ecs, rest, cluster, f"task {first['taskArn']} stopped ({why})")
-                stopping = True
+                if not failed and grace_end is None:
+                    grace_end = time.monotonic() + FINISH_GRACE_S
+                if failed or time.monotonic() > grace_end:
+                    if not failed:
+                        why += f"; the others did not finish within {FINISH_GRACE_S:.0f} s"
+                    rest = [t["taskArn"] for t in tasks if t["lastStatus"] != "STOPPED"]
+                    self.stop(ecs, rest, cluster, f"task {first['taskArn']} stopped ({why})")
+                    stopping = True
             if time.monotonic() > deadline:
                 self.stop(ecs, arns, cluster, "timed out")
                 raise JobError(f"kiln job {self.job_id} did not finish within {timeout:.0f} s")
