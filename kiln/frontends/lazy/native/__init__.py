@@ -136,7 +136,7 @@ def load() -> ModuleType:
         mod.set_foreach_hooks(
             fallback._device_active, lambda: metrics.incr("native_inplace_writes")
         )
-        _libs.extend(c10d.register(mod, handler.sync))  # collectives a ProcessGroup dispatches
+        _libs.extend(c10d.register(handler))  # collectives a ProcessGroup dispatches
         _handler.append(handler)
         _configured.append(mod)
         return mod

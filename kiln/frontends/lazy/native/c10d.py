@@ -10,43 +10,33 @@ autograd fallback -- and PrivateUse2, the native tensors' key, has none: the cal
 
 :func:`register` gives each c10d op that has a CPU kernel a fallthrough on ``AutogradPrivateUse2``
 (collectives are not differentiable; what PyTorch's autograd fallback does for the other
-backends) and a ``PrivateUse2`` kernel that runs it as the Python recorder runs it on its
-tensors: the pending step first (a forced sync, counted ``c10d``), then the op on the CPU values
-of the native tensors -- their storages' buffers, so the collective's in-place writes land in the
-tensors -- through the group's CPU backend (gloo); the op's results that are those CPU values are
-handed back as the native tensors they came from.  Counted as a fallback under the op's name.
+backends) and a ``PrivateUse2`` kernel that runs it as the recorder's Python fallback runs any op
+it does not take (``Handler.eager``): the pending step first (a forced sync, counted ``c10d``),
+then the op on the CPU values of the native tensors -- their storages' buffers, so the
+collective's in-place writes land in the tensors -- through the group's CPU backend (gloo); the
+op's results that are those CPU values are handed back as the native tensors they came from.
+Counted as a fallback under the op's name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
-
-from kiln import metrics
 
 
-def _kernel(op: Any, name: str, mod: Any, sync: Callable[[str], Any]) -> Any:
+def _kernel(op: Any, handler: Any) -> Any:
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        metrics.fallback(name)
-        flat, spec = tree_flatten((args, kwargs))
-        is_nat = [isinstance(a, torch.Tensor) and mod.is_native(a) for a in flat]
-        if any(is_nat):
-            sync("c10d")  # the pending step runs first
-        cflat = [mod.value(a) if nat else a for a, nat in zip(flat, is_nat)]
-        cargs, ckwargs = tree_unflatten(cflat, spec)
-        out = op(*cargs, **ckwargs)
-        back = {id(c): a for c, a, nat in zip(cflat, flat, is_nat) if nat}
-        return tree_map(lambda o: back.get(id(o), o) if isinstance(o, torch.Tensor) else o, out)
+        return handler.eager(op, args, kwargs, "c10d")
 
     return kernel
 
 
-def register(mod: Any, sync: Callable[[str], Any]) -> list[torch.library.Library]:
-    """Register the kernels (module docstring) for the recorder extension ``mod``; ``sync(reason)``
-    runs its pending step.  The libraries, to keep alive."""
+def register(handler: Any) -> list[torch.library.Library]:
+    """Register the kernels (module docstring); ``handler`` is the recorder's Python fallback
+    (:class:`kiln.frontends.lazy.native.fallback.Handler`), whose ``eager`` runs an op on the
+    values after the pending step, as for any op the recorder does not take.  The libraries, to
+    keep alive."""
     lib = torch.library.Library("c10d", "IMPL")
     for qual in sorted(torch._C._dispatch_get_all_op_names()):
         if not qual.startswith("c10d::"):
@@ -57,5 +47,5 @@ def register(mod: Any, sync: Callable[[str], Any]) -> list[torch.library.Library
         base, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.c10d, base), overload or "default")
         lib.impl(name, torch.library.fallthrough_kernel, "AutogradPrivateUse2")
-        lib.impl(name, _kernel(op, base, mod, sync), "PrivateUse2")
+        lib.impl(name, _kernel(op, handler), "PrivateUse2")
     return [lib]
