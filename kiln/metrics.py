@@ -280,7 +280,6 @@ def open_span(key: str, name: str) -> None:
         token = profiler_sessions[0]()
         if token is None:
             return
-        _end_parked()
         rf = _RecordFunctionFast(name)
         rf.__enter__()
         _open_spans[key] = (rf, token)
