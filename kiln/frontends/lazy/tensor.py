@@ -38,8 +38,12 @@ from kiln.lowering.aten import Ref, lower_call, op_name, template
 aten = torch.ops.aten
 DEVICE = torch.device("kiln", 0)
 _CPU = torch.device("cpu")
-_DECOMPS = core_aten_decompositions()
-_OWN_DECOMPS: dict[Any, Any] = {}  # Kiln's, looked up first (torch's table is not a plain dict)
+# torch's decompositions, as a plain dict: ``core_aten_decompositions()`` is a lazily filled
+# table whose ``get`` is dict's own and finds nothing until the table is read another way (the
+# lazy device used ``.get`` and so decomposed no op at all: ``select_backward`` and the like ran
+# through ATen); ``items()`` fills it.
+_DECOMPS: dict[Any, Any] = dict(core_aten_decompositions().items())
+_OWN_DECOMPS: dict[Any, Any] = {}  # Kiln's, looked up first
 
 
 def _wait_at_once(x: torch.Tensor) -> torch.Tensor:
