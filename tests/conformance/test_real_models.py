@@ -66,10 +66,6 @@ DEFAULT: dict[tuple[str, str], set[str]] = {
 ALLOWED_FALLBACKS: dict[str, dict[str, str]] = {
     "lazy": {
         "_local_scalar_dense": "transformers reads a tensor as a Python number (a sync)",
-        "_safe_softmax": "SDPA's math path softmax: no Kiln rule yet",
-        "slice_backward": "no Kiln rule yet (rotary embeddings)",
-        "select_backward": "no Kiln rule yet",
-        "rsub": "no Kiln rule yet (ALiBi mask)",
     },
     "compile": {
         "lift_fresh_copy": "a tensor constant built inside the forward (T5)",

@@ -192,3 +192,32 @@ def test_detach_and_alias_record_no_node_and_writes_still_reach_every_alias():
     ops = [n.op.split(".")[0] for n in last.nodes]
     assert "mul" in ops
     assert not {"detach", "alias", "lift_fresh"} & set(ops)
+
+
+@pytest.mark.parametrize("recorder", ["native", "python"])
+def test_ops_with_a_torch_decomposition_are_decomposed_not_run_through_aten(recorder):
+    """``select_backward``, ``slice_backward`` (indexing's gradients), ``rsub`` and
+    ``native_dropout_backward`` have no Kiln rule but a decomposition in torch's core table: the
+    step records its parts (no ATen fallback), and the ``type_as`` inside one is recorded on the
+    device, not run through the CPU (no sync)."""
+    kiln.config.update(lazy_recorder=recorder)
+    try:
+        x = torch.randn(5, 6, requires_grad=True)
+        mask = torch.rand(5, 6) > 0.3
+
+        def fn(t, m):
+            y = (t[:, 2] * 3).sum() + (t[1:4] ** 2).sum() + torch.rsub(t, 2.0).pow(2).sum()
+            d = torch.ops.aten.native_dropout_backward(t * 1, m, 2.0)
+            return y + d.sum()
+
+        fn(x, mask).backward()
+        lx = x.detach().to(dev).requires_grad_()
+        kiln.mark_step()
+        metrics.reset()
+        fn(lx, mask.to(dev)).backward()
+        kiln.mark_step()
+        assert metrics.counters()["fallbacks"] == {}
+        assert metrics.counters()["syncs"] == {}
+        torch.testing.assert_close(lx.grad.cpu(), x.grad)
+    finally:
+        kiln.config.update(lazy_recorder="native")

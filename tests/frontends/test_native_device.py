@@ -311,19 +311,30 @@ def test_foreach_optimizers_update_in_the_step_graph_and_match_eager(name):
     kiln.mark_step()
     metrics.reset()
     torch.manual_seed(2)
+    # AdamW's update is lr * m / (sqrt(v) + eps): for an element whose gradient is rounding
+    # noise (|g| far below the tensor's largest), a last-bit difference in g moves the parameter
+    # by up to lr.  So the gradients are compared at every step, and the parameters everywhere
+    # but at such elements (as tests/conformance/_training.py does).
+    noisy = [torch.zeros_like(p, dtype=torch.bool) for p in ref.parameters()]
     for _ in range(3):
         x, y = torch.randn(9, 16), torch.randint(0, 5, (9,))
         torch.nn.functional.cross_entropy(ref(x), y).backward()
+        torch.nn.functional.cross_entropy(lz(x.to(dev)), y.to(dev)).backward()
+        kiln.mark_step()
+        for i, (pr, pl) in enumerate(zip(ref.parameters(), lz.parameters())):
+            torch.testing.assert_close(pl.grad.cpu(), pr.grad)
+            noisy[i] |= pr.grad.abs() <= 1e-4 * pr.grad.abs().max()
         opt_r.step()
         opt_r.zero_grad()
-        torch.nn.functional.cross_entropy(lz(x.to(dev)), y.to(dev)).backward()
         opt_l.step()
         opt_l.zero_grad()
         kiln.mark_step()
     assert metrics.counters().get("forced_syncs", 0) == 0  # no op ran on values
     assert metrics.counters()["native_inplace_writes"] > 0
-    for (pname, pr), pl in zip(ref.named_parameters(), lz.parameters()):
-        torch.testing.assert_close(pl.detach().cpu(), pr.detach(), msg=pname)
+    for (pname, pr), pl, low in zip(ref.named_parameters(), lz.parameters(), noisy):
+        keep = ~low if name == "adamw" else torch.ones_like(low)
+        assert keep.float().mean() > 0.9, pname  # the comparison covers most of the tensor
+        torch.testing.assert_close(pl.detach().cpu()[keep], pr.detach()[keep], msg=pname)
     for sr, sl in zip(opt_r.state.values(), opt_l.state.values()):
         for k, v in sr.items():
             torch.testing.assert_close(sl[k].cpu(), v, msg=k)

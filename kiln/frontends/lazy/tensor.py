@@ -466,11 +466,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
                     return _view_of(x, *r.outs[0])
                 return [_view_of(x, m, g, ln) for m, g, ln in r.outs]
     name = f.name
-    if (
-        func is aten._to_copy.default
-        and _cpu_device(kwargs.get("device")) == _CPU
-        and kwargs.get("device") is not None
-    ):
+    if func is aten._to_copy.default and kwargs.get("device") == _CPU:
+        # (a ``_to_copy`` to the kiln device -- ``type_as`` inside a decomposition -- is recorded)
         v = materialize(args[0], "to_cpu")
         return aten._to_copy.default(v, **kwargs)
     if func is aten.copy_.default or func is aten.copy.default:
