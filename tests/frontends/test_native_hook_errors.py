@@ -121,7 +121,9 @@ def test_device_guard_build_failure_keeps_the_python_guard_with_a_warning(tmp_pa
     bad = tmp_path / "guard.cpp"
     bad.write_text("this is not C++\n")
     monkeypatch.setattr(config, "launcher_dir", str(tmp_path / "ext"))
-    monkeypatch.setattr(device_guard, "_EXT", Extension("kiln_device_guard", bad, ["-w"], "guard"))
+    monkeypatch.setattr(
+        device_guard, "_EXT", Extension("kiln_device_guard", bad, ["-w"], "C++ device guard")
+    )
     before = metrics.get("device_guard_unavailable")
     with pytest.warns(RuntimeWarning, match="C\\+\\+ device guard is unavailable"):
         assert device_guard.install() is False

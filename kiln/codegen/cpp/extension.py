@@ -8,8 +8,10 @@ lock, lands by ``os.replace`` and has a ``.sha256`` sidecar that a later load ch
 (no compiler, a failed build, a bad file) is remembered for the process: ``load`` raises the
 extension's ``unavailable`` error every time after that, without trying again.
 
-Users: the native graph launcher (:mod:`kiln.codegen.cpp.launcher`) and the native lazy recorder
-(:mod:`kiln.frontends.lazy.native`).
+Users: the native graph launcher (:mod:`kiln.codegen.cpp.launcher`), the native lazy recorder
+(:mod:`kiln.frontends.lazy.native`) and the kiln device's C++ guard
+(:mod:`kiln.frontends.lazy.device_guard`).  Where a caller can run without its extension,
+:meth:`Extension.load_or_warn` gives None after one warning and one count per process.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -160,6 +163,27 @@ class Extension:
             raise
         self.module = mod
         return mod
+
+    def load_or_warn(
+        self, consequence: str, counter: str, builder: Builder | None = None
+    ) -> ModuleType | None:
+        """The module, or None where it cannot be built or loaded (the caller then runs without
+        it).  The first failure in the process warns once (``RuntimeWarning``: "Kiln's <what> is
+        unavailable (<error>); <consequence>", which should name what runs instead and the fix)
+        and counts ``counter`` in ``metrics``; later calls return None without a word."""
+        try:
+            return self.load(builder)
+        except Unavailable:
+            return None
+        except (BuildError, OSError, ImportError) as e:
+            metrics.incr(counter)
+            warnings.warn(self.unavailable(e, consequence), RuntimeWarning, stacklevel=3)
+            return None
+
+    def unavailable(self, error: object, consequence: str) -> str:
+        """The message for a failed build or load: "Kiln's <what> is unavailable (<error>);
+        <consequence>"."""
+        return f"Kiln's {self.what} is unavailable ({error}); {consequence}"
 
     def forget(self) -> None:
         """Forget the loaded module and any earlier failure (tests use it)."""

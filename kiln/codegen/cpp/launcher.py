@@ -15,13 +15,10 @@ Python executor (same results, more per-node overhead).  ``KILN_LAUNCHER=0`` cho
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from types import ModuleType
 
-from kiln import metrics
-from kiln.codegen.cpp.build import BuildError
-from kiln.codegen.cpp.extension import Extension, Unavailable, extension_dir
+from kiln.codegen.cpp.extension import Extension, extension_dir
 from kiln.config import config
 
 SOURCE = Path(__file__).with_name("launcher.cpp")
@@ -41,22 +38,18 @@ def _build(name: str, source: str, so: Path) -> tuple[ModuleType, float]:
 
 
 def load() -> ModuleType:
-    """The launcher module, built on first use (raises :class:`LauncherUnavailable`)."""
-    try:
-        return _EXT.load(_build)
-    except Unavailable as e:
-        raise LauncherUnavailable(str(e)) from None
-    except (BuildError, OSError, ImportError) as e:
-        metrics.incr("launcher_unavailable")
-        warnings.warn(
-            f"Kiln's native graph launcher is unavailable ({e}); compiled graphs run on the "
-            "Python executor (correct, slower per node). It needs a working C++ compiler (g++) "
-            "and PyTorch's headers; KILN_LAUNCHER=0 chooses the Python executor without this "
-            "warning.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        raise LauncherUnavailable(str(e)) from None
+    """The launcher module, built on first use (raises :class:`LauncherUnavailable`; the first
+    failure in the process warns once and counts ``launcher_unavailable``)."""
+    mod = _EXT.load_or_warn(
+        "compiled graphs run on the Python executor (correct, slower per node). It needs a "
+        "working C++ compiler (g++) and PyTorch's headers; KILN_LAUNCHER=0 chooses the Python "
+        "executor without this warning.",
+        "launcher_unavailable",
+        _build,
+    )
+    if mod is None:
+        raise LauncherUnavailable(_EXT.error)
+    return mod
 
 
 def available() -> bool:

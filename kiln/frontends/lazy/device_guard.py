@@ -20,19 +20,17 @@ its own extension and installs it when it loads.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 from kiln import metrics
-from kiln.codegen.cpp.build import BuildError
-from kiln.codegen.cpp.extension import Extension, Unavailable
+from kiln.codegen.cpp.extension import Extension
 
 _HERE = Path(__file__).parent
 _EXT = Extension(
     "kiln_device_guard",
     _HERE / "guard.cpp",
     ["-O2", "-w"],
-    "kiln device guard",
+    "C++ device guard",
     headers=(_HERE / "guard.h",),
 )
 
@@ -40,20 +38,13 @@ _EXT = Extension(
 def install() -> bool:
     """Make the C++ guard the kiln device's guard; whether it is (False: the Python guard stays,
     with one warning per process)."""
-    try:
-        mod = _EXT.load()
-    except Unavailable:
-        return False
-    except (BuildError, OSError, ImportError) as e:
-        metrics.incr("device_guard_unavailable")
-        warnings.warn(
-            f"Kiln's C++ device guard is unavailable ({e}); the kiln device uses PyTorch's Python "
-            "device guard, with which an exception raised in a backward hook on a kiln tensor "
-            "ends the process (SIGABRT) instead of reaching backward(). It needs a working C++ "
-            "compiler (g++) and PyTorch's headers.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    mod = _EXT.load_or_warn(
+        "the kiln device uses PyTorch's Python device guard, with which an exception raised in a "
+        "backward hook on a kiln tensor ends the process (SIGABRT) instead of reaching "
+        "backward(). It needs a working C++ compiler (g++) and PyTorch's headers.",
+        "device_guard_unavailable",
+    )
+    if mod is None:
         return False
     mod.install_device_guard()
     metrics.profiler_sessions = (mod.profiler_session, mod.same_profiler_session)

@@ -123,9 +123,11 @@ def load() -> ModuleType:
             raise NativeUnavailable(str(e)) from None
         except (BuildError, OSError, ImportError) as e:
             raise NativeUnavailable(
-                f"Kiln's native lazy recorder is unavailable ({e}); it needs a working C++ "
-                "compiler (g++) and PyTorch's headers. The kiln device's Python recorder is "
-                "unaffected."
+                _EXT.unavailable(
+                    e,
+                    "it needs a working C++ compiler (g++) and PyTorch's headers. The kiln "
+                    "device's Python recorder is unaffected.",
+                )
             ) from None
         mod.configure(table.OPS, table.STRUCTURAL, table.foreach_splits())
         # the kiln device's guard in C++: a Python error raised inside a backward pass (a hook)
