@@ -236,7 +236,7 @@ def test_without_a_handler_ops_outside_the_table_raise_naming_the_op():
             x.cumsum(0)
         y = x * 2.0
     finally:
-        mod.set_fallback(fallback.Handler(mod, native.mark_step))
+        mod.set_fallback(native._handler[0])  # the handler load() installed, as it was
     native.mark_step()
     torch.testing.assert_close(native.cpu(y), native.cpu(x) * 2.0)
 

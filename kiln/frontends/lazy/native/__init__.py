@@ -39,6 +39,7 @@ from kiln.frontends.lazy.native import c10d, fallback, rng, table
 from kiln.frontends.lazy.native.convert import Converted, convert
 from kiln.frontends.lazy.trace import _settle_heap as settle_heap
 from kiln.ir.graph import Graph
+from kiln.ir.ops import Category
 from kiln.runtime.compiler import compile_graph
 from kiln.runtime.steps import Recompiles, Signature, call_site, python_frames, step_end
 
@@ -89,11 +90,26 @@ class _Entry:
     conv: Converted
     signature: Signature = field(init=False)
     run: tuple[bool, Graph, list[int]] | None = None
+    # whether a forced read may run this graph on its own, leaving the trace as it is (:func:`peek`)
+    peekable: bool = field(init=False)
 
     def __post_init__(self) -> None:
         g = self.conv.graph
         types = tuple(g.nodes[i].types[0] for i in g.inputs)
         self.signature = Signature(types, g.hash, len(g))
+        work = [n for n in g.nodes if n.category is not Category.META]
+        self.peekable = len(work) <= PEEK_MAX_NODES and not any(
+            n.category in _NOT_PEEKED for n in work
+        )
+
+
+# A forced read computes only what it needs (:func:`peek`) when that is at most this many nodes,
+# none of them of these categories: the step computes those nodes again at its cut, which must
+# stay cheap (a GEMM's recomputation is not: ``loss.item()`` before ``mark_step`` cuts the whole
+# step, as before) and give the same values (a random op's draws belong to the step; a collective
+# or an opaque ATen call may have effects of its own).
+PEEK_MAX_NODES = 64
+_NOT_PEEKED = (Category.MATMUL, Category.RANDOM, Category.COLLECTIVE, Category.OPAQUE)
 
 
 _lock = threading.Lock()
@@ -133,7 +149,7 @@ def load() -> ModuleType:
         # the kiln device's guard in C++: a Python error raised inside a backward pass (a hook)
         # then reaches backward() instead of ending the process (lazy/guard.h)
         mod.install_device_guard()
-        handler = fallback.Handler(mod, lambda reason: mark_step(forced=True, reason=reason))
+        handler = fallback.Handler(mod, lambda reason: mark_step(forced=True, reason=reason), peek)
         mod.set_fallback(handler)
         mod.set_foreach_hooks(
             fallback._device_active, lambda: metrics.incr("native_inplace_writes")
@@ -230,15 +246,44 @@ def mark_step(forced: bool = False, reason: str | None = None) -> Any:
     return c
 
 
+def peek(xs: list[torch.Tensor], reason: str) -> list[torch.Tensor] | None:
+    """The values of the native tensors ``xs`` for a forced read (``reason``) without cutting the
+    step: only the pending nodes they depend on run, as their own (cached) graph, and the trace
+    stays as it is, so the step is still one graph at its cut (which computes those nodes
+    again).  None where that does not serve (:data:`PEEK_MAX_NODES`, :data:`_NOT_PEEKED`): the
+    caller then cuts the whole trace.  Counted as a forced sync (``reason``) and as a
+    ``partial_syncs``."""
+    mod = load()
+    c = mod.peek(xs)
+    if c is None:  # nothing pending: the values are there
+        return [mod.value(x) for x in xs]
+    with _run_lock:
+        if not _entry(mod, c).peekable:
+            return None
+    metrics.forced_sync(reason)
+    metrics.incr("partial_syncs")
+    with metrics.span(f"kiln::sync {reason} (partial)"):
+        results, compiled = _run(mod, c, c.values())
+    if compiled:
+        settle_heap()  # as mark_step does after a new graph
+    return list(results)
+
+
+def _entry(mod: ModuleType, c: Any) -> _Entry:
+    """The cut's graph id's entry, its graph converted on first sight (under ``_run_lock``)."""
+    e = _graphs.get(c.graph_id)
+    if e is None:
+        e = _graphs[c.graph_id] = _Entry(convert(mod, c))
+    return e
+
+
 def _run(mod: ModuleType, c: Any, values: list[Any]) -> tuple[list[Any], bool]:
     """Run the cut ``c`` (its input ``values``): its graph id's Kiln graph, converted on first
     sight, or the shape-generic graph of its family (:mod:`kiln.frontends.lazy.dynamic`) with the
     symbol ints; the recompile accounting of the call site.  Returns (results, whether a graph was
     compiled or loaded from the disk cache for it)."""
     with _run_lock:
-        e = _graphs.get(c.graph_id)
-        if e is None:
-            e = _graphs[c.graph_id] = _Entry(convert(mod, c))
+        e = _entry(mod, c)
         g = e.conv.graph
         run = e.run
         if run is None or run[0] != config.dynamic_shapes:

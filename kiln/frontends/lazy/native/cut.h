@@ -146,4 +146,115 @@ std::shared_ptr<Cut> cut() {
   return c;
 }
 
+// A graph id for the trace `t` with outputs `outs` (no writebacks): recognised by hash and
+// keys as cut() recognises a step, or a new id.  (Under the recorder's lock.)
+void recognise(Cut& c, uint64_t h) {
+  for (int64_t o : c.outs) {
+    h = mix(h, static_cast<uint64_t>(o) ^ 0x6f7574ULL);
+    c.writes.push_back(-1);
+    h = mix(h, static_cast<uint64_t>(-1) ^ 0x7772ULL);
+  }
+  c.hash = h;
+  auto& bucket = seen[h];
+  for (const Seen& s : bucket) {
+    if (s.n_nodes == c.trace.size() && s.keys == c.trace.keys && s.outs == c.outs &&
+        s.writes == c.writes) {
+      c.graph_id = s.id;
+      return;
+    }
+  }
+  c.graph_id = n_graphs++;
+  c.is_new = true;
+  bucket.push_back(Seen{c.trace.keys, c.outs, c.writes, c.graph_id, c.trace.size()});
+}
+
+// The values of a few tensors without cutting the step (a forced read -- transformers'
+// `bool(mask.all())` -- computes only what it needs, as PyTorch/XLA does, and the step stays one
+// graph): a Cut of the pending nodes the tensors' values depend on, renumbered in trace order,
+// then each tensor's view chain, with those values as its outputs.  Nothing is assigned (no live
+// storages): the step computes the same nodes again at its cut.  Null when none of the tensors
+// holds a pending value (their values are readable as they are).
+std::shared_ptr<Cut> peek(const std::vector<at::Tensor>& xs) {
+  std::lock_guard<std::mutex> lock(mu);
+  std::vector<int32_t> targets;
+  bool pending = false;
+  for (const at::Tensor& t : xs) {
+    NativeImpl* x = native_of(t);
+    TORCH_CHECK(x, "kiln native recorder: peek of a tensor that is not a native kiln tensor");
+    const Storage& st = *x->st;
+    TORCH_CHECK(st.gen == trace.gen && st.node >= 0 ? true : st.data.defined(),
+                "kiln native recorder: this tensor's value belongs to a step that was cut "
+                "without it (it was not alive at the cut)");
+    if (st.gen == trace.gen && st.node >= 0 && st.pending) pending = true;
+  }
+  if (!pending) return nullptr;
+  auto c = std::make_shared<Cut>();
+  Trace& sub = c->trace;
+  const int32_t n = trace.size();
+  auto end_of = [&](int32_t i) {
+    return i + 1 < n ? trace.key_start[i + 1] : static_cast<int64_t>(trace.keys.size());
+  };
+  // the nodes the pending values depend on
+  std::vector<char> need(n, 0);
+  std::vector<int32_t> stack;
+  for (const at::Tensor& t : xs) {
+    const Storage& st = *native_of(t)->st;
+    if (st.gen == trace.gen && st.node >= 0) stack.push_back(st.node);
+  }
+  while (!stack.empty()) {
+    int32_t i = stack.back();
+    stack.pop_back();
+    if (need[i]) continue;
+    need[i] = 1;
+    if (trace.keys[trace.key_start[i]] < 0) continue;  // an input: its key is not a node
+    for (int64_t j = trace.key_start[i] + 1; j < end_of(i); ++j)
+      stack.push_back(static_cast<int32_t>(trace.keys[j]));
+  }
+  std::unordered_map<int32_t, int32_t> value_of;  // input node -> its value's index
+  for (size_t k = 0; k < trace.value_node.size(); ++k)
+    value_of[trace.value_node[k]] = static_cast<int32_t>(k);
+  // the sub-trace, hashed as add_node / add_input hash a trace
+  std::vector<int32_t> new_id(n, -1);
+  uint64_t h = sub.hash;
+  auto push = [&](int64_t head, const std::vector<int64_t>& keys) {
+    sub.key_start.push_back(static_cast<int64_t>(sub.keys.size()));
+    sub.keys.push_back(head);
+    h = mix(h, static_cast<uint64_t>(head));
+    if (head >= 0) h = mix(h, recipes[head]->hash);
+    for (int64_t k : keys) {
+      sub.keys.push_back(k);
+      h = mix(h, static_cast<uint64_t>(k));
+    }
+    return sub.size() - 1;
+  };
+  auto push_input = [&](const IValue& v, int64_t head, int64_t what) {
+    int32_t id = push(head, {what});
+    sub.values.push_back(v);
+    sub.value_node.push_back(id);
+    return id;
+  };
+  for (int32_t i = 0; i < n; ++i) {
+    if (!need[i]) continue;
+    const int64_t a = trace.key_start[i], head = trace.keys[a];
+    if (head < 0) {
+      new_id[i] = push_input(trace.values[value_of.at(i)], head, trace.keys[a + 1]);
+      continue;
+    }
+    std::vector<int64_t> ins;
+    for (int64_t j = a + 1; j < end_of(i); ++j) ins.push_back(new_id[trace.keys[j]]);
+    new_id[i] = push(head, ins);
+  }
+  for (const at::Tensor& t : xs) {
+    NativeImpl* x = native_of(t);
+    const Storage& st = *x->st;
+    int32_t node = st.gen == trace.gen && st.node >= 0 ? new_id[st.node]
+                                                        : push_input(IValue(st.data), INPUT_NODE, st.geo);
+    for (int32_t r : x->chain) node = push(r, {node});
+    c->outs.push_back(node);
+  }
+  sub.hash = h;
+  recognise(*c, h);
+  return c;
+}
+
 }  // namespace

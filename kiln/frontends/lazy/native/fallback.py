@@ -57,6 +57,9 @@ from kiln.lowering.aten import Ref, op_name, template
 
 aten = torch.ops.aten
 _CPU = torch.device("cpu")
+# Ops that read their tensors' values and make no tensor: run on values a forced read computes
+# without cutting the step (Handler.eager, native.peek)
+_READS_ONLY = {aten._local_scalar_dense.default, aten.equal.default}
 
 counts: Counter[str] = Counter()  # Python-fallback calls per op (``aten::name.overload``)
 
@@ -134,9 +137,16 @@ class _Op:
 class Handler:
     """The callable the recorder calls for an op it hands to Python."""
 
-    def __init__(self, mod: Any, mark_step: Callable[[str], Any]) -> None:
+    def __init__(
+        self,
+        mod: Any,
+        mark_step: Callable[[str], Any],
+        peek: Callable[[list, str], list | None] | None = None,
+    ) -> None:
         self.mod = mod
         self.mark_step = mark_step
+        # values of a few native tensors without cutting the step, or None (native.peek)
+        self.peek = peek
         self.ops: dict[Any, _Op] = {}  # by (name, overload); random factories by overload
         self.recipes: dict[tuple, _Recipe] = {}
         self.rng = rng.shared(mod)
@@ -176,9 +186,9 @@ class Handler:
         name = f.name
         if _is_cpu(kwargs.get("device")):
             # a CPU result (``.cpu()``, ``zeros_like(x, device="cpu")``): made from the values
-            self.sync("to_cpu")
             is_native = self.mod.is_native
-            cargs = [self.mod.value(a) if _is_tensor(a) and is_native(a) else a for a in args]
+            got = self.read([a for a in args if _is_tensor(a) and is_native(a)], "to_cpu")
+            cargs = [got[id(a)] if _is_tensor(a) and is_native(a) else a for a in args]
             return func(*cargs, **kwargs)
         self.check_devices(func, args, kwargs)
         if f.inplace_view and func not in _RESHAPING:
@@ -430,17 +440,34 @@ class Handler:
             metrics.forced_sync(reason)
             self.mark_step(reason)
 
+    def read(self, xs: list, reason: str) -> dict[int, torch.Tensor]:
+        """The values of the native tensors ``xs`` (by ``id``) for a read: computed on their own
+        when that is cheap, the step staying one graph (``native.peek``); else after everything
+        pending runs (a forced sync, ``reason``)."""
+        if self.peek is not None and xs:
+            values = self.peek(xs, reason)
+            if values is not None:
+                return {id(x): v for x, v in zip(xs, values)}
+        self.sync(reason)
+        return {id(x): self.mod.value(x) for x in xs}
+
     def eager(self, func: Any, args: tuple, kwargs: dict, reason: str) -> Any:
         """Run one op on materialized CPU values after everything pending (as the Python
         recorder's ``_eager``): written arguments keep their identity, new results become native
         tensors."""
         metrics.fallback(func._schema.name.split("::")[1])
-        self.sync(reason)
         is_native = self.mod.is_native
+        got: dict[int, torch.Tensor] = {}
+        if func in _READS_ONLY:  # a read (``.item()``, ``bool(t)``)
+            xs = [a for a in tree_flatten((args, kwargs))[0] if _is_tensor(a) and is_native(a)]
+            got = self.read(xs, reason)
+        else:
+            self.sync(reason)
 
         def conc(a: Any) -> Any:
             if isinstance(a, torch.Tensor) and is_native(a):
-                return self.mod.value(a)
+                v = got.get(id(a))
+                return self.mod.value(a) if v is None else v
             return _cpu_device(a)
 
         cargs = tree_map(conc, args)

@@ -148,6 +148,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       nogil());
   m.def("cut", &cut, nogil());
+  m.def("peek", &peek, nogil());
   py::class_<Cut, std::shared_ptr<Cut>>(m, "Cut", py::module_local())
       .def_readonly("graph_id", &Cut::graph_id)
       .def_readonly("is_new", &Cut::is_new)

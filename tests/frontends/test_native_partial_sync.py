@@ -1,0 +1,106 @@
+"""A forced read on the kiln device (native recorder) computes only what it needs when that is
+cheap (``native.peek``): the pending trace stays as it is and the step is still one graph at its
+cut, as PyTorch/XLA syncs only the tensor read.  transformers reads ``bool(mask.all())`` early in
+every forward; before, that cut the step in two.  A read that would recompute a GEMM, a random op,
+a collective or an opaque ATen call cuts the whole trace, as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _native_testlib import native_device  # noqa: F401 - the module fixture
+
+import kiln
+from kiln import metrics
+from kiln.frontends.lazy import native
+
+dev = kiln.device()
+pytestmark = pytest.mark.usefixtures("native_device")
+
+
+def _step(x: torch.Tensor, read: bool) -> tuple[torch.Tensor, bool | None]:
+    pos = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+    flag = None
+    if read:
+        flag = bool(((pos + 1).diff(dim=-1) == 1).all())  # a cheap closure: arange, add, diff
+    return (x.exp() * 2 + pos).sum(-1), flag
+
+
+def test_a_cheap_read_leaves_the_trace_and_the_step_graph_as_they_are():
+    x = torch.randn(3, 9)
+    lx = x.to(dev)
+    kiln.mark_step()
+    metrics.reset()
+    out, _ = _step(lx, read=False)
+    kiln.mark_step()
+    whole = native.last_graph().hash
+    torch.testing.assert_close(out.cpu(), _step(x, False)[0])
+
+    metrics.reset()
+    n0 = native.trace_len()
+    out, flag = _step(lx, read=True)
+    assert flag is True
+    n1 = native.trace_len()
+    assert n1 > n0  # the read ran no cut: what was recorded is still pending
+    assert metrics.get("partial_syncs") == 1 and metrics.get("forced_syncs") == 1
+    kiln.mark_step()
+    torch.testing.assert_close(out.cpu(), _step(x, False)[0])
+    # the step with the read is the same single graph (plus the read's small one)
+    assert native.last_graph().hash == whole
+    assert metrics.get("graphs_executed") == 2
+
+
+def test_a_read_of_a_gemm_result_cuts_the_whole_trace():
+    a, w = torch.randn(4, 8), torch.randn(8, 8)
+    la, lw = a.to(dev), w.to(dev)
+    kiln.mark_step()
+    metrics.reset()
+    y = (la @ lw).relu()
+    v = y.sum().item()  # loss.item() before mark_step: recomputing the GEMM would cost a GEMM
+    assert metrics.get("partial_syncs") == 0 and metrics.get("forced_syncs") == 1
+    assert native.trace_len() == 0
+    torch.testing.assert_close(torch.tensor(v), (a @ w).relu().sum())
+
+
+def test_a_read_through_a_random_op_cuts_the_whole_trace_and_agrees_with_the_step():
+    x = torch.ones(64, 8).to(dev)
+    kiln.mark_step()
+    metrics.reset()
+    d = F.dropout(x, 0.5, training=True)
+    n_kept = (d != 0).sum().item()
+    assert metrics.get("partial_syncs") == 0
+    kiln.mark_step()
+    assert (d.cpu() != 0).sum().item() == n_kept  # one draw: the value read is the step's
+
+
+def test_writes_after_a_read_and_values_read_twice():
+    x = torch.randn(5, 6)
+    lx = x.to(dev)
+    kiln.mark_step()
+    metrics.reset()
+    y = lx * 2 + 1
+    first = bool((y > -100).all())
+    again = float(y.abs().max())
+    y.add_(3)
+    lx.mul_(0.5)
+    kiln.mark_step()
+    assert first and again == pytest.approx(float((x * 2 + 1).abs().max()))
+    assert metrics.get("partial_syncs") == 2
+    torch.testing.assert_close(y.cpu(), x * 2 + 4)
+    torch.testing.assert_close(lx.cpu(), x * 0.5)
+
+
+def test_a_read_of_a_value_that_is_not_pending_runs_no_graph():
+    x = torch.randn(4)
+    lx = x.to(dev)
+    kiln.mark_step()
+    pending = (lx * 3).sum()  # the trace is not empty
+    metrics.reset()
+    assert lx.sum().item() == pytest.approx(float(x.sum()))  # lx.sum() pending: a partial read
+    assert metrics.get("graphs_executed") == 1 and metrics.get("partial_syncs") == 1
+    torch.testing.assert_close(lx.cpu(), x)  # lx itself is not pending: no graph, no sync
+    assert metrics.get("graphs_executed") == 1 and metrics.get("forced_syncs") == 1
+    assert native.trace_len() > 0
+    kiln.mark_step()
+    assert pending.item() == pytest.approx(float(x.sum()) * 3, rel=1e-6)
