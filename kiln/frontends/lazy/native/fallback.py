@@ -57,6 +57,8 @@ from kiln.lowering.aten import Ref, op_name, template
 
 aten = torch.ops.aten
 _CPU = torch.device("cpu")
+# A call signature whose op runs on values (Handler.record): remembered in place of a recipe
+_RUN_EAGERLY: Any = object()
 # Ops that read their tensors' values and make no tensor: run on values a forced read computes
 # without cutting the step (Handler.eager, native.peek)
 _READS_ONLY = {aten._local_scalar_dense.default, aten.equal.default}
@@ -359,9 +361,11 @@ class Handler:
         r = self.recipes.get(key)
         if r is None:
             r = self.make_recipe(func, args, kwargs, lift)
-            if r is None:
-                return self.eager(func, args, kwargs, f"op:{op.facts.name}")
-            self.recipes[key] = r
+            # (None: no tensor result, no meta kernel or a data-dependent shape -- the same for
+            # every call with this signature, so the meta run is not repeated per call)
+            self.recipes[key] = _RUN_EAGERLY if r is None else r
+        if r is None or r is _RUN_EAGERLY:
+            return self.eager(func, args, kwargs, f"op:{op.facts.name}")
         outs = self.mod.record_node(r.rid, r.getitems, inputs)
         if r.shape is None:
             return outs[0]
