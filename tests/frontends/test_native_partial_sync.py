@@ -104,3 +104,14 @@ def test_a_read_of_a_value_that_is_not_pending_runs_no_graph():
     assert native.trace_len() > 0
     kiln.mark_step()
     assert pending.item() == pytest.approx(float(x.sum()) * 3, rel=1e-6)
+
+
+def test_item_of_a_value_that_is_there_needs_no_python_call():
+    lx = torch.tensor(2.5).to(dev)
+    kiln.mark_step()
+    calls = native.python_ops().get("aten::_local_scalar_dense.default", 0)
+    assert lx.item() == 2.5 and bool(lx) and int(lx.to(torch.int64).cpu()) == 2
+    assert native.python_ops().get("aten::_local_scalar_dense.default", 0) == calls
+    pending = lx * 2  # a pending value still goes through the fallback's (partial) read
+    assert pending.item() == 5.0
+    assert native.python_ops().get("aten::_local_scalar_dense.default", 0) == calls + 1
