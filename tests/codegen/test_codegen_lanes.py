@@ -152,10 +152,16 @@ def test_output_in_place_over_another_lanes_input_stays_flat():
     y1 = op(b, "mul.Tensor", [n, a0], (In(0), In(1)), t((5, 5)))
     z = op(b, "mm.default", [y0, y1], (In(0), In(1)), t((5, 5)))
     g = b.build([op(b, "mm.default", [z, a1], (In(0), In(1)), t((5, 5)))])  # a1 lives on
-    xs = [torch.randn(5, 5), torch.randn(5, 5)]
     run, _ = build(memory_plan(fuse(g)))
-    for a, e in zip(run(xs), Interpreter(g)(xs)):
-        torch.testing.assert_close(a, e)
+    g_ = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        xs = [torch.randn(5, 5, generator=g_), torch.randn(5, 5, generator=g_)]
+        # three GEMMs over Kiln's exp (2 ulp from ATen's) cancel in places: element-wise
+        # relative error reached 2.5e-6 (CI) and 3.6e-4 (3,000 draws), while the error against
+        # the result's scale stayed under 9e-7; an input overwritten before it is read would be
+        # off by the scale itself
+        for a, e in zip(run(xs), Interpreter(g)(xs)):
+            assert float((a - e).abs().max()) <= 1e-5 * float(e.abs().max())
 
 
 def _params_model() -> torch.nn.Module:
