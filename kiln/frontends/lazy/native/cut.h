@@ -104,6 +104,30 @@ struct Cut {
   }
 };
 
+// The cut's graph id: its trace, outputs and writebacks recognised by hash (the trace's, mixed
+// with each output and writeback) and confirmed key by key, or a new id when it has outputs.
+// (Under the recorder's lock.)
+void recognise(Cut& c) {
+  uint64_t h = c.trace.hash;
+  for (size_t k = 0; k < c.outs.size(); ++k) {
+    h = mix(h, static_cast<uint64_t>(c.outs[k]) ^ 0x6f7574ULL);
+    h = mix(h, static_cast<uint64_t>(c.writes[k]) ^ 0x7772ULL);
+  }
+  c.hash = h;
+  auto& bucket = seen[h];
+  for (const Seen& s : bucket) {
+    if (s.n_nodes == c.trace.size() && s.keys == c.trace.keys && s.outs == c.outs &&
+        s.writes == c.writes) {
+      c.graph_id = s.id;
+      return;
+    }
+  }
+  if (c.outs.empty()) return;
+  c.graph_id = n_graphs++;
+  c.is_new = true;
+  bucket.push_back(Seen{c.trace.keys, c.outs, c.writes, c.graph_id, c.trace.size()});
+}
+
 std::shared_ptr<Cut> cut() {
   std::lock_guard<std::mutex> lock(mu);
   auto c = std::make_shared<Cut>();
@@ -115,57 +139,19 @@ std::shared_ptr<Cut> cut() {
   }
   std::sort(c->live.begin(), c->live.end(),
             [](const auto& a, const auto& b) { return a->node < b->node; });
-  uint64_t h = trace.hash;
   for (auto& st : c->live) {
     c->outs.push_back(st->node);
-    h = mix(h, static_cast<uint64_t>(st->node) ^ 0x6f7574ULL);
     // its buffer, when it came in as a graph input and may take the new value (take_value_locked)
     const bool own = st->input >= 0 && st->input != st->node && st->data.defined() &&
                      !st->borrowed && !st->aliased && !st->lent;
     c->writes.push_back(own ? st->input : -1);
-    h = mix(h, static_cast<uint64_t>(c->writes.back()) ^ 0x7772ULL);
-  }
-  c->hash = h;
-  auto& bucket = seen[h];
-  for (const Seen& s : bucket) {
-    if (s.n_nodes == trace.size() && s.keys == trace.keys && s.outs == c->outs &&
-        s.writes == c->writes) {
-      c->graph_id = s.id;
-      break;
-    }
-  }
-  if (c->graph_id < 0 && !c->live.empty()) {
-    c->graph_id = n_graphs++;
-    c->is_new = true;
-    bucket.push_back(Seen{trace.keys, c->outs, c->writes, c->graph_id, trace.size()});
   }
   int64_t gen = trace.gen;
   c->trace = std::move(trace);
   trace = Trace();
   trace.gen = gen + 1;
+  recognise(*c);
   return c;
-}
-
-// A graph id for the trace `t` with outputs `outs` (no writebacks): recognised by hash and
-// keys as cut() recognises a step, or a new id.  (Under the recorder's lock.)
-void recognise(Cut& c, uint64_t h) {
-  for (int64_t o : c.outs) {
-    h = mix(h, static_cast<uint64_t>(o) ^ 0x6f7574ULL);
-    c.writes.push_back(-1);
-    h = mix(h, static_cast<uint64_t>(-1) ^ 0x7772ULL);
-  }
-  c.hash = h;
-  auto& bucket = seen[h];
-  for (const Seen& s : bucket) {
-    if (s.n_nodes == c.trace.size() && s.keys == c.trace.keys && s.outs == c.outs &&
-        s.writes == c.writes) {
-      c.graph_id = s.id;
-      return;
-    }
-  }
-  c.graph_id = n_graphs++;
-  c.is_new = true;
-  bucket.push_back(Seen{c.trace.keys, c.outs, c.writes, c.graph_id, c.trace.size()});
 }
 
 // The values of a few tensors without cutting the step (a forced read -- transformers'
@@ -176,16 +162,16 @@ void recognise(Cut& c, uint64_t h) {
 // holds a pending value (their values are readable as they are).
 std::shared_ptr<Cut> peek(const std::vector<at::Tensor>& xs) {
   std::lock_guard<std::mutex> lock(mu);
-  std::vector<int32_t> targets;
+  auto in_trace = [](const Storage& st) { return st.gen == trace.gen && st.node >= 0; };
   bool pending = false;
   for (const at::Tensor& t : xs) {
     NativeImpl* x = native_of(t);
     TORCH_CHECK(x, "kiln native recorder: peek of a tensor that is not a native kiln tensor");
     const Storage& st = *x->st;
-    TORCH_CHECK(st.gen == trace.gen && st.node >= 0 ? true : st.data.defined(),
+    TORCH_CHECK(in_trace(st) || st.data.defined(),
                 "kiln native recorder: this tensor's value belongs to a step that was cut "
                 "without it (it was not alive at the cut)");
-    if (st.gen == trace.gen && st.node >= 0 && st.pending) pending = true;
+    if (in_trace(st) && st.pending) pending = true;
   }
   if (!pending) return nullptr;
   auto c = std::make_shared<Cut>();
@@ -199,7 +185,7 @@ std::shared_ptr<Cut> peek(const std::vector<at::Tensor>& xs) {
   std::vector<int32_t> stack;
   for (const at::Tensor& t : xs) {
     const Storage& st = *native_of(t)->st;
-    if (st.gen == trace.gen && st.node >= 0) stack.push_back(st.node);
+    if (in_trace(st)) stack.push_back(st.node);
   }
   while (!stack.empty()) {
     int32_t i = stack.back();
@@ -247,13 +233,13 @@ std::shared_ptr<Cut> peek(const std::vector<at::Tensor>& xs) {
   for (const at::Tensor& t : xs) {
     NativeImpl* x = native_of(t);
     const Storage& st = *x->st;
-    int32_t node = st.gen == trace.gen && st.node >= 0 ? new_id[st.node]
-                                                        : push_input(IValue(st.data), INPUT_NODE, st.geo);
+    int32_t node = in_trace(st) ? new_id[st.node] : push_input(IValue(st.data), INPUT_NODE, st.geo);
     for (int32_t r : x->chain) node = push(r, {node});
     c->outs.push_back(node);
+    c->writes.push_back(-1);  // nothing is assigned: no writebacks
   }
   sub.hash = h;
-  recognise(*c, h);
+  recognise(*c);
   return c;
 }
 
