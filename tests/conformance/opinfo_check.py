@@ -159,7 +159,12 @@ def _claims(name: str, mode: str, check: str, result: Outcome) -> Outcome:
     if claimed:
         result.status = "fail"
         result.detail = f"ops Kiln claims fell back to ATen: {claimed}"
-    elif result.kiln_graphs == 0 and kiln_computes(packet(name)) and name not in NO_GRAPH:
+    elif (
+        result.kiln_graphs == 0
+        and kiln_computes(packet(name))
+        and (name, mode) not in NO_GRAPH
+        and (name, "*") not in NO_GRAPH
+    ):
         result.status = "fail"
         result.detail = f"no Kiln graph ran (Kiln claims {packet(name)!r})"
     return result

@@ -53,8 +53,17 @@ NOT_RANDOM: frozenset[str] = frozenset(
 
 # Ops Kiln claims (a computing Kiln op) whose passing run executed no Kiln graph, and why that is
 # right.  Anything else that runs no Kiln graph fails (test_opinfo.check_op).
-NO_GRAPH: dict[str, str] = {
-    "contiguous": "its samples are contiguous already: contiguous() returns its input",
+_FILL_AS_DATA = (
+    "its samples' input holds data: the lazy device makes a fill of such a tensor as data at "
+    "once, no graph (an optimizer's state; kiln/frontends/lazy/tensor.py FILLS); values still "
+    "compared, and a fill of a pending value is recorded (tests/frontends/test_lazy_recording.py)"
+)
+# (op, mode), mode "*" for both
+NO_GRAPH: dict[tuple[str, str], str] = {
+    ("contiguous", "*"): "its samples are contiguous already: contiguous() returns its input",
+    ("zeros_like", "lazy"): _FILL_AS_DATA,
+    ("ones_like", "lazy"): _FILL_AS_DATA,
+    ("full_like", "lazy"): _FILL_AS_DATA,
 }
 
 _DATA_DEPENDENT = (

@@ -93,14 +93,21 @@ def test_ten_sequence_lengths_compile_two_graphs_and_match_eager():
         kiln.mark_step()
         _check(ref, lz, loss_r, loss_l, grads_r, grads_l, length)
 
-    run(lengths[0])  # the first step creates AdamW's state: a graph of its own
     metrics.reset()
+    # the first step creates AdamW's state (``zeros_like(param)``: made as data, not recorded), so
+    # its graph is the steady step's: one graph at the first length, then one shape-generic graph
+    # for all the others
+    run(lengths[0])
+    # parameters and optimizer state keep their buffers from the first step on
+    state = [t for s in opt_l.state.values() for t in s.values() if t.device == dev]
+    assert len(state) == 2 * len(list(lz.parameters()))
+    ptrs = [t.data_ptr() for t in (*lz.parameters(), *state)]
     for length in lengths:
         run(length)
-    # the steady step at its first length, then one shape-generic graph for all the others
     assert _compiles() <= 2, metrics.counters()
     assert metrics.get("shape_generic_graphs") == 1
     assert metrics.get("shape_generic_reuses") == len(set(lengths)) - 1
+    assert [t.data_ptr() for t in (*lz.parameters(), *state)] == ptrs
     assert len(metrics.counters()["recompile_reasons"]) <= 2  # one per compile, no storm
     # the generic graph keeps Kiln's layer norm and (log_)softmax backward kernels (sizes read at
     # run time)

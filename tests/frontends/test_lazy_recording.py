@@ -221,3 +221,64 @@ def test_ops_with_a_torch_decomposition_are_decomposed_not_run_through_aten(reco
         torch.testing.assert_close(lx.grad.cpu(), x.grad)
     finally:
         kiln.config.update(lazy_recorder="native")
+
+
+def _trace_len() -> int:
+    """Nodes recorded so far in the current step (either recorder)."""
+    if kiln.config.lazy_recorder == "native":
+        return native.trace_len()
+    return len(T.current().b.nodes)
+
+
+_FILLS = {
+    "zeros": lambda t: torch.zeros_like(t),
+    "ones_f64": lambda t: torch.ones_like(t, dtype=torch.float64),
+    "full": lambda t: torch.full_like(t, 2.5),
+    "transposed": lambda t: torch.zeros_like(t.t()),  # preserve_format: the view's strides
+    "strided": lambda t: torch.full_like(t[:, ::2], -1.0),  # not dense: contiguous
+    "channels_last": lambda t: torch.zeros_like(
+        t.view(1, 2, 3, 4), memory_format=torch.channels_last
+    ),
+    "empty_rows": lambda t: torch.zeros_like(t[:0]),
+}
+
+
+@pytest.mark.parametrize("case", list(_FILLS))
+def test_fills_of_a_tensor_holding_data_are_made_as_data(case):
+    """``zeros_like(param)`` (an optimizer creating its state), ``ones_like``, ``full_like`` of a
+    tensor whose value is data: made at once as data of their own (nothing recorded, no step to
+    read them), with eager's values, dtype and strides; writes into them stay in their buffer."""
+    torch.manual_seed(6)
+    w_cpu = torch.randn(6, 4)
+    w = w_cpu.to(dev)
+    kiln.mark_step()
+    metrics.reset()
+    before = _trace_len()
+    want, got = _FILLS[case](w_cpu), _FILLS[case](w)
+    assert _trace_len() == before
+    assert got.device == dev and got.dtype == want.dtype
+    assert got.shape == want.shape and got.stride() == want.stride()
+    torch.testing.assert_close(got.cpu(), want)
+    assert metrics.counters()["syncs"] == {}
+    # updated in place over steps: its own buffer, which keeps its address
+    ptr = got.data_ptr()
+    for _ in range(3):
+        got.add_(2.0)
+        want.add_(2.0)
+        kiln.mark_step()
+    assert got.data_ptr() == ptr
+    torch.testing.assert_close(got.cpu(), want)
+
+
+def test_fills_of_a_pending_value_are_recorded_and_a_cpu_fill_is_a_cpu_tensor():
+    w_cpu = torch.randn(5, 3)
+    w = w_cpu.to(dev)
+    kiln.mark_step()
+    y = w * 3  # pending: its fill is a node of the step, fused into its readers
+    before = _trace_len()
+    z = torch.full_like(y, 0.5) + y
+    assert _trace_len() > before + 1
+    torch.testing.assert_close(z.cpu(), w_cpu * 3 + 0.5)
+    c = torch.zeros_like(w, device="cpu")
+    assert c.device.type == "cpu"
+    torch.testing.assert_close(c, torch.zeros(5, 3))

@@ -466,10 +466,14 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
                     return _view_of(x, *r.outs[0])
                 return [_view_of(x, m, g, ln) for m, g, ln in r.outs]
     name = f.name
-    if func is aten._to_copy.default and kwargs.get("device") == _CPU:
-        # (a ``_to_copy`` to the kiln device -- ``type_as`` inside a decomposition -- is recorded)
-        v = materialize(args[0], "to_cpu")
-        return aten._to_copy.default(v, **kwargs)
+    dev = kwargs.get("device")
+    if dev is not None and torch.device(dev).type == "cpu":
+        # a CPU result (``.cpu()``, ``zeros_like(x, device="cpu")``): made from the values.  (A
+        # ``_to_copy`` to the kiln device -- ``type_as`` inside a decomposition -- is recorded.)
+        def conc(a: Any) -> Any:
+            return materialize(a, "to_cpu") if isinstance(a, LazyTensor) else a
+
+        return func(*tree_map(conc, args), **kwargs)
     if func is aten.copy_.default or func is aten.copy.default:
         if func is aten.copy_.default and _upload(args[0], args[1]):
             return args[0]
@@ -480,6 +484,10 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             return args[0]
     elif name not in _CPU_INDICES_OK:
         _check_devices(func, args, kwargs)
+    if func in FILLS:
+        out = _fill(func, args, kwargs)
+        if out is not None:
+            return out
     if f.composite:
         # Reached from inside a decomposition (aten.to.dtype_layout from type_as): decompose it as
         # autograd would have.  (Recorded whole, to.dtype_layout was taken for a view -- its
@@ -522,8 +530,46 @@ _BIT_VIEWS = {
     aten._conj.default: aten.conj_physical.default,
     aten._neg_view.default: aten.neg.default,
 }
+# ``zeros_like(x)`` / ``ones_like`` / ``full_like`` of a tensor holding data (no value pending in
+# this step) are made as data at once, not recorded.  An optimizer's first step creates its state
+# so (AdamW's ``exp_avg = zeros_like(param)``): as graph nodes they made that step's graph differ
+# from every later one (which reads the state as inputs and writes it back in place), one graph
+# more to compile -- with ten sequence lengths, three instead of two.  Of a pending value (an
+# activation) they stay nodes, fused into their readers.
+FILLS = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default}
 # handled before _record by _dispatch
-_SPECIAL = {aten._to_copy.default, aten.copy_.default, aten.copy.default}
+_SPECIAL = {aten._to_copy.default, aten.copy_.default, aten.copy.default, *FILLS}
+
+
+def fill_value(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The CPU value of a :data:`FILLS` call on a kiln tensor (its geometry, dtype and memory
+    format as the call asks), or None where the call is recorded instead: another device or a
+    layout other than strided asked for, pinned memory."""
+    dev = kwargs.get("device")
+    if dev is not None and torch.device(dev).type != DEVICE.type:
+        return None
+    if kwargs.get("layout") not in (None, torch.strided) or kwargs.get("pin_memory"):
+        return None
+    x = args[0]
+    like = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)  # geometry only, never read
+    return func(like, *args[1:], **{k: v for k, v in kwargs.items() if k != "device"})
+
+
+def _fill(func: Any, args: tuple, kwargs: dict) -> LazyTensor | None:
+    """A :data:`FILLS` call made as data (:func:`fill_value`) when its tensor holds data."""
+    x = args[0]
+    if type(x) is not LazyTensor:
+        return None
+    with T._lock:
+        st = x._st
+        if st.data is None or (st.pending and st.gen == T.current().gen):
+            return None
+    v = fill_value(func, args, kwargs)
+    if v is None:
+        return None
+    out = new_data(v)
+    update_peak()
+    return out
 
 
 def _is_composite_implicit(func: Any) -> bool:

@@ -126,6 +126,14 @@ at::Tensor value(const at::Tensor& t) {
   return v;
 }
 
+// Whether `t`'s storage holds its value as data (no value pending in this trace): what `value`
+// needs, and where the fallback makes `zeros_like(t)` as data (lazy/tensor.py's FILLS).
+bool has_value(const at::Tensor& t) {
+  std::lock_guard<std::mutex> lock(mu);
+  NativeImpl* x = native_of(t);
+  return x && x->st->data.defined() && !(x->st->pending && x->st->gen == trace.gen);
+}
+
 // A C++ recipe's node template: (qual, overload, args, kwargs, per-output shapes, per-output
 // dtypes, view, item); a getitem recipe (one output of a multi-output node): qual "getitem",
 // no arguments, `item` the output it takes (-1 for every other recipe).

@@ -51,7 +51,7 @@ from kiln.frontends.lazy.native.outops import is_out as _is_out
 from kiln.frontends.lazy.native.outops import writes_outputs as _writes_outputs
 from kiln.frontends.lazy.native.outops import written as _written
 from kiln.frontends.lazy.shapes import infer_typed
-from kiln.frontends.lazy.tensor import _BIT_VIEWS, _facts, _with_defaults
+from kiln.frontends.lazy.tensor import _BIT_VIEWS, FILLS, _facts, _with_defaults, fill_value
 from kiln.ir.graph import In
 from kiln.lowering.aten import Ref, op_name, template
 
@@ -164,6 +164,11 @@ class Handler:
         counts[op.counter] += 1
         metrics.incr("native_python_ops")
         args, kwargs = op.split(vals)
+        if op.func in FILLS and self.mod.has_value(args[0]):
+            # made as data, not recorded (an optimizer's state: lazy/tensor.py's FILLS)
+            v = fill_value(op.func, args, kwargs)
+            if v is not None:
+                return self.mod.from_cpu(v)
         if op.plain and "device" not in kwargs and (op.foreach is None or not _device_active()):
             return self.record(op, args, kwargs)
         return self.dispatch(op, args, kwargs)

@@ -102,6 +102,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("borrowed") = false, nogil());
   m.def("value", &value, nogil());
   m.def("is_native", [](const at::Tensor& t) { return native_of(t) != nullptr; });
+  m.def("has_value", &has_value, nogil());
   m.def("recipe_info", &recipe_info);
   m.def("add_recipe", &add_recipe);
   m.def("record_node", &record_node);
