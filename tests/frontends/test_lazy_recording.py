@@ -282,3 +282,23 @@ def test_fills_of_a_pending_value_are_recorded_and_a_cpu_fill_is_a_cpu_tensor():
     c = torch.zeros_like(w, device="cpu")
     assert c.device.type == "cpu"
     torch.testing.assert_close(c, torch.zeros(5, 3))
+
+
+@pytest.mark.parametrize(
+    ("make", "on_cpu"),
+    [
+        (lambda t: t.new_zeros((2, 3), device="cpu"), True),
+        (lambda t: torch.empty_like(t, device="cpu").fill_(1.0), True),
+        (lambda t: t.new_zeros((2, 3)), False),
+        (lambda t: torch.empty_like(t).fill_(1.0), False),
+    ],
+    ids=["new_zeros_cpu", "empty_like_cpu", "new_zeros", "empty_like"],
+)
+def test_factories_of_a_kiln_tensor_make_the_device_asked_for(make, on_cpu):
+    """``new_zeros`` / ``empty_like`` of a kiln tensor: a CPU tensor where ``device="cpu"`` is
+    asked for (the native recorder records these ops in C++ and must leave that call to Python),
+    a kiln tensor otherwise; eager's values either way."""
+    w = torch.randn(4, 3).to(dev)
+    got, want = make(w), make(torch.randn(4, 3))
+    assert got.device == (torch.device("cpu") if on_cpu else dev)
+    torch.testing.assert_close(got.cpu(), want)

@@ -34,6 +34,10 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
       table_lib->impl(
           reg.c_str(),
           torch::CppFunction::makeFromBoxedFunction<&guarded<&reshape_alias_as_view>>());
+    else if (name == "slice_backward" || name == "select_backward")
+      table_lib->impl(
+          reg.c_str(),
+          torch::CppFunction::makeFromBoxedFunction<&guarded<&index_backward_here>>());
     else
       table_lib->impl(reg.c_str(),
                       torch::CppFunction::makeFromBoxedFunction<&guarded<&record>>());

@@ -105,9 +105,11 @@ bool sig_of(const IValue& v, bool lift, std::vector<int64_t>& sig) {
     sig.push_back(static_cast<int64_t>(s.size()));
     for (char c : s) sig.push_back(c);
   } else if (v.isDevice()) {
-    sig.push_back(T_DEVICE);
-    sig.push_back(static_cast<int64_t>(v.toDevice().type()));
-    sig.push_back(v.toDevice().index());
+    // a factory's explicit device (`x.new_zeros(n, device=...)`): the Python fallback takes
+    // the call -- it makes a CPU tensor for "cpu", and keeps the kiln device out of the meta run
+    // and of the node (here a Python meta kernel such as `new_zeros`' would make a kiln tensor
+    // while the recorder's lock is held)
+    return false;
   } else {
     return false;
   }

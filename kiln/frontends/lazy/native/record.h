@@ -52,10 +52,22 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
     }
   }
   Recipe* r;
+  std::optional<py::gil_scoped_acquire> gil;  // held while a new recipe is made (below)
   auto it = recipe_of.find(sig);
   if (it != recipe_of.end()) {
     r = it->second;
   } else {
+    // A call seen for the first time runs its meta kernel, which may be Python's
+    // (torch._meta_registrations: new_zeros, the scatters, ...) and take the GIL.  Never wait
+    // for the GIL holding `mu`: a thread holding the GIL may be waiting for `mu` (the autograd
+    // engine's thread and the caller's: a deadlock).  So the GIL first, then `mu` again.
+    lock.unlock();
+    gil.emplace();
+    lock.lock();
+    auto again = recipe_of.find(sig);
+    r = again != recipe_of.end() ? again->second : nullptr;
+  }
+  if (r == nullptr) {
     r = make_recipe(op, *stack, first, lift);
     // geometries of the inputs take part in the content hash (ids are per process)
     uint64_t h = r->hash;
@@ -70,6 +82,9 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
     for (int32_t g : r->getitems) h = mix(h, recipes[g]->hash);
     r->hash = h;
     recipe_of.emplace(sig, r);
+  }
+  if (gil) {  // (released holding `mu`: never a wait)
+    gil.reset();
   }
   if (r->to_python) {
     lock.unlock();
@@ -143,6 +158,28 @@ void reshape_alias_as_view(const c10::OperatorHandle&, c10::DispatchKeySet,
   at::Tensor self = std::move(stack->back()).toTensor();
   stack->pop_back();
   stack->emplace_back(self.view(size.toDimVector()));
+}
+
+// `slice_backward` / `select_backward` (the gradients of indexing and of slices such as rotary
+// embeddings' halves) as torch's decomposition of them spells them: `new_zeros(input_sizes)`, then
+// `slice_scatter` / `select_scatter` of the gradient into it -- both table ops, so the parts are
+// recorded here, as the Python fallback's decomposition records them, without its ~60 us a call
+// (eight per Llama step).
+void index_backward_here(const c10::OperatorHandle& op, c10::DispatchKeySet,
+                         torch::jit::Stack* stack) {
+  const bool is_slice = op.schema().name() == "aten::slice_backward";
+  const size_t n = is_slice ? 6 : 4;  // (grad, input_sizes, dim, start, end, step) / (.., index)
+  const size_t first = stack->size() - n;
+  at::Tensor grad = (*stack)[first].toTensor();
+  c10::DimVector sizes = (*stack)[first + 1].toDimVector();
+  const int64_t dim = (*stack)[first + 2].toInt();
+  at::Tensor zeros = grad.new_zeros(sizes);
+  at::Tensor out =
+      is_slice ? at::slice_scatter(zeros, grad, dim, (*stack)[first + 3].toInt(),
+                                   (*stack)[first + 4].toInt(), (*stack)[first + 5].toInt())
+               : at::select_scatter(zeros, grad, dim, (*stack)[first + 3].toInt());
+  torch::jit::drop(*stack, n);
+  stack->emplace_back(std::move(out));
 }
 
 // ---------------------------------------------------------------------------------------------

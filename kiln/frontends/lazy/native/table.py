@@ -83,7 +83,27 @@ TRAINING = [
     "nll_loss_forward.default",
 ]
 
-OPS = UNARY + BINARY + MATMUL + REDUCTIONS + VIEWS + OTHER + OPTIMIZER + TRAINING
+# ops of the transformers models' steps (GPT-2, BERT, Llama with their default SDPA attention)
+# that the Python fallback recorded as one plain node each, ~10-60 us a call in Python: factories
+# of a tensor's options, the scatters indexing's gradients make, padding, the causal mask's
+# `all`, SDPA's backward (its forward is a random op: the Python fallback seeds it).  (`cumsum`,
+# once a step, stays with the Python fallback: the fallback's tests take it as their op outside
+# the table)
+MODELS = [
+    "new_zeros.default",
+    "empty_like.default",
+    "fill.Scalar",
+    "slice_scatter.default",
+    "select_scatter.default",
+    "constant_pad_nd.default",
+    "all.default",
+    "_scaled_dot_product_flash_attention_for_cpu_backward.default",
+    # recorded as torch's decomposition of them (new_zeros + slice/select_scatter), in C++
+    "slice_backward.default",
+    "select_backward.default",
+]
+
+OPS = UNARY + BINARY + MATMUL + REDUCTIONS + VIEWS + OTHER + OPTIMIZER + TRAINING + MODELS
 # ops whose Python floats stay in the node: the Python recorder's own set (pow's exponent,
 # masked_fill's value, the norms' eps, ...), so both recorders build the same nodes
 STRUCTURAL = sorted(_STRUCTURAL_FLOATS)
