@@ -34,10 +34,14 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
       table_lib->impl(
           reg.c_str(),
           torch::CppFunction::makeFromBoxedFunction<&guarded<&reshape_alias_as_view>>());
-    else if (name == "slice_backward" || name == "select_backward")
+    else if (name == "slice_backward")
       table_lib->impl(
           reg.c_str(),
-          torch::CppFunction::makeFromBoxedFunction<&guarded<&index_backward_here>>());
+          torch::CppFunction::makeFromBoxedFunction<&guarded<&index_backward_here<true>>>());
+    else if (name == "select_backward")
+      table_lib->impl(
+          reg.c_str(),
+          torch::CppFunction::makeFromBoxedFunction<&guarded<&index_backward_here<false>>>());
     else
       table_lib->impl(reg.c_str(),
                       torch::CppFunction::makeFromBoxedFunction<&guarded<&record>>());
@@ -112,7 +116,7 @@ at::Tensor value(const at::Tensor& t) {
   std::lock_guard<std::mutex> lock(mu);
   NativeImpl* x = native_of(t);
   TORCH_CHECK(x, "kiln native recorder: not a native kiln tensor");
-  TORCH_CHECK(x->st->data.defined() && !(x->st->pending && x->st->gen == trace.gen),
+  TORCH_CHECK(holds_value(*x->st),
               "kiln native recorder: the tensor's value is pending: cut and run its step first");
   at::Tensor v = x->st->data;
   for (int32_t rid : x->chain) {
@@ -135,7 +139,7 @@ at::Tensor value(const at::Tensor& t) {
 bool has_value(const at::Tensor& t) {
   std::lock_guard<std::mutex> lock(mu);
   NativeImpl* x = native_of(t);
-  return x && x->st->data.defined() && !(x->st->pending && x->st->gen == trace.gen);
+  return x && holds_value(*x->st);
 }
 
 // A C++ recipe's node template: (qual, overload, args, kwargs, per-output shapes, per-output

@@ -77,7 +77,7 @@ class _Recipe:
 class _Op:
     """One ATen overload as the handler sees it, worked out once."""
 
-    __slots__ = ("counter", "facts", "foreach", "func", "plain", "schema")
+    __slots__ = ("counter", "facts", "fill", "foreach", "func", "plain", "schema")
 
     def __init__(self, func: Any) -> None:
         self.func = func
@@ -99,6 +99,8 @@ class _Op:
             self.schema.append((a.kwarg_only, enum, has, a.default_value if has else None))
         # a functional foreach op, recorded as per-tensor ops with the native device on
         self.foreach = f.split
+        # made as data when its tensor holds data (lazy/tensor.py's FILLS)
+        self.fill = func in FILLS
         # recorded as one node with nothing special before it (``Handler.record``)
         self.plain = not (
             func is aten._to_copy.default
@@ -164,7 +166,7 @@ class Handler:
         counts[op.counter] += 1
         metrics.incr("native_python_ops")
         args, kwargs = op.split(vals)
-        if op.func in FILLS and self.mod.has_value(args[0]):
+        if op.fill and self.mod.has_value(args[0]):
             # made as data, not recorded (an optimizer's state: lazy/tensor.py's FILLS)
             v = fill_value(op.func, args, kwargs)
             if v is not None:

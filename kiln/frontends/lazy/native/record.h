@@ -165,19 +165,19 @@ void reshape_alias_as_view(const c10::OperatorHandle&, c10::DispatchKeySet,
 // `slice_scatter` / `select_scatter` of the gradient into it -- both table ops, so the parts are
 // recorded here, as the Python fallback's decomposition records them, without its ~60 us a call
 // (eight per Llama step).
-void index_backward_here(const c10::OperatorHandle& op, c10::DispatchKeySet,
+template <bool Slice>
+void index_backward_here(const c10::OperatorHandle&, c10::DispatchKeySet,
                          torch::jit::Stack* stack) {
-  const bool is_slice = op.schema().name() == "aten::slice_backward";
-  const size_t n = is_slice ? 6 : 4;  // (grad, input_sizes, dim, start, end, step) / (.., index)
+  const size_t n = Slice ? 6 : 4;  // (grad, input_sizes, dim, start, end, step) / (.., index)
   const size_t first = stack->size() - n;
   at::Tensor grad = (*stack)[first].toTensor();
   c10::DimVector sizes = (*stack)[first + 1].toDimVector();
   const int64_t dim = (*stack)[first + 2].toInt();
   at::Tensor zeros = grad.new_zeros(sizes);
   at::Tensor out =
-      is_slice ? at::slice_scatter(zeros, grad, dim, (*stack)[first + 3].toInt(),
-                                   (*stack)[first + 4].toInt(), (*stack)[first + 5].toInt())
-               : at::select_scatter(zeros, grad, dim, (*stack)[first + 3].toInt());
+      Slice ? at::slice_scatter(zeros, grad, dim, (*stack)[first + 3].toInt(),
+                                (*stack)[first + 4].toInt(), (*stack)[first + 5].toInt())
+            : at::select_scatter(zeros, grad, dim, (*stack)[first + 3].toInt());
   torch::jit::drop(*stack, n);
   stack->emplace_back(std::move(out));
 }
@@ -275,8 +275,7 @@ bool served_here(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (!x) return false;
     {
       std::lock_guard<std::mutex> lock(mu);
-      const Storage& st = *x->st;
-      if (!st.data.defined() || (st.pending && st.gen == trace.gen)) return false;
+      if (!holds_value(*x->st)) return false;
     }
     at::Scalar v = at::_local_scalar_dense(value(t));
     stack->back() = IValue(v);

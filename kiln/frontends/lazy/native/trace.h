@@ -50,6 +50,12 @@ struct Trace {
 };
 
 Trace trace;
+
+// Whether a storage holds its value as data: no value pending in the current trace.  (Under the
+// recorder's lock.)
+inline bool holds_value(const Storage& st) {
+  return st.data.defined() && !(st.pending && st.gen == trace.gen);
+}
 std::mutex mu;
 
 int32_t add_node(int64_t head, const int64_t* inputs, int32_t n) {
