@@ -707,6 +707,33 @@ def _inplace_view(func: Any, args: tuple, kwargs: dict) -> Any:
     return x
 
 
+# PyTorch's names of the dtypes in its casting errors
+_SCALAR_TYPE_NAMES = {
+    torch.float64: "Double",
+    torch.float32: "Float",
+    torch.float16: "Half",
+    torch.bfloat16: "BFloat16",
+    torch.int64: "Long",
+    torch.int32: "Int",
+    torch.int16: "Short",
+    torch.int8: "Char",
+    torch.uint8: "Byte",
+    torch.bool: "Bool",
+    torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble",
+}
+
+
+def check_inplace_cast(result: torch.dtype, target: torch.dtype) -> None:
+    """Eager's error for an in-place op whose result the written tensor's dtype cannot hold
+    (``int_tensor.add_(0.5)``): the write is never made with a silent cast."""
+    if result != target and not torch.can_cast(result, target):
+        raise RuntimeError(
+            f"result type {_SCALAR_TYPE_NAMES.get(result, result)} can't be cast to the desired "
+            f"output type {_SCALAR_TYPE_NAMES.get(target, target)}"
+        )
+
+
 def _inplace(func: Any, fn: Any, args: tuple, kwargs: dict, mutated: list[int]) -> Any:
     out = _record(fn, args, _with_defaults(func, fn, args, kwargs))
     outs = out if isinstance(out, (list, tuple)) else [out]
@@ -723,6 +750,7 @@ def _inplace(func: Any, fn: Any, args: tuple, kwargs: dict, mutated: list[int]) 
         vn = read(v)
         vg, tg = _geo(v), _geo(t)  # interned geometries: no torch.Size built per check
         if vg.dtype != tg.dtype or vg.shape != tg.shape:
+            check_inplace_cast(vg.dtype, tg.dtype)
             vn = _record_nodes(aten._to_copy.default, Ref(vn), dtype=t.dtype).id
             if v.shape != t.shape:
                 vn = _record_nodes(aten.expand.default, Ref(vn), list(t.shape)).id

@@ -65,6 +65,7 @@ HEADERS = (
     "op_table.h",
     "record.h",
     "foreach.h",
+    "inplace.h",
     "cut.h",
     "api.h",
     "attention.h",
@@ -145,7 +146,13 @@ def load() -> ModuleType:
                     "device's Python recorder is unaffected.",
                 )
             ) from None
-        mod.configure(table.OPS, table.STRUCTURAL, table.foreach_splits())
+        mod.configure(
+            table.OPS,
+            table.STRUCTURAL,
+            table.FILLS,
+            table.foreach_splits(),
+            table.inplace_pairs(),
+        )
         # the kiln device's guard in C++: a Python error raised inside a backward pass (a hook)
         # then reaches backward() instead of ending the process (lazy/guard.h)
         mod.install_device_guard()

@@ -10,13 +10,19 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Python-facing helpers
 
-// `ops`: the table (`record`); `foreach`: (foreach overload, its per-tensor overload, in-place)
-// triples recorded by `foreach_split` (foreach.h); both as "name.overload".
+// `ops`: the table (`record`); `structural`: ops whose Python floats stay in the node; `fills`:
+// table ops made as data by the Python fallback when their tensor holds data (`zeros_like`, ...);
+// `foreach`: (foreach overload, its per-tensor overload, in-place) triples recorded by
+// `foreach_split` (foreach.h); `inplace`: (in-place overload, its functional table op) pairs
+// recorded by `inplace_here` (inplace.h); all as "name.overload".
 void configure(const std::vector<std::string>& ops, const std::vector<std::string>& structural,
-               const std::vector<std::tuple<std::string, std::string, bool>>& foreach) {
+               const std::vector<std::string>& fills,
+               const std::vector<std::tuple<std::string, std::string, bool>>& foreach,
+               const std::vector<std::tuple<std::string, std::string>>& inplace) {
   std::lock_guard<std::mutex> lock(mu);
   TORCH_CHECK(!table_lib, "kiln native recorder: configure() runs once per process");
   std::unordered_set<std::string> keep(structural.begin(), structural.end());
+  std::unordered_set<std::string> made_as_data(fills.begin(), fills.end());
   table_lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten",
                                                c10::DispatchKey::PrivateUse2, __FILE__, __LINE__);
   for (const std::string& full : ops) {
@@ -28,6 +34,7 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
                                                               overload.c_str());
     OpFacts f;
     f.lift = keep.count(name) == 0;
+    f.fill = made_as_data.count(full) != 0;
     table[op_key(op)] = f;
     std::string reg = overload.empty() ? name : name + "." + overload;
     if (name == "_reshape_alias")
@@ -42,6 +49,18 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
       table_lib->impl(
           reg.c_str(),
           torch::CppFunction::makeFromBoxedFunction<&guarded<&index_backward_here<false>>>());
+    else if (name == "split")
+      table_lib->impl(
+          reg.c_str(),
+          torch::CppFunction::makeFromBoxedFunction<&guarded<&split_here<Split::EVEN>>>());
+    else if (name == "split_with_sizes")
+      table_lib->impl(
+          reg.c_str(),
+          torch::CppFunction::makeFromBoxedFunction<&guarded<&split_here<Split::SIZES>>>());
+    else if (name == "unbind")
+      table_lib->impl(
+          reg.c_str(),
+          torch::CppFunction::makeFromBoxedFunction<&guarded<&split_here<Split::UNBIND>>>());
     else
       table_lib->impl(reg.c_str(),
                       torch::CppFunction::makeFromBoxedFunction<&guarded<&record>>());
@@ -53,6 +72,17 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
     return c10::Dispatcher::singleton().findSchemaOrThrow(
         ("aten::" + full.substr(0, dot)).c_str(), overload.c_str());
   };
+  for (const auto& [in_name, fn_name] : inplace) {
+    auto op = handle(in_name);
+    auto fn = handle(fn_name);
+    TORCH_CHECK(table.count(op_key(fn)), "kiln native recorder: ", fn_name,
+                " (the functional variant of ", in_name, ") is not in the op table");
+    inplace_ops.emplace(op_key(op), fn);
+    std::string reg = op.schema().name().substr(6);
+    if (!op.schema().overload_name().empty()) reg += "." + op.schema().overload_name();
+    table_lib->impl(reg.c_str(),
+                    torch::CppFunction::makeFromBoxedFunction<&guarded<&inplace_here>>());
+  }
   for (const auto& [fe_name, per_name, inplace] : foreach) {
     auto fe = handle(fe_name);
     if (!add_foreach_split(fe, handle(per_name), inplace)) continue;
@@ -68,7 +98,9 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
   for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
     if (name.name.rfind("aten::", 0) != 0) continue;
     auto op = c10::Dispatcher::singleton().findOp(name);
-    if (!op || table.count(op_key(*op)) || foreach_splits.count(op_key(*op))) continue;
+    if (!op || table.count(op_key(*op)) || foreach_splits.count(op_key(*op)) ||
+        inplace_ops.count(op_key(*op)))
+      continue;
     if (op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) continue;
     if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
         !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
@@ -169,10 +201,15 @@ py::tuple recipe_info(int64_t id) {
   py::list args, kwargs;
   int32_t k = 0;
   for (const Slot& s : r.slots) {
-    // (kind, value): 0 a constant, 1 the k-th node input, 2/3/4 a dtype/memory format/layout int
+    // (kind, value): 0 a constant, 1 the k-th node input, 2/3/4 a dtype/memory format/layout
+    // int, 5 a tensor list: (its first node input, how many)
     py::object v;
     int kind = 0;
-    if (s.kind != Slot::CONST) {
+    if (s.kind == Slot::TENSOR_LIST) {
+      v = py::make_tuple(k, s.count);
+      k += s.count;
+      kind = 5;
+    } else if (s.kind != Slot::CONST) {
       v = py::int_(k++);
       kind = 1;
     } else if (s.pykind == 1) {

@@ -66,6 +66,8 @@ def _const(kind: int, v: Any) -> Any:
 
 def _arg(item: tuple) -> Any:
     kind, v = item
+    if kind == 5:  # a tensor list: node inputs v[0] .. v[0] + v[1] - 1, as a tuple
+        return tuple(In(v[0] + i) for i in range(v[1]))
     return In(v) if kind == 1 else _const(kind, v)
 
 

@@ -51,7 +51,14 @@ from kiln.frontends.lazy.native.outops import is_out as _is_out
 from kiln.frontends.lazy.native.outops import writes_outputs as _writes_outputs
 from kiln.frontends.lazy.native.outops import written as _written
 from kiln.frontends.lazy.shapes import infer_typed
-from kiln.frontends.lazy.tensor import _BIT_VIEWS, FILLS, _facts, _with_defaults, fill_value
+from kiln.frontends.lazy.tensor import (
+    _BIT_VIEWS,
+    FILLS,
+    _facts,
+    _with_defaults,
+    check_inplace_cast,
+    fill_value,
+)
 from kiln.ir.graph import In
 from kiln.lowering.aten import Ref, op_name, template
 
@@ -333,6 +340,7 @@ class Handler:
             if not isinstance(v, torch.Tensor):
                 return _NOT_DONE
             if v.dtype != t.dtype:
+                check_inplace_cast(v.dtype, t.dtype)
                 v = v.to(t.dtype)
             if through is not None and v.shape == t.shape:
                 if not viewwrite.write_through(self.mod, through[0], through[1], v):

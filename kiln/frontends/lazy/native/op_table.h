@@ -12,6 +12,9 @@ namespace {
 
 struct OpFacts {
   bool lift = true;  // Python floats become scalar graph inputs
+  // zeros_like / ones_like / full_like: of a tensor holding data made as data by the Python
+  // fallback (lazy/tensor.py's FILLS), of a pending value recorded here
+  bool fill = false;
 };
 std::unordered_map<const void*, OpFacts> table;  // by operator handle identity (schema address)
 std::unique_ptr<torch::Library> table_lib;
@@ -34,6 +37,7 @@ enum Tag : int64_t {
   T_WRAPPED_BOOL,
   T_WRAPPED_DOUBLE,
   T_BOOL_LIST,
+  T_TENSOR_LIST,
 };
 
 int64_t double_bits(double d) {
@@ -43,8 +47,19 @@ int64_t double_bits(double d) {
 }
 
 // Append one argument's part of the call signature; false for an argument the native path does
-// not record (a CPU tensor, a tensor list, ...): the call goes to the Python fallback.
+// not record (a CPU tensor, a list holding one, ...): the call goes to the Python fallback.
 bool sig_of(const IValue& v, bool lift, std::vector<int64_t>& sig) {
+  if (v.isTensorList()) {  // `cat`'s and `stack`'s tensors: every one native
+    const auto& l = v.toTensorList();
+    sig.push_back(T_TENSOR_LIST);
+    sig.push_back(static_cast<int64_t>(l.size()));
+    for (const at::Tensor& t : l) {
+      NativeImpl* n = native_of(t);
+      if (!n) return false;
+      sig.push_back(n->geo);
+    }
+    return true;
+  }
   if (v.isTensor()) {
     const at::Tensor& t = v.toTensor();
     if (NativeImpl* n = native_of(t)) {
@@ -105,11 +120,14 @@ bool sig_of(const IValue& v, bool lift, std::vector<int64_t>& sig) {
     sig.push_back(static_cast<int64_t>(s.size()));
     for (char c : s) sig.push_back(c);
   } else if (v.isDevice()) {
-    // a factory's explicit device (`x.new_zeros(n, device=...)`): the Python fallback takes
-    // the call -- it makes a CPU tensor for "cpu", and keeps the kiln device out of the meta run
-    // and of the node (here a Python meta kernel such as `new_zeros`' would make a kiln tensor
-    // while the recorder's lock is held)
-    return false;
+    // an explicit device (`x.double()`: `_to_copy(x, dtype, device=kiln)`, `x.new_zeros(n,
+    // device=...)`): the kiln device is recorded (a meta device in the meta run: a meta kernel
+    // such as `new_zeros`' would make a kiln tensor there); any other goes to the Python
+    // fallback, which makes a CPU tensor for "cpu"
+    const c10::Device d = v.toDevice();
+    if (d.type() != c10::DeviceType::PrivateUse1) return false;
+    sig.push_back(T_DEVICE);
+    sig.push_back(d.index());
   } else {
     return false;
   }
@@ -194,6 +212,16 @@ Recipe* make_recipe(const c10::OperatorHandle& op, const torch::jit::Stack& stac
   meta.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     const IValue& v = stack[first + i];
+    if (v.isTensorList()) {  // (sig_of: every element native)
+      c10::List<at::Tensor> l;
+      for (const at::Tensor& t : v.toTensorList()) l.push_back(meta_of(native_of(t)));
+      meta.emplace_back(std::move(l));
+      continue;
+    }
+    if (v.isDevice()) {  // (sig_of: the kiln device)
+      meta.emplace_back(c10::Device(c10::kMeta));
+      continue;
+    }
     NativeImpl* nt = v.isTensor() ? native_of(v.toTensor()) : nullptr;
     meta.push_back(nt ? IValue(meta_of(nt)) : v);
   }
@@ -244,12 +272,18 @@ Recipe* make_recipe(const c10::OperatorHandle& op, const torch::jit::Stack& stac
     if (v.isTensor() && native_of(v.toTensor())) {
       s.kind = Slot::TENSOR;
       ++n_in;
+    } else if (v.isTensorList()) {
+      s.kind = Slot::TENSOR_LIST;
+      s.count = static_cast<int32_t>(v.toTensorList().size());
+      n_in += s.count;
     } else if (is_lifted(v, lift)) {
       s.kind = Slot::LIFTED;
       ++n_in;
     } else {
       s.kind = Slot::CONST;
-      s.value = const_of(v);
+      // a keyword device (the kiln device: sig_of) runs on the CPU in the graph, as the Python
+      // fallback's templates have it (outops.cpu_device)
+      s.value = v.isDevice() && i >= kw_start ? IValue(c10::Device(c10::kCPU)) : const_of(v);
       s.pykind = v.isInt() ? enum_kind(args[i].real_type()) : 0;
     }
     h = mix(h, static_cast<uint64_t>(s.kind) * 1000003 + i);

@@ -39,6 +39,15 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
   TORCH_CHECK_NOT_IMPLEMENTED(facts != table.end(), "kiln native recorder: ",
                               schema.operator_name(), " is not in its op table");
   const bool lift = facts->second.lift;
+  if (facts->second.fill) {
+    const IValue& like = (*stack)[first];
+    NativeImpl* x = like.isTensor() ? native_of(like.toTensor()) : nullptr;
+    if (x && holds_value(*x->st)) {
+      lock.unlock();
+      to_python(op, stack);
+      return;
+    }
+  }
   // the call's signature: the op, the default dtype, each argument
   std::vector<int64_t>& sig = sig_buf;
   sig.clear();
@@ -75,6 +84,8 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
       const IValue& v = (*stack)[first + i];
       if (v.isTensor()) {
         if (NativeImpl* nt = native_of(v.toTensor())) h = mix(h, geos[nt->geo].hash);
+      } else if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorList()) h = mix(h, geos[native_of(t)->geo].hash);
       }
     }
     for (size_t k = 2; k < sig.size(); ++k) h = mix(h, static_cast<uint64_t>(sig[k]) * 31);
@@ -119,6 +130,9 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
     for (const Slot& s : r->slots) {
       if (s.kind == Slot::TENSOR) {
         in[k++] = read(native_of((*stack)[first + s.stack_index].toTensor()));
+      } else if (s.kind == Slot::TENSOR_LIST) {
+        for (const at::Tensor& t : (*stack)[first + s.stack_index].toTensorList())
+          in[k++] = read(native_of(t));
       } else if (s.kind == Slot::LIFTED) {
         const IValue& v = (*stack)[first + s.stack_index];
         double d = v.isDouble() ? v.toDouble()
@@ -180,6 +194,52 @@ void index_backward_here(const c10::OperatorHandle&, c10::DispatchKeySet,
             : at::select_scatter(zeros, grad, dim, (*stack)[first + 3].toInt());
   torch::jit::drop(*stack, n);
   stack->emplace_back(std::move(out));
+}
+
+// `split` / `split_with_sizes` / `unbind` as one view per piece, `narrow` / `select` of the tensor
+// (table views: chain links, aliasing kept), as the Python fallback's _SPLIT_VIEWS spell them.
+enum class Split { EVEN, SIZES, UNBIND };
+
+template <Split S>
+void split_here(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  const size_t n = S == Split::UNBIND ? 2 : 3;  // (self, [split_size | split_sizes,] dim)
+  const size_t first = stack->size() - n;
+  const IValue& x = (*stack)[first];
+  if (!x.isTensor() || !native_of(x.toTensor())) return to_python(op, stack);
+  at::Tensor self = x.toTensor();
+  const int64_t dim = at::maybe_wrap_dim((*stack)[first + n - 1].toInt(), self.dim());
+  const int64_t len = self.size(dim);
+  std::vector<at::Tensor> out;
+  if constexpr (S == Split::EVEN) {
+    const int64_t size = (*stack)[first + 1].toInt();
+    TORCH_CHECK(size >= 0, "split expects split_size be non-negative, but got split_size=", size);
+    TORCH_CHECK(size > 0 || len == 0,
+                "split_size can only be 0 if dimension size is 0, but got dimension size of ", len);
+    if (len == 0) {
+      out.push_back(self.narrow(dim, 0, 0));
+    } else {
+      for (int64_t i = 0; i < len; i += size) out.push_back(self.narrow(dim, i, std::min(size, len - i)));
+    }
+  } else if constexpr (S == Split::SIZES) {
+    const auto sizes = (*stack)[first + 1].toIntList();
+    int64_t sum = 0;
+    for (int64_t k : sizes) {
+      TORCH_CHECK(k >= 0, "split_with_sizes expects split_sizes have only non-negative entries, ",
+                  "but got an entry ", k);
+      sum += k;
+    }
+    TORCH_CHECK(sum == len, "split_with_sizes expects split_sizes to sum exactly to ", len,
+                " (input tensor's size at dimension ", dim, "), but got sum ", sum);
+    int64_t start = 0;
+    for (int64_t k : sizes) {
+      out.push_back(self.narrow(dim, start, k));
+      start += k;
+    }
+  } else {
+    for (int64_t i = 0; i < len; ++i) out.push_back(self.select(dim, i));
+  }
+  torch::jit::drop(*stack, n);
+  stack->emplace_back(c10::List<at::Tensor>(out));
 }
 
 // ---------------------------------------------------------------------------------------------

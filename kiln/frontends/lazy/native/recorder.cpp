@@ -33,6 +33,7 @@
 //   op_table.h  the op table, call signatures, make_recipe (meta kernel, node template)
 //   record.h    `record` (the table ops' boxed kernel) and the boxed fallback to Python
 //   foreach.h   `_foreach_*` ops split into per-tensor ops, in-place ones written back
+//   inplace.h   in-place table ops: their functional op recorded, the result written back
 //   cut.h       graphs seen before, the Cut, cut()
 //   api.h       the functions the module binds (configure, value, the fallback's bridge ...)
 //   guard.h     the kiln device's guard in C++ (no Python call inside the autograd engine)
@@ -80,6 +81,7 @@ TORCH_PYTHON_API IValue toIValue(py::handle obj, const c10::TypePtr& type,
 #include "op_table.h"
 #include "record.h"
 #include "foreach.h"
+#include "inplace.h"
 #include "cut.h"
 #include "api.h"
 #include "guard.h"
@@ -92,12 +94,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // (PyTorch's bindings release it) and may need it while holding the lock (a meta kernel
   // written in Python).
   using nogil = py::call_guard<py::gil_scoped_release>;
-  m.def("configure", &configure, py::arg("ops"), py::arg("structural"), py::arg("foreach"),
-        nogil());
+  m.def("configure", &configure, py::arg("ops"), py::arg("structural"), py::arg("fills"),
+        py::arg("foreach"), py::arg("inplace"), nogil());
   m.def("set_foreach_hooks", &set_foreach_hooks);
   m.def("install_device_guard", &install_device_guard);
   m.def("device_guard_installed", &device_guard_installed);
   m.def("foreach_calls", [] { return n_foreach.load(); });
+  m.def("inplace_calls", [] { return n_inplace.load(); });
   m.def("from_cpu", &from_cpu, py::arg("t"), py::arg("aliased") = false,
         py::arg("borrowed") = false, nogil());
   m.def("value", &value, nogil());

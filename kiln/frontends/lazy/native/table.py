@@ -14,6 +14,7 @@ import torch
 
 from kiln.frontends.lazy.foreach import split_of
 from kiln.frontends.lazy.tensor import _STRUCTURAL_FLOATS, _facts
+from kiln.frontends.lazy.tensor import FILLS as _FILLS
 
 UNARY = [
     "abs.default",
@@ -103,10 +104,37 @@ MODELS = [
     "select_backward.default",
 ]
 
-OPS = UNARY + BINARY + MATMUL + REDUCTIONS + VIEWS + OTHER + OPTIMIZER + TRAINING + MODELS
+# more ops of the workloads' steps the Python fallback recorded as one plain node each: tensor
+# lists (`cat`, `stack`: every element a node input), GELU-tanh's and ReLU's backward, `gather`,
+# the convolutions and max pooling (forward and backward) of a CNN, dtype casts on the device
+# (`_to_copy` with no `device=`: with one, the Python fallback takes it), the fills of a
+# pending value (of a tensor holding data they are made as data: FILLS below), and the splits
+MORE = [
+    "cat.default",
+    "stack.default",
+    "tanh_backward.default",
+    "threshold_backward.default",
+    "gather.default",
+    "convolution.default",
+    "convolution_backward.default",
+    "max_pool2d_with_indices.default",
+    "max_pool2d_with_indices_backward.default",
+    "_to_copy.default",
+    "zeros_like.default",
+    "ones_like.default",
+    "full_like.default",
+    # one view per piece (narrow / select: table views), as the Python fallback's _SPLIT_VIEWS
+    "split.Tensor",
+    "split_with_sizes.default",
+    "unbind.int",
+]
+
+OPS = UNARY + BINARY + MATMUL + REDUCTIONS + VIEWS + OTHER + OPTIMIZER + TRAINING + MODELS + MORE
 # ops whose Python floats stay in the node: the Python recorder's own set (pow's exponent,
 # masked_fill's value, the norms' eps, ...), so both recorders build the same nodes
 STRUCTURAL = sorted(_STRUCTURAL_FLOATS)
+# ops the Python fallback makes as data when their tensor holds data (lazy/tensor.py's FILLS)
+FILLS = sorted(f"{f._schema.name[6:]}.{f._overloadname}" for f in _FILLS)
 
 
 def foreach_splits() -> list[tuple[str, str, bool]]:
@@ -129,4 +157,32 @@ def foreach_splits() -> list[tuple[str, str, bool]]:
                 continue
             per = split.op
             out.append((f"{name}.{ov}", f"{per._schema.name[6:]}.{per._overloadname}", inplace))
+    return out
+
+
+_COMPARISONS = {"gt", "lt", "ge", "le", "eq", "ne"}
+
+
+def inplace_pairs() -> list[tuple[str, str]]:
+    """(in-place overload, its functional table op) for every table op (views aside) with an
+    in-place variant writing its first argument only, as "name.overload": the recorder records
+    these in C++ as the functional op and a write-back (``inplace.h``)."""
+    out = []
+    for full in OPS:
+        if full in VIEWS:
+            continue
+        name, ov = full.split(".")
+        if name in _COMPARISONS:
+            continue  # (a bool result: cast back to the tensor's dtype by the Python fallback)
+        packet = getattr(torch.ops.aten, name + "_", None)
+        if packet is None or ov not in packet.overloads():
+            continue
+        func = getattr(packet, ov)
+        facts = _facts(func)
+        if facts.functional is None or facts.inplace_view or list(facts.mutated) != [0]:
+            continue
+        fn = facts.functional
+        if f"{fn._schema.name[6:]}.{fn._overloadname}" != full:
+            continue
+        out.append((f"{name}_.{ov}", full))
     return out

@@ -9,8 +9,9 @@ namespace {
 
 // One argument of a recipe's node template.
 struct Slot {
-  enum Kind : uint8_t { TENSOR, LIFTED, CONST } kind;
+  enum Kind : uint8_t { TENSOR, LIFTED, CONST, TENSOR_LIST } kind;
   int32_t stack_index;  // where the value is on the boxed call's stack
+  int32_t count = 1;    // TENSOR_LIST: how many tensors (one node input each, in order)
   IValue value;         // CONST: the constant (wrapped numbers as Python numbers would be)
   uint8_t pykind = 0;   // CONST: 0 as is, 1 a dtype, 2 a memory format, 3 a layout (ints here)
   std::string name;     // keyword arguments: the name; positional: empty
@@ -20,7 +21,7 @@ struct Recipe {
   int32_t id;
   std::optional<c10::OperatorHandle> op;
   std::vector<Slot> slots;  // positional first, then keyword, as __torch_dispatch__ passes them
-  int32_t n_inputs;         // TENSOR and LIFTED slots
+  int32_t n_inputs;         // TENSOR and LIFTED slots, and each TENSOR_LIST element
   int32_t out_geo;          // one output: its geometry; several: -1 (see getitems)
   bool view;                // a view op: the result is a link of its input's chain
   bool python = false;      // made by the Python fallback (its template lives in Python)
