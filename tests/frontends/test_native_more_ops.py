@@ -231,7 +231,7 @@ def test_split_pieces_are_views_of_their_tensor():
     x = torch.randn(6, 4)
     lx = x.to(dev)
     kiln.mark_step()
-    a, b, c = lx.split(2)
+    a, b, _ = lx.split(2)
     r0, *_ = lx.unbind(1)
     a.mul_(2.0)  # a write through a view: every alias sees it
     got = (lx * 1, b * 1, r0 * 1)
