@@ -4,8 +4,9 @@
 
 The step is bench/run.py's (forward, backward, AdamW, zero_grad, ``loss.item()``; the lazy device
 adds ``mark_step``), on one torch thread, Kiln compile mode and the lazy device interleaved in one
-process (alternating which goes first), each on its own copy of the model.  Per mode, medians
-over ``--steps`` steps of process CPU time (ms): ``total``; ``upload`` (the batch's ``.to``),
+process (alternating which goes first), each on its own copy of the model (``--threads``: 1 by
+default).  Per mode, medians
+over ``--steps`` steps of wall time (``wall``) and process CPU time (ms): ``total``; ``upload`` (the batch's ``.to``),
 ``step`` (the Python step: for the lazy device, recording), ``mark_step``, ``item``; and, thread
 CPU time of the calling thread: ``execute`` (every Kiln graph the step runs: compile mode's
 forward/backward/optimizer graphs, the lazy device's whole-step graph and any forced-sync graph),
@@ -71,6 +72,7 @@ class Mode:
 
     def run(self, batch: tuple, keep: bool) -> None:
         _acc.clear()
+        w0 = time.perf_counter()
         c0 = time.process_time()
         xs = tuple(t.to(self.dev) for t in batch)
         c1 = time.process_time()
@@ -81,8 +83,10 @@ class Mode:
         c3 = time.process_time()
         loss.item()
         c4 = time.process_time()
+        w4 = time.perf_counter()
         if keep:
             for k, v in (
+                ("wall", w4 - w0),
                 ("total", c4 - c0),
                 ("upload", c1 - c0),
                 ("step", c2 - c1),
@@ -108,12 +112,15 @@ def bench(name: str, a: argparse.Namespace) -> None:
     for m in modes:
         d = med[m.mode]
         print(
-            f"  {m.mode:4s} total {d['total']:6.2f}  upload {d['upload']:5.2f}  step "
+            f"  {m.mode:4s} wall {d['wall']:6.2f}  total {d['total']:6.2f}  upload {d['upload']:5.2f}  step "
             f"{d['step']:6.2f}  mark_step {d['mark_step']:6.2f}  item {d['item']:5.2f}  "
             f"execute {d['execute']:6.2f}  cut {d['cut']:5.2f}  peak {d['peak']:5.2f}  "
             f"graphs {d['graphs']:.0f}"
         )
-    print(f"  lazy/kiln {med['lazy']['total'] / med['kiln']['total']:.3f}")
+    print(
+        f"  lazy/kiln {med['lazy']['total'] / med['kiln']['total']:.3f} (CPU), "
+        f"{med['lazy']['wall'] / med['kiln']['wall']:.3f} (wall)"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -121,10 +128,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workloads", default="gpt2,bert,llama,gpt")
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     if kiln.config.lazy_recorder != "native":
         raise SystemExit("run with KILN_LAZY_RECORDER=native: this breaks down the native step")
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     torch._dynamo.config.recompile_limit = 64
     _instrument()
     for name in a.workloads.split(","):
