@@ -21,13 +21,18 @@ from _native_testlib import native_device, run_native  # noqa: F401 - native_dev
 
 import kiln
 from kiln.frontends.lazy import native
-from kiln.frontends.lazy.native import table
+from kiln.frontends.lazy.native import rng, table
 from kiln.runtime import compiler
 
 dev = kiln.device()
-CPP_OPS = {f"aten::{op}" for op in table.MORE} | {
-    f"aten::{inplace}" for inplace, _ in table.inplace_pairs()
-}
+CPP_OPS = (
+    {f"aten::{op}" for op in table.MORE}
+    | {f"aten::{inplace}" for inplace, _ in table.inplace_pairs()}
+    | {
+        "aten::_scaled_dot_product_flash_attention_for_cpu.default",
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward.default",
+    }
+)
 
 pytestmark = pytest.mark.usefixtures("native_device")
 
@@ -126,6 +131,46 @@ def test_convolution_and_max_pooling_forward_and_backward_in_cpp(shape, layout):
     torch.testing.assert_close(out_l.cpu(), out_r.detach())
     for name, r, lt in zip(("x", "w", "b"), ref, lz):
         torch.testing.assert_close(lt.grad.cpu(), r.grad, msg=name, atol=1e-4, rtol=1e-4)
+    assert py == {}, f"table ops through the Python fallback: {py}"
+
+
+def test_no_table_op_lowers_to_a_random_node():
+    """The C++ path records no seed: an op Kiln lowers as a random node (seeded from the step's
+    seed by the Python fallback, ``rng.py``) must never be in the table."""
+    for full in table.OPS:
+        name, overload = full.split(".")
+        func = getattr(getattr(torch.ops.aten, name), overload)
+        assert not rng.is_random_node(func), full
+
+
+@pytest.mark.parametrize("variant", ["plain", "causal", "bool_mask", "float_mask", "odd"])
+def test_sdpa_forward_and_backward_in_cpp(variant):
+    torch.manual_seed(0)
+    b, h, L, S, e = (1, 3, 5, 7, 6) if variant == "odd" else (2, 2, 8, 8, 4)
+    q, k, v = torch.randn(b, h, L, e), torch.randn(b, h, S, e), torch.randn(b, h, S, e)
+    mask = None
+    if variant == "bool_mask":
+        mask = torch.rand(L, S) > 0.3
+        mask[:, 0] = True  # no row fully masked
+    elif variant == "float_mask":
+        mask = torch.randn(b, 1, L, S)
+
+    def fn(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=variant == "causal")
+
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_r = fn(*ref, mask)
+    (out_r * out_r).sum().backward()
+    kiln.mark_step()
+    lz = [t.to(dev).requires_grad_() for t in (q, k, v)]
+    before = dict(native.python_ops())
+    out_l = fn(*lz, None if mask is None else mask.to(dev))
+    (out_l * out_l).sum().backward()
+    py = _python_calls_of(before)
+    kiln.mark_step()
+    torch.testing.assert_close(out_l.cpu(), out_r.detach())
+    for name, r, lt in zip("qkv", ref, lz):
+        torch.testing.assert_close(lt.grad.cpu(), r.grad, msg=name)
     assert py == {}, f"table ops through the Python fallback: {py}"
 
 
