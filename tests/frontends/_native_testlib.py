@@ -79,6 +79,79 @@ def check(fn, *inputs, exact=False):
     return cut
 
 
+# the inputs of the per-op tests: odd sizes, one element, no rows, non-contiguous
+SHAPES = {
+    "odd": lambda: torch.randn(5, 7),
+    "one": lambda: torch.randn(1, 1),
+    "size0": lambda: torch.randn(0, 6),
+    "noncontiguous": lambda: torch.randn(9, 6).t()[:, ::2],
+}
+
+
+def python_calls_since(before: dict[str, int], ops: set[str] | None = None) -> dict[str, int]:
+    """The Python fallback's calls per op since ``before`` (``native.python_ops()`` then), of
+    ``ops`` only when given."""
+    now = native.python_ops()
+    return {
+        k: v - before.get(k, 0)
+        for k, v in now.items()
+        if v > before.get(k, 0) and (ops is None or k in ops)
+    }
+
+
+def on_device_and_eager(fn, x: torch.Tensor, a: torch.Tensor) -> dict:
+    """``fn(x, a)`` and the gradient of ``sum(fn(x, a) ** 2)`` with respect to ``x``, on the kiln
+    device (``x`` keeps its geometry there: non-contiguous stays so) and in eager: the device's
+    ``out`` and ``grad`` (CPU tensors), eager's ``want_out`` and ``want_grad``, and ``python``:
+    the Python fallback's calls per op while the device recorded the forward and backward."""
+    xr = x.clone().requires_grad_()
+    out_r = fn(xr, a)
+    (out_r * out_r).sum().backward()
+    kiln.mark_step()
+    xl = x.to(kiln.device()).requires_grad_()
+    al = a.to(kiln.device())
+    before = dict(native.python_ops())
+    out_l = fn(xl, al)
+    (out_l * out_l).sum().backward()
+    python = python_calls_since(before)
+    kiln.mark_step()
+    return {
+        "out": out_l.cpu(),
+        "grad": xl.grad.cpu(),
+        "want_out": out_r.detach(),
+        "want_grad": xr.grad,
+        "python": python,
+    }
+
+
+def check_same_graph_as_the_python_recorder(
+    program, inputs: tuple, cpp_ops: set[str], allowed: frozenset[str] = frozenset()
+) -> None:
+    """``program(*inputs)`` recorded by the native recorder (``run_native``, the kiln device on
+    the Python recorder meanwhile) converts to node for node the graph the Python recorder
+    compiles for it (equal structural hash), with no call of ``cpp_ops`` but the ``allowed`` ones
+    through the Python fallback; both recorders' values are eager's."""
+    from kiln.runtime import compiler
+
+    kiln.config.update(lazy_recorder="python")
+    try:
+        before = dict(native.python_ops())
+        got, cut = run_native(program, *inputs)
+        python = set(python_calls_since(before, cpp_ops))
+        assert python <= allowed, f"table ops through the Python fallback: {python - allowed}"
+        g = native.graph_of(cut.graph_id)
+        out = program(*(t.to(kiln.device()) for t in inputs))
+        kiln.mark_step()
+    finally:
+        kiln.config.update(lazy_recorder="native")
+    hashes = [e.source_graph_hash for e in compiler.executables()]
+    assert g.hash in hashes, f"native graph not compiled by the kiln device:\n{g}"
+    want = program(*inputs)
+    for k, (a, b, c) in enumerate(zip(got, [o.cpu() for o in out], want)):
+        torch.testing.assert_close(a, c, msg=f"native output {k}")
+        torch.testing.assert_close(b, c, msg=f"Python recorder output {k}")
+
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -17,12 +17,17 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from _native_testlib import native_device, run_native  # noqa: F401 - native_device: the module fixture
+from _native_testlib import (  # noqa: F401 - native_device: the module fixture
+    SHAPES,
+    check_same_graph_as_the_python_recorder,
+    native_device,
+    on_device_and_eager,
+    python_calls_since,
+)
 
 import kiln
 from kiln.frontends.lazy import native
 from kiln.frontends.lazy.native import rng, table
-from kiln.runtime import compiler
 
 dev = kiln.device()
 CPP_OPS = (
@@ -35,13 +40,6 @@ CPP_OPS = (
 )
 
 pytestmark = pytest.mark.usefixtures("native_device")
-
-
-def _python_calls_of(before: dict[str, int]) -> dict[str, int]:
-    now = native.python_ops()
-    return {
-        k: v - before.get(k, 0) for k, v in now.items() if k in CPP_OPS and v > before.get(k, 0)
-    }
 
 
 def _index(a: torch.Tensor, n: int) -> torch.Tensor:
@@ -72,34 +70,17 @@ OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "ones_like": lambda x, a: (x * a + torch.ones_like(x * a)) * torch.zeros_like(a + 1.0),
     "full_like": lambda x, a: x * torch.full_like(x * a, 2.5),
 }
-SHAPES = {
-    "odd": lambda: torch.randn(5, 7),
-    "one": lambda: torch.randn(1, 1),
-    "size0": lambda: torch.randn(0, 6),
-    "noncontiguous": lambda: torch.randn(9, 6).t()[:, ::2],
-}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("name", list(OPS))
 def test_op_forward_and_backward_match_eager_in_cpp(name, shape):
-    fn = OPS[name]
     torch.manual_seed(0)
     x = SHAPES[shape]()
-    a = torch.randn(x.shape).abs() + 0.1
-    xr = x.clone().requires_grad_()
-    out_r = fn(xr, a)
-    (out_r * out_r).sum().backward()
-    kiln.mark_step()
-    xl = x.to(dev).requires_grad_()  # keeps x's geometry (non-contiguous stays so)
-    al = a.to(dev)
-    before = dict(native.python_ops())
-    out_l = fn(xl, al)
-    (out_l * out_l).sum().backward()
-    py = _python_calls_of(before)
-    kiln.mark_step()
-    torch.testing.assert_close(out_l.cpu(), out_r.detach())
-    torch.testing.assert_close(xl.grad.cpu(), xr.grad)
+    r = on_device_and_eager(OPS[name], x, torch.randn(x.shape).abs() + 0.1)
+    torch.testing.assert_close(r["out"], r["want_out"])
+    torch.testing.assert_close(r["grad"], r["want_grad"])
+    py = {k: v for k, v in r["python"].items() if k in CPP_OPS}
     assert py == {}, f"table ops through the Python fallback: {py}"
 
 
@@ -126,7 +107,7 @@ def test_convolution_and_max_pooling_forward_and_backward_in_cpp(shape, layout):
     before = dict(native.python_ops())
     out_l = _conv_pool(*lz)
     (out_l * out_l).sum().backward()
-    py = _python_calls_of(before)
+    py = python_calls_since(before, CPP_OPS)
     kiln.mark_step()
     torch.testing.assert_close(out_l.cpu(), out_r.detach())
     for name, r, lt in zip(("x", "w", "b"), ref, lz):
@@ -166,7 +147,7 @@ def test_sdpa_forward_and_backward_in_cpp(variant):
     before = dict(native.python_ops())
     out_l = fn(*lz, None if mask is None else mask.to(dev))
     (out_l * out_l).sum().backward()
-    py = _python_calls_of(before)
+    py = python_calls_since(before, CPP_OPS)
     kiln.mark_step()
     torch.testing.assert_close(out_l.cpu(), out_r.detach())
     for name, r, lt in zip("qkv", ref, lz):
@@ -315,27 +296,13 @@ def _program(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def test_same_graph_as_the_python_recorder():
     """The converted graph (C++ recipes: tensor-list inputs, split views, write-backs) is node
     for node the Python recorder's graph of the same program: equal structural hash."""
-    x, w = torch.randn(4, 3), torch.randn(3, 5)
-    kiln.config.update(lazy_recorder="python")
-    try:
-        before = dict(native.python_ops())
-        got, cut = run_native(_program, x, w)
+    check_same_graph_as_the_python_recorder(
+        _program,
+        (torch.randn(4, 3), torch.randn(3, 5)),
+        CPP_OPS,
         # (in-place ops: in C++ only with the native recorder as the kiln device's, off here)
-        assert {k for k in _python_calls_of(before) if not k.endswith("_.Tensor")} <= {
-            "aten::sub_.Tensor",
-            "aten::fill_.Scalar",
-        }
-        g = native.graph_of(cut.graph_id)
-        out = _program(x.to(dev), w.to(dev))
-        kiln.mark_step()
-    finally:
-        kiln.config.update(lazy_recorder="native")
-    hashes = [e.source_graph_hash for e in compiler.executables()]
-    assert g.hash in hashes, f"native graph not compiled by the kiln device:\n{g}"
-    want = _program(x, w)
-    for k, (a, b, c) in enumerate(zip(got, [o.cpu() for o in out], want)):
-        torch.testing.assert_close(a, c, msg=f"native output {k}")
-        torch.testing.assert_close(b, c, msg=f"Python recorder output {k}")
+        frozenset({"aten::sub_.Tensor", "aten::fill_.Scalar"}),
+    )
 
 
 class _CNN(torch.nn.Module):
@@ -369,7 +336,7 @@ def test_cnn_steady_training_step_matches_eager(opt):
         loss_l.backward()
         opt_l.step()
         opt_l.zero_grad()
-        py = _python_calls_of(before)
+        py = python_calls_since(before, CPP_OPS)
         kiln.mark_step()
         loss_r = F.cross_entropy(ref(x), tgt)
         loss_r.backward()

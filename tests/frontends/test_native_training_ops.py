@@ -15,25 +15,23 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from _native_testlib import native_device, run_native  # noqa: F401 - native_device: the module fixture
+from _native_testlib import (  # noqa: F401 - native_device: the module fixture
+    SHAPES,
+    check_same_graph_as_the_python_recorder,
+    native_device,
+    on_device_and_eager,
+    python_calls_since,
+)
 
 import kiln
 from kiln.frontends.lazy import native
 from kiln.frontends.lazy.native import table
-from kiln.runtime import compiler
 
 dev = kiln.device()
 CPP_OPS = {f"aten::{op}" for op in table.TRAINING}
 
 
 pytestmark = pytest.mark.usefixtures("native_device")
-
-
-def _python_calls_of_table_ops(before: dict[str, int]) -> dict[str, int]:
-    now = native.python_ops()
-    return {
-        k: v - before.get(k, 0) for k, v in now.items() if k in CPP_OPS and v > before.get(k, 0)
-    }
 
 
 def _labels(x: torch.Tensor, classes: int) -> torch.Tensor:
@@ -55,36 +53,20 @@ OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "cross_entropy_mean": lambda x, a: F.cross_entropy(x, _labels(a, x.shape[-1])),
     "embedding": lambda x, a: F.embedding(_labels(a, x.shape[0]), x) * 1.5,
 }
-SHAPES = {
-    "odd": lambda: torch.randn(5, 7),
-    "one": lambda: torch.randn(1, 1),
-    "size0": lambda: torch.randn(0, 6),
-    "noncontiguous": lambda: torch.randn(9, 6).t()[:, ::2],
-}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("name", list(OPS))
 def test_op_forward_and_backward_match_eager_in_cpp(name, shape):
-    fn = OPS[name]
     torch.manual_seed(0)
     x = SHAPES[shape]()
     if name in ("cross_entropy_mean", "embedding") and x.shape[0] == 0:
         pytest.skip("mean over no rows / embedding of a 0-row table: not a training input")
     a = torch.randn(x.shape).abs() + 0.1 if name != "masked_fill" else torch.randn(x.shape)
-    xr = x.clone().requires_grad_()
-    out_r = fn(xr, a)
-    (out_r * out_r).sum().backward()
-    kiln.mark_step()
-    xl = x.to(dev).requires_grad_()  # keeps x's geometry (non-contiguous stays so)
-    al = a.to(dev)
-    before = dict(native.python_ops())
-    out_l = fn(xl, al)
-    (out_l * out_l).sum().backward()
-    kiln.mark_step()
-    torch.testing.assert_close(out_l.cpu(), out_r.detach(), equal_nan=True)
-    torch.testing.assert_close(xl.grad.cpu(), xr.grad, equal_nan=True)
-    py = _python_calls_of_table_ops(before)
+    r = on_device_and_eager(OPS[name], x, a)
+    torch.testing.assert_close(r["out"], r["want_out"], equal_nan=True)
+    torch.testing.assert_close(r["grad"], r["want_grad"], equal_nan=True)
+    py = {k: v for k, v in r["python"].items() if k in CPP_OPS}
     if name.startswith("layer_norm"):
         # no weight/bias gradient wanted (or no weight): native_layer_norm_backward has absent
         # outputs, which the Python fallback records (the steady step below covers all three)
@@ -116,23 +98,11 @@ def _training_program(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, .
 def test_same_graph_as_the_python_recorder():
     """The converted graph (C++ recipes, getitem nodes of the multi-output ops) is node for node
     the Python recorder's graph of the same program: equal structural hash."""
-    x, w = torch.randn(4, 3), torch.randn(3, 5)
-    kiln.config.update(lazy_recorder="python")
-    try:
-        before = dict(native.python_ops())
-        got, cut = run_native(_training_program, x, w)
-        assert _python_calls_of_table_ops(before) == {}
-        g = native.graph_of(cut.graph_id)
-        out = _training_program(x.to(dev), w.to(dev))
-        kiln.mark_step()
-    finally:
-        kiln.config.update(lazy_recorder="native")
-    hashes = [e.source_graph_hash for e in compiler.executables()]
-    assert g.hash in hashes, f"native graph not compiled by the kiln device:\n{g}"
-    want = _training_program(x, w)
-    for k, (a, b, c) in enumerate(zip(got, [o.cpu() for o in out], want)):
-        torch.testing.assert_close(a, c, msg=f"native output {k}")
-        torch.testing.assert_close(b, c, msg=f"Python recorder output {k}")
+    check_same_graph_as_the_python_recorder(
+        _training_program,
+        (torch.randn(4, 3), torch.randn(3, 5)),
+        CPP_OPS,
+    )
 
 
 class _TinyLM(torch.nn.Module):
@@ -176,7 +146,7 @@ def test_steady_training_step_records_these_ops_in_cpp_and_matches_eager():
         before = dict(native.python_ops())
         loss_l = F.cross_entropy(lz(idx.to(dev)).flatten(0, 1), tgt.to(dev).flatten())
         loss_l.backward()
-        py = _python_calls_of_table_ops(before)
+        py = python_calls_since(before, CPP_OPS)
         kiln.mark_step()
         loss_r = F.cross_entropy(ref(idx).flatten(0, 1), tgt.flatten())
         loss_r.backward()
