@@ -175,11 +175,12 @@ bool has_value(const at::Tensor& t) {
 }
 
 // A C++ recipe's node template: (qual, overload, args, kwargs, per-output shapes, per-output
-// dtypes, view, item); a getitem recipe (one output of a multi-output node): qual "getitem",
-// no arguments, `item` the output it takes (-1 for every other recipe).
+// dtypes -- None for an absent output --, view, item); a getitem recipe (one output of a
+// multi-output node): qual "getitem", no arguments, `item` the output it takes (-1 for every
+// other recipe).
 py::tuple recipe_info(int64_t id) {
   const Recipe* rp = nullptr;  // recipes never change once made; `recipes` and `geos` may grow
-  std::vector<Geo> gs;
+  std::vector<std::optional<Geo>> gs;  // per output; none for an absent one
   {
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mu);
@@ -187,14 +188,24 @@ py::tuple recipe_info(int64_t id) {
     rp = recipes[id].get();
     TORCH_CHECK(!rp->python, "kiln native recorder: recipe ", id, " was made in Python");
     if (rp->out_geo >= 0) gs.push_back(geos[rp->out_geo]);
-    for (int32_t g : rp->getitems) gs.push_back(geos[recipes[g]->out_geo]);
+    for (int32_t g : rp->getitems) {
+      if (g < 0)
+        gs.emplace_back();
+      else
+        gs.emplace_back(geos[recipes[g]->out_geo]);
+    }
   }
   const Recipe& r = *rp;
   py::list shapes, dtypes;
-  for (const Geo& g : gs) {
-    shapes.append(py::tuple(py::cast(g.sizes)));
+  for (const std::optional<Geo>& g : gs) {
+    if (!g) {  // an absent output: None, as the Python fallback's types have it
+      shapes.append(py::none());
+      dtypes.append(py::none());
+      continue;
+    }
+    shapes.append(py::tuple(py::cast(g->sizes)));
     dtypes.append(py::reinterpret_borrow<py::object>(
-        reinterpret_cast<PyObject*>(torch::getTHPDtype(g.dtype))));
+        reinterpret_cast<PyObject*>(torch::getTHPDtype(g->dtype))));
   }
   if (r.item >= 0)
     return py::make_tuple("getitem", "", py::list(), py::list(), shapes, dtypes, false, r.item);

@@ -82,7 +82,9 @@ def template(mod: Any, rid: int) -> _Template:
     t = _templates.get(rid)
     if t is None:
         qual, overload, args, kwargs, shapes, dtypes, _view, item = mod.recipe_info(rid)
-        types = tuple(TensorType(tuple(s), d) for s, d in zip(shapes, dtypes))
+        types = tuple(
+            None if s is None else TensorType(tuple(s), d) for s, d in zip(shapes, dtypes)
+        )
         if item >= 0:  # one output of a multi-output node, as the Python fallback builds it
             t = _templates[rid] = _Template("getitem", (In(0), item), (), types, None)
             return t

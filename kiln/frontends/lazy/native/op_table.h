@@ -237,9 +237,16 @@ Recipe* make_recipe(const c10::OperatorHandle& op, const torch::jit::Stack& stac
   r->out_geo = -1;
   std::vector<int32_t> out_geos;
   for (const IValue& m : meta) {
+    if (n_out > 1 && m.isTensor() && !m.toTensor().defined()) {
+      // an absent output of a multi-output op (convolution_backward's input gradient when the
+      // input needs none, native_layer_norm_backward's with output_mask false): no getitem,
+      // an undefined tensor returned, as the Python fallback records it (None in its types)
+      out_geos.push_back(-1);
+      continue;
+    }
     if (!m.isTensor() || !m.toTensor().defined()) {
-      // not one tensor per output (an absent output of native_layer_norm_backward, a tensor
-      // list): the Python fallback records such a call, as it does every op outside the table
+      // not one tensor per output (a tensor list, a number): the Python fallback records such a
+      // call, as it does every op outside the table
       r->to_python = true;
       break;
     }
@@ -298,6 +305,10 @@ Recipe* make_recipe(const c10::OperatorHandle& op, const torch::jit::Stack& stac
   if (!main->to_python && n_out > 1) {
     // one getitem recipe per output, as the Python fallback makes them (fallback.py)
     for (size_t k = 0; k < n_out; ++k) {
+      if (out_geos[k] < 0) {  // absent
+        main->getitems.push_back(-1);
+        continue;
+      }
       auto g = std::make_unique<Recipe>();
       g->id = static_cast<int32_t>(recipes.size());
       g->out_geo = out_geos[k];

@@ -90,7 +90,7 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
     }
     for (size_t k = 2; k < sig.size(); ++k) h = mix(h, static_cast<uint64_t>(sig[k]) * 31);
     if (r->out_geo >= 0) h = mix(h, geos[r->out_geo].hash);
-    for (int32_t g : r->getitems) h = mix(h, recipes[g]->hash);
+    for (int32_t g : r->getitems) h = mix(h, g < 0 ? 0x616273656e74ULL : recipes[g]->hash);
     r->hash = h;
     recipe_of.emplace(sig, r);
   }
@@ -145,6 +145,10 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
       out = pending(node, r->out_geo);
     } else {
       for (int32_t g : r->getitems) {  // one getitem node per output, reading the op's node
+        if (g < 0) {  // an absent output
+          outs.emplace_back();
+          continue;
+        }
         int64_t item_in[1] = {node};
         outs.push_back(pending(add_node(g, item_in, 1), recipes[g]->out_geo));
       }

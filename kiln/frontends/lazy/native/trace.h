@@ -26,7 +26,8 @@ struct Recipe {
   bool view;                // a view op: the result is a link of its input's chain
   bool python = false;      // made by the Python fallback (its template lives in Python)
   bool to_python = false;   // a call the C++ path does not record (an absent output): Python's
-  // a multi-output op: per output, the recipe of its `getitem` node (one output geometry each)
+  // a multi-output op: per output, the recipe of its `getitem` node (one output geometry each;
+  // -1 for an absent output: an undefined tensor, no node)
   std::vector<int32_t> getitems;
   int32_t item = -1;        // a getitem recipe: which output of its node it takes
   uint64_t hash;            // content hash (op name, constants, geometries): stable per process
