@@ -26,15 +26,13 @@ void inplace_here(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit
   const size_t n = op.schema().arguments().size();
   const size_t first = stack->size() - n;
   if (found == inplace_ops.end()) return to_python(op, stack);
-  inplace_sig.clear();
-  for (size_t i = 0; i < n; ++i) {
-    if (!sig_of((*stack)[first + i], true, inplace_sig)) return to_python(op, stack);
-  }
   const at::Tensor self = (*stack)[first].toTensor();
-  bool ok;
+  bool ok = true;
   {
-    std::lock_guard<std::mutex> lock(mu);
-    ok = writable_locked(native_of(self));
+    std::lock_guard<std::mutex> lock(mu);  // (geometries and storages change under it)
+    inplace_sig.clear();
+    for (size_t i = 0; i < n && ok; ++i) ok = sig_of((*stack)[first + i], true, inplace_sig);
+    ok = ok && writable_locked(native_of(self));
   }
   // (the Python fallback is never called under `mu`: it records through it)
   if (!ok || !foreach_active()) return to_python(op, stack);
