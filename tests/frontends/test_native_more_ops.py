@@ -69,6 +69,9 @@ OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "to_double": lambda x, a: (x.double() * a.double()).float(),
     "ones_like": lambda x, a: (x * a + torch.ones_like(x * a)) * torch.zeros_like(a + 1.0),
     "full_like": lambda x, a: x * torch.full_like(x * a, 2.5),
+    "masks": lambda x, a: (
+        x * (((x > 0) & (a > 0.5)) | (x < -1)) + x.new_ones(x.shape) + x.new_full((1,), 0.5)
+    ),
 }
 
 
@@ -296,7 +299,8 @@ def _program(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ln, h, [5], mean, rstd, w[0], w[1], [True, False, True]
     )
     assert none is None
-    return c, s, p * q, u[0] + u[4], tb, rb, g, d, o, y, gi, gb
+    m = (((h > 0) & (h < 1)) | (h > 2)) * h.new_full((5,), 0.5) + h.new_ones(5)
+    return c, s, p * q, u[0] + u[4], tb, rb, g, d, o, y, gi, gb, m
 
 
 def test_same_graph_as_the_python_recorder():

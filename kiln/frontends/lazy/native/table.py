@@ -130,6 +130,12 @@ MORE = [
     "split.Tensor",
     "split_with_sizes.default",
     "unbind.int",
+    # a padding mask's ops in transformers' masking utilities (BERT, DistilBERT with
+    # attention_mask)
+    "new_ones.default",
+    "new_full.default",
+    "bitwise_and.Tensor",
+    "bitwise_or.Tensor",
 ]
 
 OPS = UNARY + BINARY + MATMUL + REDUCTIONS + VIEWS + OTHER + OPTIMIZER + TRAINING + MODELS + MORE
