@@ -10,6 +10,13 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Python-facing helpers
 
+// How `torch::Library::impl` names an aten overload: "name" or "name.overload".
+std::string reg_name(const c10::OperatorName& name) {
+  std::string reg = name.name.substr(6);  // (after "aten::")
+  if (!name.overload_name.empty()) reg += "." + name.overload_name;
+  return reg;
+}
+
 // `ops`: the table (`record`); `structural`: ops whose Python floats stay in the node; `fills`:
 // table ops made as data by the Python fallback when their tensor holds data (`zeros_like`, ...);
 // `foreach`: (foreach overload, its per-tensor overload, in-place) triples recorded by
@@ -78,17 +85,13 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
     TORCH_CHECK(table.count(op_key(fn)), "kiln native recorder: ", fn_name,
                 " (the functional variant of ", in_name, ") is not in the op table");
     inplace_ops.emplace(op_key(op), fn);
-    std::string reg = op.schema().name().substr(6);
-    if (!op.schema().overload_name().empty()) reg += "." + op.schema().overload_name();
-    table_lib->impl(reg.c_str(),
+    table_lib->impl(reg_name(op.operator_name()).c_str(),
                     torch::CppFunction::makeFromBoxedFunction<&guarded<&inplace_here>>());
   }
   for (const auto& [fe_name, per_name, inplace] : foreach) {
     auto fe = handle(fe_name);
     if (!add_foreach_split(fe, handle(per_name), inplace)) continue;
-    std::string reg = fe.schema().name().substr(6);
-    if (!fe.schema().overload_name().empty()) reg += "." + fe.schema().overload_name();
-    table_lib->impl(reg.c_str(),
+    table_lib->impl(reg_name(fe.operator_name()).c_str(),
                     torch::CppFunction::makeFromBoxedFunction<&guarded<&foreach_split>>());
   }
   // An aten op with a CompositeExplicitAutograd kernel would run that kernel instead of the
@@ -105,9 +108,7 @@ void configure(const std::vector<std::string>& ops, const std::vector<std::strin
     if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
         !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
       continue;
-    std::string reg = name.name.substr(6);
-    if (!name.overload_name.empty()) reg += "." + name.overload_name;
-    table_lib->impl(reg.c_str(),
+    table_lib->impl(reg_name(name).c_str(),
                     torch::CppFunction::makeFromBoxedFunction<&guarded<&unsupported_kernel>>());
   }
   // The functional collectives (`_c10d_functional::all_reduce`, `wait_tensor`, ...) have

@@ -69,7 +69,6 @@ _RUN_EAGERLY: Any = object()
 # Ops that read their tensors' values and make no tensor: run on values a forced read computes
 # without cutting the step (Handler.eager, native.peek)
 _READS_ONLY = {aten._local_scalar_dense.default, aten.equal.default}
-_ITEM = aten._local_scalar_dense.default
 
 counts: Counter[str] = Counter()  # Python-fallback calls per op (``aten::name.overload``)
 
@@ -174,13 +173,11 @@ class Handler:
         counts[op.counter] += 1
         metrics.incr("native_python_ops")
         args, kwargs = op.split(vals)
-        if op.func is _ITEM and len(args) == 1 and not kwargs and self.mod.is_native(args[0]):
-            # ``.item()`` / ``bool(t)`` of a pending value (a transformers step's
-            # ``bool(mask.all())``): never recorded, so read at once -- what ``eager`` does for a
-            # read, without the signature and recipe lookup (~0.1 ms a call)
-            x = args[0]
-            metrics.fallback("_local_scalar_dense")
-            return _ITEM(self.read([x], f"op:{op.facts.name}")[id(x)])
+        if op.func in _READS_ONLY and all(self.mod.is_native(a) for a in args if _is_tensor(a)):
+            # a read of native tensors (``.item()``, ``bool(t)``: a transformers step's
+            # ``bool(mask.all())``) is never recorded: run at once on the values, without the
+            # signature and recipe lookup ``record`` makes first (~0.1 ms a call)
+            return self.eager(op.func, args, kwargs, f"op:{op.facts.name}")
         if op.fill and self.mod.has_value(args[0]):
             # made as data, not recorded (an optimizer's state: lazy/tensor.py's FILLS)
             v = fill_value(op.func, args, kwargs)
