@@ -227,13 +227,18 @@ void split_here(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
   } else if constexpr (S == Split::SIZES) {
     const auto sizes = (*stack)[first + 1].toIntList();
     int64_t sum = 0;
+    bool negative = false;
+    std::string listed = "[";  // eager's errors print the sizes as a list
     for (int64_t k : sizes) {
-      TORCH_CHECK(k >= 0, "split_with_sizes expects split_sizes have only non-negative entries, ",
-                  "but got an entry ", k);
+      negative = negative || k < 0;
       sum += k;
+      listed += (listed.size() > 1 ? ", " : "") + std::to_string(k);
     }
+    listed += "]";
+    TORCH_CHECK(!negative, "split_with_sizes expects split_sizes have only non-negative entries, ",
+                "but got split_sizes=", listed);
     TORCH_CHECK(sum == len, "split_with_sizes expects split_sizes to sum exactly to ", len,
-                " (input tensor's size at dimension ", dim, "), but got sum ", sum);
+                " (input tensor's size at dimension ", dim, "), but got split_sizes=", listed);
     int64_t start = 0;
     for (int64_t k : sizes) {
       out.push_back(self.narrow(dim, start, k));
