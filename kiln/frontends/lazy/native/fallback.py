@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from kiln import metrics
 from kiln.config import config
@@ -176,7 +176,7 @@ class Handler:
         if op.func in _READS_ONLY and all(self.mod.is_native(a) for a in args if _is_tensor(a)):
             # a read of native tensors (``.item()``, ``bool(t)``: a transformers step's
             # ``bool(mask.all())``) is never recorded: run at once on the values, without the
-            # signature and recipe lookup ``record`` makes first (~0.1 ms a call)
+            # signature and recipe lookup ``record`` makes first
             return self.eager(op.func, args, kwargs, f"op:{op.facts.name}")
         if op.fill and self.mod.has_value(args[0]):
             # made as data, not recorded (an optimizer's state: lazy/tensor.py's FILLS)
@@ -482,11 +482,13 @@ class Handler:
         metrics.fallback(func._schema.name.split("::")[1])
         is_native = self.mod.is_native
         got: dict[int, torch.Tensor] = {}
-        if func in _READS_ONLY:  # a read (``.item()``, ``bool(t)``)
-            xs = [a for a in tree_flatten((args, kwargs))[0] if _is_tensor(a) and is_native(a)]
-            got = self.read(xs, reason)
-        else:
-            self.sync(reason)
+        if func in _READS_ONLY:  # a read (``.item()``, ``bool(t)``, ``equal``)
+            flat, spec = tree_flatten((args, kwargs))
+            got = self.read([a for a in flat if _is_tensor(a) and is_native(a)], reason)
+            # its result is a number or a bool: nothing to wrap, no argument written
+            cargs, ckwargs = tree_unflatten([got.get(id(a), a) for a in flat], spec)
+            return func(*cargs, **ckwargs)
+        self.sync(reason)
 
         def conc(a: Any) -> Any:
             if isinstance(a, torch.Tensor) and is_native(a):
