@@ -11,7 +11,8 @@ its first step, then reports:
 - first step: the main thread's CPU time for the whole first step (Dynamo, AOTAutograd, Kiln, the
   graphs' first runs; g++ runs in other processes and is not in it);
 - per backend call (one per Dynamo graph): its size, and the main thread's CPU time in the call
-  (AOTAutograd and Kiln's compile of every graph AOTAutograd makes of it); the rest of the first
+  (AOTAutograd and Kiln's compile of every graph AOTAutograd makes of it; for a graph without
+  autograd, the optimizer step, its recording and Kiln's compile); the rest of the first
   step is Dynamo (tracing, guards, bytecode) and the graphs' runs;
 - Kiln, per graph Kiln compiled: lowering (``fx_to_kiln``), the pass pipeline (CPU; each pass by
   the pipeline's wall-clock timer), and the C++ source emission, measured again after the step
@@ -78,6 +79,19 @@ def child(name: str, quick: bool, repeat: int, nested: bool = False) -> None:
 
         return call
 
+    direct = be.try_compile
+
+    def timed_direct(gm: torch.fx.GraphModule, example_inputs: list, *a: Any) -> Any:
+        t = time.thread_time()
+        res = direct(gm, example_inputs, *a)
+        n = sum(1 for x in gm.graph.nodes if x.op in ("call_function", "call_method"))
+        if res is not None:
+            events.append(
+                f"{stamp()}  backend call ended: Dynamo graph of {n} calls, {len(example_inputs)} "
+                f"inputs: {time.thread_time() - t:.3f} s CPU (no autograd: recorded + Kiln)"
+            )
+        return res
+
     def spy_lower(gm: torch.fx.GraphModule) -> Any:
         res = lower(gm)
         graphs.append((gm, res[0]))
@@ -101,7 +115,7 @@ def child(name: str, quick: bool, repeat: int, nested: bool = False) -> None:
             )
         return res
 
-    be._aot_backend, be.fx_to_kiln = timed_aot, spy_lower
+    be._aot_backend, be.fx_to_kiln, be.try_compile = timed_aot, spy_lower, timed_direct
     bld._build_unit, bld.PendingKernels.wait = timed_build_unit, timed_wait
     wl = build(name, quick, 2)
     step = make_step(wl.model, wl.loss, "kiln")
@@ -109,7 +123,7 @@ def child(name: str, quick: bool, repeat: int, nested: bool = False) -> None:
     t = time.thread_time()
     step(*wl.batches[0]).item()
     first = time.thread_time() - t
-    be._aot_backend, be.fx_to_kiln = make_aot, lower
+    be._aot_backend, be.fx_to_kiln, be.try_compile = make_aot, lower, direct
     bld._build_unit, bld.PendingKernels.wait = build_unit, wait
     print(f"{name}: first step {first:.2f} s main-thread CPU, load {os.getloadavg()[0]:.1f}")
     print("\n".join(events))

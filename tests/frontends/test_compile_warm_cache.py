@@ -90,8 +90,10 @@ def _run(tmp_path, which):
 
 def test_second_process_loads_then_misses_on_any_change(tmp_path):
     first = _run(tmp_path, "first")
-    assert first["base"]["miss"] >= 2 and first["base"]["hit"] == 0
-    assert first["base"]["kiln_compiled"] >= 2
+    # AOTAutograd's entries: the forward/backward graph (the optimizer's step, a graph without
+    # autograd, does not go through AOTAutograd: Kiln's own cache holds its kernels)
+    assert first["base"]["miss"] >= 1 and first["base"]["hit"] == 0
+    assert first["base"]["kiln_compiled"] >= 3
     # compiled vs eager: fused kernels round differently, AdamW carries it on (tolerance as in bench)
     assert first["base"]["losses"] == pytest.approx(first["eager"], rel=1e-4)
 
@@ -117,10 +119,10 @@ def test_second_process_loads_then_misses_on_any_change(tmp_path):
     assert second["corrupt_warnings"], "a corrupt entry must be reported"
     assert corrupt["miss"] >= 1 and corrupt["losses"] == pytest.approx(base["losses"], rel=1e-5)
     # the damaged files were removed and fresh entries written: the next compile loads them
-    assert second["corrupt_after"]["miss"] == 0 and second["corrupt_after"]["hit"] >= 2
+    assert second["corrupt_after"]["miss"] == 0 and second["corrupt_after"]["hit"] >= 1
     assert second["truncated"]["losses"] == pytest.approx(base["losses"], rel=1e-5)
     assert second["truncated"]["miss"] >= 1
-    assert second["truncated_after"]["hit"] >= 2
+    assert second["truncated_after"]["hit"] >= 1
 
 
 def test_cache_key_tag_follows_the_compiler_code(monkeypatch):

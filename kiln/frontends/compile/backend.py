@@ -43,6 +43,7 @@ from kiln.frontends.compile.aot_cache import (
 from kiln.frontends.compile.attention import attention_to_sdpa
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.frontends.compile.gqa import sdpa_gqa
+from kiln.frontends.compile.inference import Declined, Recorded, try_compile
 from kiln.ir.ops import keep_whole_ops
 from kiln.runtime.compiler import compile_graph
 from kiln.runtime.steps import call_site, stack_trace_frames
@@ -72,6 +73,22 @@ def _kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> KilnOutput
     with unset_fake_temporarily():
         exe = compile_graph(g)
     return KilnOutputCode(g, out_spec, make_runner(exe, out_spec), site, sig)
+
+
+def _direct_compiler(site: str) -> Callable[[Recorded, list], Callable[[list], list]]:
+    """Kiln's compiler for an ATen graph recorded without AOTAutograd (see
+    :mod:`kiln.frontends.compile.inference`); a graph Kiln cannot take is declined."""
+
+    def compile_aten(gm: Recorded, inputs: list) -> Callable[[list], list]:
+        try:
+            g, out_spec = fx_to_kiln(gm)  # type: ignore[arg-type] - it reads only gm.graph
+        except UnsupportedGraph as e:
+            raise Declined(f"Kiln cannot take it: {e}") from e
+        note_graph(site + f"#{len(inputs)}", signature(inputs))
+        exe = compile_graph(g)
+        return make_runner(exe, out_spec)
+
+    return compile_aten
 
 
 # Ops kept whole (their records say ``keep_whole``, kiln/ir/ops.py says why): not decomposed.
@@ -136,6 +153,10 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
             attention_to_sdpa(gm)
         if "gqa" not in config.disabled_passes:
             sdpa_gqa(gm)
+        if "direct_inference" not in config.disabled_passes:
+            direct = try_compile(gm, example_inputs, _DECOMPS, _direct_compiler(_site(gm)))
+            if direct is not None:
+                return direct
         with aot_cache_settings():
             return _aot_backend()(gm, example_inputs, **kwargs)
 

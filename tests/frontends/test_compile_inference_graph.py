@@ -1,0 +1,209 @@
+"""Graphs without autograd (the optimizer's ``step()``) compiled without AOTAutograd
+(``kiln.frontends.compile.inference``): recorded once on fake tensors, in-place ops made
+functional, updated inputs written back.
+
+Every optimizer torch.optim offers, through a whole compiled training step, against eager:
+losses, parameters and optimizer state after four steps, and the graph taken by this path (not
+handed to AOTAutograd).  Graphs it declines (a view written in place, a random op, an output that
+is an input) are counted with the reason and still match eager
+through AOTAutograd.  The recorded graph itself:
+functional ops, reads after a write see the new value, one writeback per updated input.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from optim_cases import OPTIMIZERS, mse_step
+
+import kiln
+from kiln import metrics
+from kiln.frontends.compile import backend as be
+from kiln.frontends.compile.inference import Declined, record
+
+MORE: list[tuple[str, Callable]] = [
+    ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    (
+        "sgd-maximize-dampening",
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.8, dampening=0.3, maximize=True),
+    ),
+    ("adam-weight-decay", lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1)),
+    ("adamw-foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True)),
+    ("nadam", lambda ps: torch.optim.NAdam(ps, lr=1e-2)),
+    ("radam", lambda ps: torch.optim.RAdam(ps, lr=1e-2)),
+    ("adadelta", lambda ps: torch.optim.Adadelta(ps)),
+    ("rmsprop", lambda ps: torch.optim.RMSprop(ps, lr=1e-2)),
+    # Adamax writes its running maximum with torch.maximum(..., out=exp_inf)
+    ("adamax", lambda ps: torch.optim.Adamax(ps, lr=1e-2)),
+]
+
+
+def _counts() -> tuple[int, dict[str, int]]:
+    c = metrics.counters()
+    declined = {k: v for k, v in c.items() if k.startswith("inference_graph_declined:")}
+    return c.get("inference_graphs", 0), declined
+
+
+def _train(make_opt: Callable, steps: int = 4) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 2))
+    twin = copy.deepcopy(model)
+    opts = [make_opt(model.parameters()), make_opt(twin.parameters())]
+    eager, compiled = mse_step(model, opts[0]), kiln.compile(mse_step(twin, opts[1]))
+    for _ in range(steps):
+        x, y = torch.randn(8, 6), torch.randn(8, 2)
+        torch.testing.assert_close(compiled(x, y), eager(x, y))
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(b, a)
+    for sa, sb in zip(opts[0].state.values(), opts[1].state.values()):
+        for k in sa:
+            if isinstance(sa[k], torch.Tensor):
+                torch.testing.assert_close(sb[k], sa[k], msg=f"optimizer state {k}")
+
+
+@pytest.mark.parametrize(
+    "make_opt", [m for _, m in OPTIMIZERS + MORE], ids=[i for i, _ in OPTIMIZERS + MORE]
+)
+def test_optimizer_steps_compile_without_aot_autograd_and_match_eager(make_opt):
+    taken, declined = _counts()
+    _train(make_opt)
+    taken_after, declined_after = _counts()
+    assert taken_after > taken  # the optimizer's graph went this way...
+    assert declined_after == declined  # ... and none was handed to AOTAutograd
+
+
+@pytest.mark.parametrize("case", ["view_written", "random", "output_is_input"])
+def test_graphs_this_path_declines_run_through_aot_autograd(case):
+    def view_written(p, g):
+        p.view(-1)[:3].mul_(2.0)
+        p.add_(g)
+
+    def random(p, g):
+        p.add_(torch.rand_like(g))
+
+    def output_is_input(p, g):
+        return p.add_(g)
+
+    fn = {
+        "view_written": view_written,
+        "random": random,
+        "output_is_input": output_is_input,
+    }[case]
+    torch._dynamo.reset()
+    p, g = torch.randn(4, 5), torch.randn(4, 5)
+    pe = p.clone()
+    _, declined = _counts()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        out = kiln.compile(fn)(p, g)
+    torch.manual_seed(3)
+    want = fn(pe, g)
+    _, after = _counts()
+    new = [k for k in after if after[k] != declined.get(k, 0)]
+    why = {
+        "view_written": "view or mutating op aten.view",
+        "random": "random op",
+        "output_is_input": "an output that is an input",
+    }[case]
+    assert any(why in k for k in new), new
+    if case != "random":  # (Kiln's random streams are not eager's: only the counting here)
+        torch.testing.assert_close(p, pe)
+    if case == "output_is_input":
+        torch.testing.assert_close(out, want)
+
+
+def _recorded(fn: Callable, *inputs: torch.Tensor) -> list[str]:
+    gm = torch.fx.symbolic_trace(fn)
+    with torch.no_grad():
+        aten, consts = record(gm, list(inputs), be._DECOMPS)
+    assert consts == []
+    return [
+        str(n.target) if n.op == "call_function" else n.op
+        for n in aten.graph.nodes
+        if n.op in ("call_function", "output")
+    ]
+
+
+def test_recorded_graph_is_functional_with_one_writeback_per_updated_input():
+    def fn(p, m, g):
+        m.mul_(0.9)
+        m.add_(g)
+        p.sub_(m * 0.1)  # reads m's new value
+        return (p * 2.0,)
+
+    p, m, g = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
+    ops = _recorded(fn, p, m, g)
+    assert ops == [
+        "aten.mul.Tensor",
+        "aten.add.Tensor",
+        "aten.mul.Tensor",
+        "aten.sub.Tensor",
+        "aten.mul.Tensor",
+        "aten.copy_.default",  # p's new value into p
+        "aten.copy_.default",  # m's into m
+        "output",
+    ], ops
+    # and compiled: values, the inputs updated in place (same buffers), against eager
+    torch._dynamo.reset()
+    pe, me = p.clone(), m.clone()
+    ptrs = (p.data_ptr(), m.data_ptr())
+    with torch.no_grad():
+        (out,) = kiln.compile(fn)(p, m, g)
+        (want,) = fn(pe, me, g)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(p, pe)
+    torch.testing.assert_close(m, me)
+    assert (p.data_ptr(), m.data_ptr()) == ptrs
+
+
+def test_copy_between_dtypes_casts_as_eager_and_a_broadcasting_copy_is_declined():
+    def cast(i, x):
+        i.copy_(x)
+        return (i + 1,)
+
+    i, x = torch.zeros(5, dtype=torch.int64), torch.tensor([-1.7, -0.2, 0.0, 0.6, 2.9])
+    assert "aten._to_copy.default" in _recorded(cast, i, x)
+    torch._dynamo.reset()
+    ie = i.clone()
+    with torch.no_grad():
+        (out,) = kiln.compile(cast)(i, x)
+        (want,) = cast(ie, x)
+    assert torch.equal(out, want) and torch.equal(i, ie)
+
+    def broadcast(p, row):
+        p.copy_(row)
+
+    with pytest.raises(Declined, match="shape"):
+        _recorded(broadcast, torch.zeros(3, 4), torch.ones(4))
+
+
+def test_zero_size_and_non_contiguous_inputs():
+    def fn(p, g):
+        p.mul_(0.5).add_(g)
+
+    torch._dynamo.reset()
+    for p, g in [
+        (torch.randn(0, 4), torch.randn(0, 4)),
+        (torch.randn(6, 4).t(), torch.randn(4, 6)),
+        (torch.randn(4, 12)[:, ::3], torch.randn(4, 4)),
+    ]:
+        pe = p.clone()
+        with torch.no_grad():
+            kiln.compile(fn)(p, g)
+            fn(pe, g)
+        torch.testing.assert_close(p, pe)
+
+
+def test_out_ops_write_their_out_tensor_and_a_resizing_one_is_declined():
+    def fn(p, g, m):
+        torch.maximum(p, g, out=m)
+        return (m * 2.0,)
+
+    p, g = torch.randn(3, 4), torch.randn(3, 4)
+    assert "aten.maximum.default" in _recorded(fn, p, g, torch.empty(3, 4))
+    with pytest.raises(Declined, match="resizes its out= tensor"):
+        _recorded(fn, p, g, torch.empty(2))  # eager would resize m
