@@ -5,11 +5,14 @@
 
 Dynamo captures the Python code, AOTAutograd splits it into forward and backward ATen graphs with
 the min-cut partitioner Inductor uses (the backward recomputes cheap pointwise values instead of
-the forward saving them; ``KILN_RECOMPUTE=0`` saves them all; the optimizer step, compiled on its
-own, is an inference graph), torch's core decompositions reduce the
-op set, and each graph is lowered to Kiln IR, optimized and compiled through the shared caches.
+the forward saving them; ``KILN_RECOMPUTE=0`` saves them all), torch's core decompositions reduce
+the op set, and each graph is lowered to Kiln IR, optimized and compiled through the shared caches.
 AOTAutograd's own cache holds the lowered graphs (:mod:`kiln.frontends.compile.aot_cache`), so a
 new process with the same cache runs neither AOTAutograd's tracing nor Kiln's passes again.
+A graph that needs no autograd (the optimizer step, compiled on its own; a model under
+``no_grad``) skips AOTAutograd: it is recorded once on fake tensors
+(:mod:`kiln.frontends.compile.inference`; ``KILN_DISABLE_PASSES=direct_inference`` hands it to
+AOTAutograd as before), and Kiln's own cache keeps its kernels.
 A graph Kiln cannot take at all runs as the ATen graph Dynamo gave it, counted in the metrics.
 """
 

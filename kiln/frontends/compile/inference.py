@@ -4,19 +4,22 @@ graph without AOTAutograd.
 AOTAutograd traces such a graph twice (once to collect what it mutates, once to capture it), each
 time through functionalization, proxy and fake tensors, ~1.4 s of CPU for the optimizer step of a
 2-layer BERT: the largest part of its cold compile after Dynamo's own tracing.  An optimizer step
-is simple: pointwise ops and in-place updates of parameters and state, no views, no autograd.
-This records it once on fake tensors, under one dispatch mode that
+is simple: pointwise ops and in-place updates of parameters and state, no autograd.  This
+records it once on fake tensors, under one dispatch mode that
 
 - applies Kiln's decompositions (the table AOTAutograd is given) as make_fx does;
 - makes each in-place op (``mul_``, ``lerp_``, ``copy_``, ...) its functional op, the result
   being the storage's new value for every later read;
-- writes each updated input back at the end (``copy_`` into the placeholder: a Kiln writeback).
+- writes each updated input back at the end (``copy_`` into the placeholder: a Kiln writeback);
+- records views (and ``detach``) as values, noting which tensors share a storage: an in-place
+  write to any of those is declined.
 
 It claims a graph only when all of this holds (else AOTAutograd takes it, as before, and the
 reason is counted as ``inference_graph_declined:<reason>``): grad mode off or no tensor requiring
 grad, static shapes, plain CPU tensors with distinct storages, only torch functions / operators /
-tensor methods / ATen ops called, no view, no random op, no data-dependent value, no output that
-is an input.  The recorded graph is what Kiln would have got from AOTAutograd up to the order of
+tensor methods / ATen ops called, no in-place write to a tensor sharing its storage, no random
+op, no data-dependent value, no output that is an input or a view of one.  (An inference graph --
+a model under ``torch.no_grad()`` -- qualifies as well as an optimizer step.)  The recorded graph is what Kiln would have got from AOTAutograd up to the order of
 its nodes; it goes through :func:`kiln.frontends.compile.fx.fx_to_kiln` and Kiln's compiler like
 any other graph (Kiln's own cache keeps its kernels: a new process records again, ~0.1 s).
 """
@@ -141,6 +144,19 @@ def _out_twin(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     return f if want == got else None
 
 
+def _is_view(op: torch._ops.OpOverload) -> bool:
+    """A view op: its outputs alias ``self`` (``Tensor(a) self -> Tensor(a)``), nothing written."""
+    s = op._schema
+    if not s.arguments or not s.returns:
+        return False
+    a0 = s.arguments[0].alias_info
+    if a0 is None or a0.is_write:
+        return False
+    if any(a.alias_info is not None for a in s.arguments[1:]):
+        return False
+    return all(r.alias_info is not None and not r.alias_info.is_write for r in s.returns)
+
+
 def _is_view_or_mutation(op: torch._ops.OpOverload) -> bool:
     s = op._schema
     return any(a.alias_info is not None for a in s.arguments) or any(
@@ -157,11 +173,21 @@ class _Recorder(TorchDispatchMode):
         self.decomps = decomps
         self.node: dict[int, torch.fx.Node] = {}  # id(fake tensor) -> the node of its value
         self.keep: list[torch.Tensor] = []  # every fake tensor named in `node` (ids stay unique)
-        self.aliased: set[int] = set()  # tensors sharing a storage with another (detach)
+        self.aliased: set[int] = set()  # tensors sharing a storage with another (views)
+        self.root: dict[int, int] = {}  # id(a view) -> id(the tensor whose storage it shares)
 
     def name(self, t: torch.Tensor, n: torch.fx.Node) -> None:
         self.node[id(t)] = n
         self.keep.append(t)
+
+    def share(self, base: torch.Tensor, views: list[torch.Tensor]) -> None:
+        """``views`` share ``base``'s storage: an in-place write to any of them is declined."""
+        root = self.root.get(id(base), id(base))
+        self.aliased.add(id(base))
+        for v in views:
+            self.aliased.add(id(v))
+            self.root[id(v)] = root
+            self.keep.append(v)
 
     def update(self, t: torch.Tensor, new: torch.Tensor) -> None:
         """``t``'s storage now holds ``new`` (same shape; cast to ``t``'s dtype here)."""
@@ -193,7 +219,7 @@ class _Recorder(TorchDispatchMode):
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
             out = func(*args, **kwargs)  # (grad mode is off: the same value, the same storage)
             self.name(out, self.arg(args[0]))
-            self.aliased.update((id(args[0]), id(out)))
+            self.share(args[0], [out])
             return out
         if _is_inplace_on_self(func) or _is_foreach_inplace(func):
             functional = _functional_of(func)
@@ -219,13 +245,21 @@ class _Recorder(TorchDispatchMode):
             func(*args, **kwargs)  # eager's checks
             self.update(dst, new)
             return dst
+        if _is_view(func):  # a value like any other as long as nothing writes its storage
+            out = self.add(func, args, kwargs)
+            self.share(args[0], list(out) if isinstance(out, tuple | list) else [out])
+            return out
         if _is_view_or_mutation(func):
-            raise Declined(f"view or mutating op {func}")
+            raise Declined(f"mutating op {func}")
         if func in self.decomps:
             with self:
                 out = self.decomps[func](*args, **kwargs)
             if out is not NotImplemented:
                 return out
+        return self.add(func, args, kwargs)
+
+    def add(self, func: Any, args: Any, kwargs: dict) -> Any:
+        """Run ``func`` on the fake tensors and record it as a node (its outputs named)."""
         out = func(*args, **kwargs)
         if func in _QUERIES:  # a tensor's metadata (its device, a size): a constant here
             return out
@@ -318,8 +352,9 @@ def record(gm: torch.fx.GraphModule, example_inputs: list, decomps: dict) -> tup
     for o in flat:
         if isinstance(o, torch.Tensor):
             n = rec.node[id(o)]
-            if any(o is f for f in fakes) or n.op == "placeholder":  # (or an input's alias)
-                raise Declined("an output that is an input")
+            root = rec.root.get(id(o), id(o))
+            if any(o is f or root == id(f) for f in fakes):
+                raise Declined("an output that is an input or a view of one")
             result.append(n)
         elif o is None or isinstance(o, int | float | bool):
             result.append(o)
