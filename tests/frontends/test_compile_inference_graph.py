@@ -233,3 +233,22 @@ def test_an_inference_forward_with_views_is_taken_and_matches_eager():
         lambda a: (a.view(2, 6).t().contiguous() + a.reshape(6, 2).sum(),), torch.randn(3, 4)
     )
     assert "aten.t.default" in ops or "aten.permute.default" in ops, ops
+
+
+def test_a_graph_for_many_sizes_is_left_to_aot_autograd_and_right_at_every_size():
+    # Dynamo's second size makes a graph with a symbolic size: recorded on one shape it would be
+    # specialized to it, so this path declines it (AOTAutograd traces it symbolically)
+    def f(x, w):
+        return (torch.softmax(x @ w, -1).sum(-1),)
+
+    torch._dynamo.reset()
+    w = torch.randn(8, 8)
+    _, declined = _counts()
+    g = kiln.compile(f)
+    with torch.no_grad():
+        for n in (3, 5, 7, 9, 0):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(g(x, w)[0], f(x, w)[0])
+    _, after = _counts()
+    new = [k for k in after if after[k] != declined.get(k, 0)]
+    assert any("non-tensor input" in k or "dynamic shapes" in k for k in new), new

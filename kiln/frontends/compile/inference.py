@@ -292,6 +292,14 @@ def _check(gm: torch.fx.GraphModule, inputs: list[Any]) -> None:
     if len(stores) != sum(1 for t in tensors if t.untyped_storage().nbytes()):
         raise Declined("inputs sharing a storage")
     for node in gm.graph.nodes:
+        ev = node.meta.get("example_value")
+        if node.op == "placeholder" and (
+            isinstance(ev, torch.SymInt | torch.SymFloat | torch.SymBool)
+            or (isinstance(ev, torch.Tensor) and not all(isinstance(d, int) for d in ev.shape))
+        ):
+            # a symbolic size (a graph for many shapes): recorded on one shape it would be
+            # specialized to it; AOTAutograd traces it symbolically
+            raise Declined("dynamic shapes")
         if node.op in ("call_function", "call_method") and not _callable_ok(node):
             raise Declined(f"call to {node.target}")
         if node.op == "call_module":
