@@ -252,3 +252,43 @@ def test_a_graph_for_many_sizes_is_left_to_aot_autograd_and_right_at_every_size(
     _, after = _counts()
     new = [k for k in after if after[k] != declined.get(k, 0)]
     assert any("non-tensor input" in k or "dynamic shapes" in k for k in new), new
+
+
+WARM = """
+import json, torch, kiln
+from kiln import metrics
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+@kiln.compile
+def step(x):
+    loss = m(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+losses = [step(x).item() for _ in range(3)]
+c = metrics.counters()
+print(json.dumps({
+    "losses": losses,
+    "params": [p.detach().flatten().tolist() for p in m.parameters()],
+    "taken": c.get("inference_graphs", 0),
+    "hits": c.get("inference_graph_cache_hits", 0),
+    "compiled": metrics.get("graphs_compiled"),
+}))
+"""
+
+
+def test_a_new_process_reuses_the_lowered_graph_and_its_kernels(tmp_path):
+    from _subprocess import run_json
+
+    first = run_json(WARM, KILN_CACHE_DIR=str(tmp_path))
+    second = run_json(WARM, KILN_CACHE_DIR=str(tmp_path))
+    assert first["taken"] >= 1 and first["hits"] == 0 and first["compiled"] >= 3
+    # the optimizer's graph: no recording, no pass, no g++ in the second process
+    assert second["taken"] == first["taken"] and second["hits"] == first["taken"]
+    assert second["compiled"] == 0
+    assert second["losses"] == first["losses"] and second["params"] == first["params"]

@@ -38,7 +38,9 @@ from kiln import metrics
 from kiln.config import config
 from kiln.frontends.compile.aot_cache import (
     KilnOutputCode,
+    OutSpec,
     aot_cache_settings,
+    cache_key_tag,
     make_runner,
     note_graph,
     signature,
@@ -47,7 +49,9 @@ from kiln.frontends.compile.attention import attention_to_sdpa
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.frontends.compile.gqa import sdpa_gqa
 from kiln.frontends.compile.inference import Declined, Recorded, try_compile
+from kiln.ir.graph import Graph
 from kiln.ir.ops import keep_whole_ops
+from kiln.runtime.cache import DiskCache
 from kiln.runtime.compiler import compile_graph
 from kiln.runtime.steps import call_site, stack_trace_frames
 
@@ -78,20 +82,25 @@ def _kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> KilnOutput
     return KilnOutputCode(g, out_spec, make_runner(exe, out_spec), site, sig)
 
 
-def _direct_compiler(site: str) -> Callable[[Recorded, list], Callable[[list], list]]:
-    """Kiln's compiler for an ATen graph recorded without AOTAutograd (see
-    :mod:`kiln.frontends.compile.inference`); a graph Kiln cannot take is declined."""
+def _direct_lower(gm: Recorded) -> tuple[Graph, OutSpec]:
+    """The recorded ATen graph -> Kiln's graph and output spec (a graph Kiln cannot take is
+    declined: AOTAutograd and the ATen fallback take it as before)."""
+    try:
+        return fx_to_kiln(gm)  # type: ignore[arg-type] - it reads only gm.graph
+    except UnsupportedGraph as e:
+        raise Declined(f"Kiln cannot take it: {e}") from e
 
-    def compile_aten(gm: Recorded, inputs: list) -> Callable[[list], list]:
-        try:
-            g, out_spec = fx_to_kiln(gm)  # type: ignore[arg-type] - it reads only gm.graph
-        except UnsupportedGraph as e:
-            raise Declined(f"Kiln cannot take it: {e}") from e
+
+def _direct_builder(site: str) -> Callable[[tuple[Graph, OutSpec], list], Callable[[list], list]]:
+    """Kiln's compile of a graph recorded without AOTAutograd (see
+    :mod:`kiln.frontends.compile.inference`), through the shared caches."""
+
+    def build(lowered: tuple[Graph, OutSpec], inputs: list) -> Callable[[list], list]:
+        g, out_spec = lowered
         note_graph(site + f"#{len(inputs)}", signature(inputs))
-        exe = compile_graph(g)
-        return make_runner(exe, out_spec)
+        return make_runner(compile_graph(g), out_spec)
 
-    return compile_aten
+    return build
 
 
 # Ops kept whole (their records say ``keep_whole``, kiln/ir/ops.py says why): not decomposed.
@@ -157,7 +166,15 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
         if "gqa" not in config.disabled_passes:
             sdpa_gqa(gm)
         if "direct_inference" not in config.disabled_passes:
-            direct = try_compile(gm, example_inputs, _DECOMPS, _direct_compiler(_site(gm)))
+            direct = try_compile(
+                gm,
+                example_inputs,
+                _DECOMPS,
+                _direct_lower,
+                _direct_builder(_site(gm)),
+                DiskCache(config.cache_dir) if config.disk_cache else None,
+                cache_key_tag(),
+            )
             if direct is not None:
                 return direct
         with aot_cache_settings():

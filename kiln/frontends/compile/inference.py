@@ -26,6 +26,7 @@ any other graph (Kiln's own cache keeps its kernels: a new process records again
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -378,23 +379,61 @@ def record(gm: torch.fx.GraphModule, example_inputs: list, decomps: dict) -> tup
     return Recorded(out_graph), consts
 
 
+def cache_key(gm: torch.fx.GraphModule, inputs: list, tag: str) -> str:
+    """The disk-cache key of ``gm``'s lowered graph: Dynamo's code for it, every input's metadata
+    (the graph's tensor attributes first), the global state recording reads, torch's version and
+    ``tag`` (Kiln's version and the source of its compiler and of this frontend)."""
+    h = hashlib.sha256(gm.code.encode())
+    for t in inputs:
+        meta = (tuple(t.shape), t.stride(), t.dtype, t.device.type, t.requires_grad)
+        h.update(repr(meta).encode())
+    state = (
+        torch.__version__,
+        tag,
+        torch.get_default_dtype(),
+        torch.is_grad_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+    )
+    h.update(repr(state).encode())
+    return "inference-" + h.hexdigest()[:40]
+
+
 def try_compile(
     gm: torch.fx.GraphModule,
     example_inputs: list,
     decomps: dict,
-    compile_aten: Callable[[Recorded, list], Callable[[list], list]],
+    lower: Callable[[Recorded], Any],
+    build: Callable[[Any, list], Callable[[list], list]],
+    cache: Any = None,
+    tag: str = "",
 ) -> Callable | None:
     """Dynamo's callable for ``gm`` compiled without AOTAutograd, or None when this path does not
     take it: a graph that needs autograd (AOTAutograd's business, not counted) or one declined
-    for another reason (counted, with the reason)."""
-    attrs = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+    for another reason (counted, with the reason).
+
+    ``lower`` makes the recorded ATen graph what ``build`` turns into a runner of the inputs
+    (attributes first); ``cache`` (a :class:`kiln.runtime.cache.DiskCache`, optional) keeps what
+    ``lower`` made under :func:`cache_key`, so a new process records nothing (a hit is counted as
+    ``inference_graph_cache_hits``)."""
+    consts = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
     if torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in [*attrs, *example_inputs]
+        isinstance(t, torch.Tensor) and t.requires_grad for t in [*consts, *example_inputs]
     ):
         return None
     try:
-        aten_gm, consts = record(gm, example_inputs, decomps)
-        run = compile_aten(aten_gm, [*consts, *example_inputs])
+        inputs = [*consts, *example_inputs]
+        _check(gm, inputs)
+        key = cache_key(gm, inputs, tag) if cache is not None else ""
+        lowered = cache.load(key) if cache is not None else None
+        if lowered is None:
+            recorded, _ = record(gm, example_inputs, decomps)
+            lowered = lower(recorded)
+            if cache is not None:
+                cache.store(key, lowered)
+        else:
+            metrics.incr("inference_graph_cache_hits")
+        run = build(lowered, inputs)
     except Declined as e:
         metrics.incr(f"inference_graph_declined:{str(e)[:80]}")
         return None
