@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -31,3 +32,25 @@ def mse_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable:
         return loss
 
     return step
+
+
+def check_compiled_step_matches_eager(
+    make_opt: Callable, compile_fn: Callable, steps: int = 4
+) -> None:
+    """A small model trained ``steps`` steps by ``mse_step`` in eager and through ``compile_fn``
+    (e.g. ``kiln.compile``) from the same weights and batches: losses, parameters and every
+    tensor of the optimizer state equal eager's."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 2))
+    twin = copy.deepcopy(model)
+    opts = [make_opt(model.parameters()), make_opt(twin.parameters())]
+    eager, compiled = mse_step(model, opts[0]), compile_fn(mse_step(twin, opts[1]))
+    for _ in range(steps):
+        x, y = torch.randn(8, 6), torch.randn(8, 2)
+        torch.testing.assert_close(compiled(x, y), eager(x, y))
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(b, a)
+    for sa, sb in zip(opts[0].state.values(), opts[1].state.values()):
+        for k in sa:
+            if isinstance(sa[k], torch.Tensor):
+                torch.testing.assert_close(sb[k], sa[k], msg=f"optimizer state {k}")

@@ -8,15 +8,15 @@ import copy
 import pytest
 import torch
 from kiln_codegen_testlib import op, t
-from optim_cases import OPTIMIZERS, mse_step
+from optim_cases import OPTIMIZERS, check_compiled_step_matches_eager, mse_step
 
 import kiln
 from kiln.codegen.cpp import build
-from kiln.ir.graph import GraphBuilder, In, Node
 from kiln.codegen.cpp import fuse_claimed as fuse  # the C++ backend's fusion (its claims)
-from kiln.passes.memory_plan import memory_plan
 from kiln.codegen.interpreter import Interpreter
 from kiln.config import config
+from kiln.ir.graph import GraphBuilder, In, Node
+from kiln.passes.memory_plan import memory_plan
 
 
 def _update_graph(read_old_later: bool = False):
@@ -128,21 +128,7 @@ def test_compiled_swap_of_two_inputs_reads_old_values():
 
 @pytest.mark.parametrize("make_opt", [m for _, m in OPTIMIZERS], ids=[i for i, _ in OPTIMIZERS])
 def test_compiled_optimizers_match_eager(make_opt):
-    torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 2))
-    twin = copy.deepcopy(model)
-    opts = [make_opt(model.parameters()), make_opt(twin.parameters())]
-
-    eager, compiled = mse_step(model, opts[0]), kiln.compile(mse_step(twin, opts[1]))
-    for _ in range(4):
-        x, y = torch.randn(8, 6), torch.randn(8, 2)
-        torch.testing.assert_close(compiled(x, y), eager(x, y))
-    for a, b in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(a, b)
-    for sa, sb in zip(opts[0].state.values(), opts[1].state.values()):
-        for k in sa:
-            if isinstance(sa[k], torch.Tensor):
-                torch.testing.assert_close(sa[k], sb[k], msg=f"optimizer state {k}")
+    check_compiled_step_matches_eager(make_opt, kiln.compile)
 
 
 def test_read_of_an_updated_input_is_refused_not_reordered():

@@ -12,12 +12,11 @@ functional ops, reads after a write see the new value, one writeback per updated
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import pytest
 import torch
-from optim_cases import OPTIMIZERS, mse_step
+from optim_cases import OPTIMIZERS, check_compiled_step_matches_eager
 
 import kiln
 from kiln import metrics
@@ -47,22 +46,9 @@ def _counts() -> tuple[int, dict[str, int]]:
     return c.get("inference_graphs", 0), declined
 
 
-def _train(make_opt: Callable, steps: int = 4) -> None:
+def _train(make_opt: Callable) -> None:
     torch._dynamo.reset()
-    torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 2))
-    twin = copy.deepcopy(model)
-    opts = [make_opt(model.parameters()), make_opt(twin.parameters())]
-    eager, compiled = mse_step(model, opts[0]), kiln.compile(mse_step(twin, opts[1]))
-    for _ in range(steps):
-        x, y = torch.randn(8, 6), torch.randn(8, 2)
-        torch.testing.assert_close(compiled(x, y), eager(x, y))
-    for a, b in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(b, a)
-    for sa, sb in zip(opts[0].state.values(), opts[1].state.values()):
-        for k in sa:
-            if isinstance(sa[k], torch.Tensor):
-                torch.testing.assert_close(sb[k], sa[k], msg=f"optimizer state {k}")
+    check_compiled_step_matches_eager(make_opt, kiln.compile)
 
 
 @pytest.mark.parametrize(
