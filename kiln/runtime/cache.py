@@ -96,8 +96,11 @@ class MemoryCache:
 
 
 class DiskCache:
-    def __init__(self, root: str | os.PathLike) -> None:
-        self.root = Path(root) / "graphs"
+    """Checksummed entries under ``root/folder`` (``graphs``: optimized Kiln graphs), written
+    atomically."""
+
+    def __init__(self, root: str | os.PathLike, folder: str = "graphs") -> None:
+        self.root = Path(root) / folder
         self._reported: set[str] = set()
 
     def path(self, key: str) -> Path:

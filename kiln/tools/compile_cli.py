@@ -36,16 +36,30 @@ def precompile(steps: int, cmd: tuple[str, ...]) -> None:
     from kiln.config import config
 
     graphs = Path(config.cache_dir) / "graphs"
-    # compile mode: AOTAutograd's entries (Dynamo graph -> Kiln graphs), kiln.frontends.compile
+    # compile mode: AOTAutograd's entries (Dynamo graph -> Kiln graphs), and the lowered graphs
+    # that need no autograd (the optimizer step), kiln.frontends.compile
     aot = Path(config.cache_dir) / "torch" / "aotautograd"
-    before = len(list(graphs.glob("*.kgc"))) if graphs.exists() else 0
-    aot_before = len(list(aot.glob("*/*"))) if aot.exists() else 0
+    direct = Path(config.cache_dir) / "inference"
+
+    def count(folder: Path, pattern: str) -> int:
+        return len(list(folder.glob(pattern))) if folder.exists() else 0
+
+    before, aot_before, direct_before = (
+        count(graphs, "*.kgc"),
+        count(aot, "*/*"),
+        count(direct, "*.kgc"),
+    )
     rc = _run(cmd, {"KILN_MAX_STEPS": str(steps)})
-    after = len(list(graphs.glob("*.kgc"))) if graphs.exists() else 0
-    aot_after = len(list(aot.glob("*/*"))) if aot.exists() else 0
+    after, aot_after, direct_after = (
+        count(graphs, "*.kgc"),
+        count(aot, "*/*"),
+        count(direct, "*.kgc"),
+    )
     click.echo(
         f"kiln precompile: {after - before} new graphs in {graphs} ({after} in all), "
-        f"{aot_after - aot_before} new AOTAutograd entries ({aot_after} in all); exit {rc}"
+        f"{aot_after - aot_before} new AOTAutograd entries ({aot_after} in all), "
+        f"{direct_after - direct_before} new graphs without autograd ({direct_after} in all); "
+        f"exit {rc}"
     )
     sys.exit(rc)
 

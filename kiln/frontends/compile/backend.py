@@ -48,7 +48,7 @@ from kiln.frontends.compile.aot_cache import (
 from kiln.frontends.compile.attention import attention_to_sdpa
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.frontends.compile.gqa import sdpa_gqa
-from kiln.frontends.compile.inference import Declined, Recorded, try_compile
+from kiln.frontends.compile.inference import INFERENCE_FOLDER, Declined, Recorded, try_compile
 from kiln.ir.graph import Graph
 from kiln.ir.ops import keep_whole_ops
 from kiln.runtime.cache import DiskCache
@@ -172,7 +172,7 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
                 _DECOMPS,
                 _direct_lower,
                 _direct_builder(_site(gm)),
-                DiskCache(config.cache_dir) if config.disk_cache else None,
+                DiskCache(config.cache_dir, INFERENCE_FOLDER) if config.disk_cache else None,
                 cache_key_tag(),
             )
             if direct is not None:

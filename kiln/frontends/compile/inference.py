@@ -38,6 +38,9 @@ from torch.utils._pytree import tree_map
 
 from kiln import metrics
 
+# the folder of KILN_CACHE_DIR holding lowered graphs without autograd (see try_compile)
+INFERENCE_FOLDER = "inference"
+
 
 class Declined(Exception):
     """The graph is not one this path takes (the message says why); AOTAutograd takes it."""
@@ -61,6 +64,32 @@ _METHODS_REFUSED = {
 }
 
 
+# modules whose functions change global state (grad mode, autocast, RNG, devices) or are not ops
+_MODULES_REFUSED = (
+    "torch._C",
+    "torch.amp",
+    "torch.autograd",
+    "torch._dynamo",
+    "torch._functorch",
+    "torch._higher_order_ops",
+    "torch.random",
+    "torch.cuda",
+    "torch.cpu",
+    "torch.backends",
+    "torch.distributed",
+    "torch.utils",
+)
+# torch's builtin op namespaces (torch.nn.functional.linear is torch._C._nn.linear, ...)
+_OP_MODULES = {
+    "torch._C._nn",
+    "torch._C._linalg",
+    "torch._C._special",
+    "torch._C._fft",
+    "torch._C._VariableFunctions",
+}
+_NAMES_REFUSED = ("set_", "_set", "manual_seed", "seed", "use_", "_enter", "_exit")
+
+
 def _callable_ok(node: torch.fx.Node) -> bool:
     t = node.target
     if node.op == "call_method":
@@ -69,14 +98,16 @@ def _callable_ok(node: torch.fx.Node) -> bool:
         return True
     if t in _OPERATORS:
         return True
-    # torch's own builtins (torch.mul, torch._foreach_add_, ...): not Python functions that may
-    # switch global state (autocast, grad mode)
-    name = getattr(t, "__name__", "")
-    return (
-        type(t).__name__ == "builtin_function_or_method"
-        and getattr(torch, name, None) is t
-        and not name.startswith("_set")
-    )
+    # torch's functions (torch.mul, torch.nn.functional.gelu, torch.linalg.qr, ...), not those
+    # that switch global state (autocast, grad mode, the RNG) -- recording runs them
+    mod, name = getattr(t, "__module__", None) or "", getattr(t, "__name__", "")
+    if name.startswith(_NAMES_REFUSED):
+        return False
+    if mod in _OP_MODULES or (
+        type(t).__name__ == "builtin_function_or_method" and getattr(torch, name, None) is t
+    ):
+        return True
+    return (mod == "torch" or mod.startswith("torch.")) and not mod.startswith(_MODULES_REFUSED)
 
 
 # ops that answer a question about a tensor's metadata (static shapes: constants)
@@ -246,24 +277,29 @@ class _Recorder(TorchDispatchMode):
             func(*args, **kwargs)  # eager's checks
             self.update(dst, new)
             return dst
+        if func in _QUERIES:  # a tensor's metadata (its device, a size): a constant here
+            return func(*args, **kwargs)
+        if func in self.decomps:
+            with self:
+                out = self.decomps[func](*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        # a CompositeImplicitAutograd op (``to``, ``reshape``...) as its parts, as make_fx does
+        with self:
+            out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
         if _is_view(func):  # a value like any other as long as nothing writes its storage
             out = self.add(func, args, kwargs)
             self.share(args[0], list(out) if isinstance(out, tuple | list) else [out])
             return out
         if _is_view_or_mutation(func):
             raise Declined(f"mutating op {func}")
-        if func in self.decomps:
-            with self:
-                out = self.decomps[func](*args, **kwargs)
-            if out is not NotImplemented:
-                return out
         return self.add(func, args, kwargs)
 
     def add(self, func: Any, args: Any, kwargs: dict) -> Any:
         """Run ``func`` on the fake tensors and record it as a node (its outputs named)."""
         out = func(*args, **kwargs)
-        if func in _QUERIES:  # a tensor's metadata (its device, a size): a constant here
-            return out
         n = self.graph.call_function(func, tree_map(self.arg, args), tree_map(self.arg, kwargs))
         n.meta["val"] = out
         if isinstance(out, torch.Tensor):
@@ -414,8 +450,9 @@ def try_compile(
 
     ``lower`` makes the recorded ATen graph what ``build`` turns into a runner of the inputs
     (attributes first); ``cache`` (a :class:`kiln.runtime.cache.DiskCache`, optional) keeps what
-    ``lower`` made under :func:`cache_key`, so a new process records nothing (a hit is counted as
-    ``inference_graph_cache_hits``)."""
+    ``lower`` made under :func:`cache_key` with the ATen fallbacks its lowering counted, so a new
+    process records nothing (a hit is counted as ``inference_graph_cache_hits``, and its
+    fallbacks as the lowering counted them)."""
     consts = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
     if torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in [*consts, *example_inputs]
@@ -425,13 +462,20 @@ def try_compile(
         inputs = [*consts, *example_inputs]
         _check(gm, inputs)
         key = cache_key(gm, inputs, tag) if cache is not None else ""
-        lowered = cache.load(key) if cache is not None else None
-        if lowered is None:
+        entry = cache.load(key) if cache is not None else None
+        if entry is None:
             recorded, _ = record(gm, example_inputs, decomps)
+            before = metrics.counters()["fallbacks"]
             lowered = lower(recorded)
+            after = metrics.counters()["fallbacks"]
+            fell = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
             if cache is not None:
-                cache.store(key, lowered)
+                cache.store(key, (lowered, fell))
         else:
+            # the ops lowering left to ATen, counted again as a cold compile counts them
+            lowered, fell = entry
+            for op, n in fell.items():
+                metrics.fallback(op, n)
             metrics.incr("inference_graph_cache_hits")
         run = build(lowered, inputs)
     except Declined as e:
