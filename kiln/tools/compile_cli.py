@@ -34,12 +34,13 @@ def _run(cmd: tuple[str, ...], env: dict[str, str]) -> int:
 def precompile(steps: int, cmd: tuple[str, ...]) -> None:
     """Run CMD for a few steps to fill the persistent compile cache."""
     from kiln.config import config
+    from kiln.frontends.compile.inference import INFERENCE_FOLDER
 
     graphs = Path(config.cache_dir) / "graphs"
     # compile mode: AOTAutograd's entries (Dynamo graph -> Kiln graphs), and the lowered graphs
     # that need no autograd (the optimizer step), kiln.frontends.compile
     aot = Path(config.cache_dir) / "torch" / "aotautograd"
-    direct = Path(config.cache_dir) / "inference"
+    direct = Path(config.cache_dir) / INFERENCE_FOLDER
 
     def count(folder: Path, pattern: str) -> int:
         return len(list(folder.glob(pattern))) if folder.exists() else 0

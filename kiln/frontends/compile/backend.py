@@ -91,13 +91,15 @@ def _direct_lower(gm: Recorded) -> tuple[Graph, OutSpec]:
         raise Declined(f"Kiln cannot take it: {e}") from e
 
 
-def _direct_builder(site: str) -> Callable[[tuple[Graph, OutSpec], list], Callable[[list], list]]:
-    """Kiln's compile of a graph recorded without AOTAutograd (see
+def _direct_builder(
+    gm: torch.fx.GraphModule,
+) -> Callable[[tuple[Graph, OutSpec], list], Callable[[list], list]]:
+    """Kiln's compile of a graph recorded from ``gm`` without AOTAutograd (see
     :mod:`kiln.frontends.compile.inference`), through the shared caches."""
 
     def build(lowered: tuple[Graph, OutSpec], inputs: list) -> Callable[[list], list]:
         g, out_spec = lowered
-        note_graph(site + f"#{len(inputs)}", signature(inputs))
+        note_graph(_site(gm) + f"#{len(inputs)}", signature(inputs))
         return make_runner(compile_graph(g), out_spec)
 
     return build
@@ -171,7 +173,7 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
                 example_inputs,
                 _DECOMPS,
                 _direct_lower,
-                _direct_builder(_site(gm)),
+                _direct_builder(gm),
                 DiskCache(config.cache_dir, INFERENCE_FOLDER) if config.disk_cache else None,
                 cache_key_tag(),
             )

@@ -353,12 +353,19 @@ class Recorded(NamedTuple):
 def record(gm: torch.fx.GraphModule, example_inputs: list, decomps: dict) -> tuple:
     """Dynamo's graph -> (the ATen graph, whose placeholders are the graph's tensor attributes
     then its inputs; those attributes); raises :class:`Declined`."""
+    consts = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+    _check(gm, [*consts, *example_inputs])
+    return _record_checked(gm, consts, example_inputs, decomps), consts
+
+
+def _record_checked(
+    gm: torch.fx.GraphModule, consts: list, example_inputs: list, decomps: dict
+) -> Recorded:
+    """:func:`record` of a graph :func:`_check` has passed (``consts``: its tensor attributes)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     attrs = [n for n in gm.graph.nodes if n.op == "get_attr"]
-    consts = [getattr(gm, n.target) for n in attrs]
     inputs = [*consts, *example_inputs]
-    _check(gm, inputs)
     out_graph = torch.fx.Graph()
     rec = _Recorder(out_graph, decomps)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -412,7 +419,7 @@ def record(gm: torch.fx.GraphModule, example_inputs: list, decomps: dict) -> tup
             c = out_graph.call_function(torch.ops.aten.copy_.default, (p, cur))
             c.meta["val"] = f
     out_graph.output(tuple(result))
-    return Recorded(out_graph), consts
+    return Recorded(out_graph)
 
 
 def cache_key(gm: torch.fx.GraphModule, inputs: list, tag: str) -> str:
@@ -464,7 +471,7 @@ def try_compile(
         key = cache_key(gm, inputs, tag) if cache is not None else ""
         entry = cache.load(key) if cache is not None else None
         if entry is None:
-            recorded, _ = record(gm, example_inputs, decomps)
+            recorded = _record_checked(gm, consts, example_inputs, decomps)
             before = metrics.counters()["fallbacks"]
             lowered = lower(recorded)
             after = metrics.counters()["fallbacks"]
