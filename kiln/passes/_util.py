@@ -83,21 +83,24 @@ class GraphFacts:
         self.g = g
         self.outputs = frozenset(g.outputs)
         self._alias_memo: list[bool | None] = [None] * len(g.nodes)
+        self._alias_memo_dense: list[bool | None] = [None] * len(g.nodes)
 
     @cached_property
     def has_mutation(self) -> bool:
         """True if some opaque node may write into one of its inputs: then no copy is removable."""
         return any(_is_mutating_opaque(n.op) for n in self.g.nodes)
 
-    def aliases_safely(self, i: int) -> bool:
+    def aliases_safely(self, i: int, same_strides: bool = False) -> bool:
         """May node ``i``'s value become an alias of another value?
 
         True when nothing that reads it (directly, or through a chain of views) depends on its
-        strides or storage, mutates it, or hands it back to the caller as a graph output.
+        strides or storage, mutates it, or hands it back to the caller as a graph output.  With
+        ``same_strides`` the other value is known to have exactly ``i``'s strides and offset (a
+        copy of a dense value), so readers that depend on strides (``view``) may read it too.
         """
         if self.has_mutation:
             return False
-        memo = self._alias_memo
+        memo = self._alias_memo_dense if same_strides else self._alias_memo
         if memo[i] is not None:
             return bool(memo[i])
         ok = True
@@ -113,7 +116,9 @@ class GraphFacts:
                 if c is None or c is Category.OPAQUE or un.op in SIDE_EFFECTS:
                     ok = False
                     break
-                if packet(un.op) in STRIDE_SENSITIVE or un.op == "view.dtype":
+                if not same_strides and (
+                    packet(un.op) in STRIDE_SENSITIVE or un.op == "view.dtype"
+                ):
                     ok = False
                     break
                 if c is Category.VIEW and u not in seen:

@@ -27,7 +27,8 @@ import torch
 
 from kiln.config import config
 from kiln.ir.graph import Graph, In, Node, TensorType
-from kiln.passes._util import Rewriter
+from kiln.ir.ops import Category
+from kiln.passes._util import Rewriter, cat_of
 from kiln.passes.rewrite import Rule, apply_rules
 
 PERM_OPS = ("permute.default", "transpose.int", "t.default")
@@ -169,8 +170,23 @@ def noop_view(rw: Rewriter, n: Node) -> int | None:
     return x
 
 
+# Ops whose result is a fresh, dense tensor (ATen lays outputs out dense and non-overlapping).
+_FRESH = (Category.ELEMENTWISE, Category.REDUCTION, Category.MATMUL)
+
+
+def _dense_source(rw: Rewriter, x: int) -> bool:
+    """Is value ``x`` (new graph) the single output of an op that computes a fresh tensor?  A
+    same-dtype copy of it (``clone``/``_to_copy``, preserve format) has its exact strides and
+    offset, so even ``view`` may read ``x`` in the copy's place."""
+    p = rw.node(x)
+    return len(p.types) == 1 and cat_of(p.op) in _FRESH
+
+
 def _copy_may_go(rw: Rewriter, n: Node) -> bool:
-    return rw.type(src(n)) == n.type and rw.facts.aliases_safely(rw.current)
+    if rw.type(src(n)) != n.type:
+        return False
+    same = _dense_source(rw, src(n))
+    return rw.facts.aliases_safely(rw.current, same_strides=same)
 
 
 def neutral_cast(rw: Rewriter, n: Node) -> int | None:
@@ -333,7 +349,8 @@ RULES: tuple[Rule, ...] = (
     # view/reshape/expand/squeeze/slice/narrow/alias that keeps the shape -> x
     Rule("noop_view", NOOP_VIEWS, noop_view),
     # _to_copy to the same dtype, no device/layout/memory-format change -> x, when the copy
-    # is not needed as a fresh tensor (no output, no mutation, nothing reads its strides)
+    # is not needed as a fresh tensor (no output, no mutation, nothing reads its strides --
+    # unless x is itself a fresh dense result, whose copy has x's very strides)
     Rule("neutral_cast", ("_to_copy.default",), neutral_cast),
     # clone(x) -> x under the same conditions
     Rule("clone", ("clone.default",), drop_clone),

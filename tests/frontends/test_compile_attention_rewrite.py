@@ -11,7 +11,16 @@ import torch
 import torch.nn.functional as F
 
 import kiln
+from kiln.frontends.compile import attention
 from kiln.frontends.compile.attention import attention_to_sdpa
+
+
+@pytest.fixture(autouse=True)
+def any_key_length(request, monkeypatch):
+    """The rewrite's mechanics at small sizes: every key length is rewritten, except in the tests
+    of the key-length rule itself (marked ``real_min_keys``)."""
+    if "real_min_keys" not in request.keywords:
+        monkeypatch.setattr(attention, "MIN_KEYS", 1)
 
 
 def attn(q, k, v, mask=None, bias=None, scale=0.25, div=None, p=0.0, to=False):
@@ -161,3 +170,49 @@ def test_zero_size_batch_is_left_to_eager_ops():
     torch._dynamo.reset()
     out = torch.compile(lambda q, k, v: attn(q, k, v), backend="kiln")(q, k, v)
     assert out.shape == (0, 3, 7, 6)
+
+
+@pytest.mark.real_min_keys
+@pytest.mark.parametrize(
+    ("s", "rewritten"), [(attention.MIN_KEYS - 1, False), (attention.MIN_KEYS, True)]
+)
+def test_only_long_keys_are_rewritten_and_both_match_eager(s, rewritten):
+    """Short keys stay as written (Kiln's fused softmax beats the flash kernels there), counted;
+    from MIN_KEYS on the chain becomes SDPA.  Both equal eager, forward and gradients."""
+    torch.manual_seed(0)
+    xs = list(_qkv(b=1, h=2, l=9, s=s, e=8, ev=8))
+    mask = torch.rand(9, s) > 0.3
+
+    def fn(q, k, v):
+        return attn(q, k, v, mask=mask)
+
+    n, ops = _rewritten(fn, *xs)
+    assert n == int(rewritten)
+    assert ("scaled_dot_product_attention" in ops) == rewritten
+    torch._dynamo.reset()
+    kept = kiln.metrics.get("attention_kept_short")
+    cot = torch.randn(fn(*xs).shape)
+    eo, eg = _grads(fn, xs, cot)
+    ko, kg = _grads(torch.compile(fn, backend="kiln"), xs, cot)
+    assert kiln.metrics.get("attention_kept_short") == kept + (0 if rewritten else 1)
+    torch.testing.assert_close(ko, eo, rtol=1e-5, atol=1e-6)
+    for a, b in zip(kg, eg):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.real_min_keys
+def test_symbolic_key_length_is_judged_by_its_hint():
+    """A dynamic key length: the first size Dynamo saw decides (256 rewritten, 8 kept)."""
+    for s, want in ((attention.MIN_KEYS, 1), (8, 0)):
+        xs = _qkv(b=1, h=1, l=3, s=s, e=4, ev=4)
+        seen = {}
+
+        def backend(gm, example_inputs):
+            seen["n"] = attention_to_sdpa(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        torch._dynamo.mark_dynamic(xs[1], 2)
+        torch._dynamo.mark_dynamic(xs[2], 2)
+        torch.compile(lambda q, k, v: attn(q, k, v), backend=backend)(*xs)
+        assert seen["n"] == want, s

@@ -11,7 +11,17 @@ import torch
 import torch.nn.functional as F
 
 import kiln
+from kiln.frontends.compile import attention
 from kiln.frontends.compile.attention import attention_to_sdpa
+
+
+@pytest.fixture(autouse=True)
+def any_key_length(monkeypatch):
+    """Hand-written attention at these small sizes is rewritten to SDPA too (the rewrite's
+    key-length rule is tested in test_compile_attention_rewrite.py)."""
+    monkeypatch.setattr(attention, "MIN_KEYS", 1)
+
+
 from kiln.frontends.compile.gqa import sdpa_gqa
 
 
