@@ -85,7 +85,8 @@ def _lane_sources(info: dict) -> list[str]:
 
 
 @cpp_only
-@pytest.mark.parametrize("shape", [(7, 13), (0, 5), (1,), (40000,)], ids=str)
+# (12000,): each lane below PARALLEL_MIN, the three together above it (the parallel path)
+@pytest.mark.parametrize("shape", [(7, 13), (0, 5), (1,), (12000,), (40000,)], ids=str)
 def test_lane_kernel_matches_interpreter_and_flat_kernel(shape, monkeypatch):
     g = _lanes_graph(shape)
     xs = _inputs(shape)

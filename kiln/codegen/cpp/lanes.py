@@ -10,8 +10,8 @@ by values and by shared inputs) that are the same computation on their own input
 
 :func:`find_lanes` finds them; :func:`lane_kernel` emits each class of identical lanes as one
 function of (a lane's row of a ``P``-index table, an element range), called lane after lane
-(below ``PARALLEL_MIN`` elements, with no OpenMP region) or, in one parallel region, by each
-thread for its range of every lane.  The calling convention is unchanged (same ``P``/``I``/``D``,
+(below ``PARALLEL_MIN`` elements in all lanes together, with no OpenMP region) or, in one parallel
+region, by each thread for its range of every lane.  The calling convention is unchanged (same ``P``/``I``/``D``,
 same :class:`KernelSpec`), so executors and the native launcher call it as any pointwise kernel;
 the source no longer grows with the number of lanes (the table does, a few characters a pointer),
 and sizes stay run-time arguments: the same chains, lane count and table are one compiled
@@ -227,9 +227,10 @@ def lane_source(
     n = " * ".join(f"s{d}" for d in range(spec.rank)) or "1"
     lines.append(f"  const int64_t N = {n};")
     lines.append("  if (N == 0) return;")
-    # small: lane after lane on this thread (no OpenMP region); large: each thread takes one
-    # range of elements of every lane
-    lines.append(f"  if (N < {PARALLEL_MIN}) {{")
+    # small (all lanes together below PARALLEL_MIN elements): lane after lane on this thread (no
+    # OpenMP region); large: each thread takes one range of elements of every lane
+    total = sum(len(lanes) for lanes in classes)
+    lines.append(f"  if (N * {total} < {PARALLEL_MIN}) {{")
     lines.append("    const int64_t i0_ = 0, i1_ = N;")
     lines += [f"    {x}" for x in calls]
     lines.append("    return;")
