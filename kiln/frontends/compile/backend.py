@@ -46,6 +46,7 @@ from kiln.frontends.compile.aot_cache import (
     signature,
 )
 from kiln.frontends.compile.attention import attention_to_sdpa
+from kiln.frontends.compile.dropout import drop_zero_dropout
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.frontends.compile.gqa import sdpa_gqa
 from kiln.frontends.compile.inference import INFERENCE_FOLDER, Declined, Recorded, try_compile
@@ -156,13 +157,16 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 
 def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
-    """Dynamo's graph -> graph-level rewrites (hand-written attention -> SDPA, see
+    """Dynamo's graph -> graph-level rewrites (``dropout`` with p=0 -> its input, see
+    :mod:`kiln.frontends.compile.dropout`; hand-written attention -> SDPA, see
     :mod:`kiln.frontends.compile.attention`; repeated k/v heads -> grouped-query SDPA, see
     :mod:`kiln.frontends.compile.gqa`) -> AOTAutograd, with AOTAutograd's cache on for Kiln
     (see :mod:`kiln.frontends.compile.aot_cache`): a new process skips AOTAutograd and Kiln's
     passes.  The rewrites run first, so the cache key is that of the rewritten graph.  The cyclic
     garbage collector pauses for the call (:func:`_cyclic_gc_paused`)."""
     with _cyclic_gc_paused():
+        if "dropout" not in config.disabled_passes:
+            drop_zero_dropout(gm)
         if "attention" not in config.disabled_passes:
             attention_to_sdpa(gm)
         if "gqa" not in config.disabled_passes:
