@@ -21,7 +21,7 @@ from optim_cases import OPTIMIZERS, check_compiled_step_matches_eager
 import kiln
 from kiln import metrics
 from kiln.frontends.compile import backend as be
-from kiln.frontends.compile.inference import Declined, record
+from kiln.frontends.compile.inference import Declined, _callable_ok, record
 
 MORE: list[tuple[str, Callable]] = [
     ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1)),
@@ -219,6 +219,73 @@ def test_an_inference_forward_with_views_is_taken_and_matches_eager():
         lambda a: (a.view(2, 6).t().contiguous() + a.reshape(6, 2).sum(),), torch.randn(3, 4)
     )
     assert "aten.t.default" in ops or "aten.permute.default" in ops, ops
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_transformers_inference_with_default_attention_is_taken_and_matches_eager(kind):
+    """A Hugging Face model's forward under ``no_grad`` with its default (SDPA) attention: the
+    SDPA CPU kernels are tagged random (their dropout), here with ``dropout_p`` 0; Llama's graph
+    calls ``torch._C._log_api_usage_once``.  Both taken, equal to eager."""
+    tf = pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    common = {
+        "vocab_size": 50,
+        "num_hidden_layers": 1,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "max_position_embeddings": 32,
+    }
+    if kind == "bert":
+        cfg = tf.BertConfig(**common, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = tf.BertModel(cfg).eval()
+    else:
+        cfg = tf.LlamaConfig(**common, num_key_value_heads=2, attention_dropout=0.0)
+        model = tf.LlamaModel(cfg).eval()
+    assert model.config._attn_implementation == "sdpa"
+    ids = torch.randint(0, 50, (2, 9))
+    taken, declined = _counts()
+    with torch.no_grad():
+        got = kiln.compile(model)(ids).last_hidden_state
+        want = model(ids).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    taken_after, declined_after = _counts()
+    assert taken_after > taken and declined_after == declined, declined_after
+
+
+def test_tensor_constants_made_in_the_graph():
+    """``torch.tensor([...])`` in a graph: one value everywhere or no element is made again by a
+    factory op (taken); several values are declined (AOTAutograd takes the graph)."""
+    x = torch.randn(3, 2)
+    for fn, take in (
+        (lambda x: x * torch.tensor([2.5, 2.5]), True),
+        (lambda x: torch.cat([x.reshape(-1), torch.tensor([])]) + 1, True),
+        (lambda x: x * torch.tensor([1.0, 3.0]), False),
+    ):
+        torch._dynamo.reset()
+        taken, declined = _counts()
+        with torch.no_grad():
+            got = kiln.compile(fn)(x)
+        torch.testing.assert_close(got, fn(x))
+        taken_after, declined_after = _counts()
+        assert (taken_after > taken) == take
+        assert (declined_after != declined) == (not take)
+
+
+def test_random_attention_and_other_state_calls_are_still_declined():
+    """SDPA with dropout draws random numbers: declined; of torch._C's calls only the log one is
+    allowed."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    q = torch.randn(1, 2, 5, 4)
+    gm = torch.fx.symbolic_trace(lambda q: sdpa(q, q, q, dropout_p=0.5))
+    with torch.no_grad(), pytest.raises(Declined, match="random"):
+        record(gm, [q], be._DECOMPS)
+    assert _recorded(lambda q: sdpa(q, q, q, dropout_p=0.0), q)
+    g = torch.fx.Graph()
+    assert _callable_ok(g.call_function(torch._C._log_api_usage_once, ("x",)))
+    assert not _callable_ok(g.call_function(torch._C._set_grad_enabled, (False,)))
 
 
 def test_a_graph_for_many_sizes_is_left_to_aot_autograd_and_right_at_every_size():

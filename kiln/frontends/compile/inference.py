@@ -18,7 +18,9 @@ It claims a graph only when all of this holds (else AOTAutograd takes it, as bef
 reason is counted as ``inference_graph_declined:<reason>``): grad mode off or no tensor requiring
 grad, static shapes, plain CPU tensors with distinct storages, only torch functions / operators /
 tensor methods / ATen ops called, no in-place write to a tensor sharing its storage, no random
-op, no data-dependent value, no output that is an input or a view of one.  (An inference graph --
+op (attention with ``dropout_p`` 0 draws nothing: taken), no data-dependent value, no output
+that is an input or a view of one (a call that only logs, ``torch._C._log_api_usage_once``, is
+allowed).  (An inference graph --
 a model under ``torch.no_grad()`` -- qualifies as well as an optimizer step.)  The recorded graph is what Kiln would have got from AOTAutograd up to the order of
 its nodes; it goes through :func:`kiln.frontends.compile.fx.fx_to_kiln` and Kiln's compiler like
 any other graph (Kiln's own cache keeps its kernels: a new process records again, ~0.1 s).
@@ -33,7 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.fx
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
 
 from kiln import metrics
@@ -90,13 +92,17 @@ _OP_MODULES = {
 _NAMES_REFUSED = ("set_", "_set", "manual_seed", "seed", "use_", "_enter", "_exit")
 
 
+# calls in torch._C that only log (Dynamo keeps them in the graph): no value, no state of ours
+_LOG_ONLY = (torch._C._log_api_usage_once,)
+
+
 def _callable_ok(node: torch.fx.Node) -> bool:
     t = node.target
     if node.op == "call_method":
         return isinstance(t, str) and t not in _METHODS_REFUSED and hasattr(torch.Tensor, t)
     if isinstance(t, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
         return True
-    if t in _OPERATORS:
+    if t in _OPERATORS or t in _LOG_ONLY:
         return True
     # torch's functions (torch.mul, torch.nn.functional.gelu, torch.linalg.qr, ...), not those
     # that switch global state (autocast, grad mode, the RNG) -- recording runs them
@@ -108,6 +114,20 @@ def _callable_ok(node: torch.fx.Node) -> bool:
     ):
         return True
     return (mod == "torch" or mod.startswith("torch.")) and not mod.startswith(_MODULES_REFUSED)
+
+
+def _draws_nothing(func: Any, args: tuple, kwargs: dict) -> bool:
+    """A random-tagged op whose call draws no random number: attention with ``dropout_p`` 0
+    (torch tags the SDPA kernels random for their dropout; Kiln lowers them as plain nodes)."""
+    for k, a in enumerate(func._schema.arguments):
+        if a.name == "dropout_p":
+            p = args[k] if k < len(args) else kwargs.get("dropout_p", a.default_value)
+            return isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0
+    return False
+
+
+# how a tensor made from Python values enters a traced graph
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 
 # ops that answer a question about a tensor's metadata (static shapes: constants)
@@ -242,7 +262,9 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if torch.Tag.nondeterministic_seeded in func.tags and not _draws_nothing(
+            func, args, kwargs
+        ):
             raise Declined(f"random op {func}")
         if func is torch.ops.aten.copy_.default:  # the destination takes the source's value
             func(*args, **kwargs)  # eager's checks
@@ -279,6 +301,8 @@ class _Recorder(TorchDispatchMode):
             return dst
         if func in _QUERIES:  # a tensor's metadata (its device, a size): a constant here
             return func(*args, **kwargs)
+        if func in _LIFTS and id(args[0]) not in self.node:  # torch.tensor(...) in the graph
+            return self.constant(args[0])
         if func in self.decomps:
             with self:
                 out = self.decomps[func](*args, **kwargs)
@@ -296,6 +320,21 @@ class _Recorder(TorchDispatchMode):
         if _is_view_or_mutation(func):
             raise Declined(f"mutating op {func}")
         return self.add(func, args, kwargs)
+
+    def constant(self, t: torch.Tensor) -> Any:
+        """A tensor the graph makes from Python values (Dynamo keeps ``torch.tensor([...])``
+        calls in the graph): recorded as the factory op that makes it again -- ``empty`` when it
+        has no elements, ``full`` when every element is one value; declined otherwise."""
+        if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized:
+            raise Declined("a tensor constant that is not a plain CPU tensor")
+        opts = {"dtype": t.dtype, "layout": torch.strided, "device": t.device}
+        if t.numel() == 0:
+            return self.add(torch.ops.aten.empty.memory_format, (list(t.shape),), opts)
+        with _disable_current_modes():  # a real tensor: read its values outside fake mode
+            values = set(t.reshape(-1).tolist())
+        if len(values) != 1 or t.is_complex():
+            raise Declined("a tensor constant with several values")
+        return self.add(torch.ops.aten.full.default, (list(t.shape), values.pop()), opts)
 
     def add(self, func: Any, args: Any, kwargs: dict) -> Any:
         """Run ``func`` on the fake tensors and record it as a node (its outputs named)."""
