@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _dynamo_rewrites import rewritten
 
 import kiln
 from kiln.frontends.compile import attention
@@ -39,22 +40,7 @@ def attn(q, k, v, mask=None, bias=None, scale=0.25, div=None, p=0.0, to=False):
 
 def _rewritten(fn, *args):
     """(number of chains rewritten, rewritten graph's ops) for ``fn`` captured by Dynamo."""
-    seen = {}
-
-    def backend(gm, example_inputs):
-        before = set(gm.graph.nodes)
-        seen["n"] = attention_to_sdpa(gm)
-        # AOTAutograd's cache bypasses graphs whose tensors lack Dynamo's metadata
-        seen["meta"] = all("example_value" in n.meta for n in gm.graph.nodes if n not in before)
-        seen["ops"] = [
-            getattr(n.target, "__name__", str(n.target))
-            for n in gm.graph.nodes
-            if n.op in ("call_function", "call_method")
-        ]
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend)(*args)
+    seen = rewritten(attention_to_sdpa, fn, *args)
     assert seen["meta"]
     return seen["n"], seen["ops"]
 
@@ -203,13 +189,15 @@ def test_only_long_keys_are_rewritten_and_both_match_eager(s, rewritten):
 @pytest.mark.real_min_keys
 def test_symbolic_key_length_is_judged_by_its_hint():
     """A dynamic key length: the first size Dynamo saw decides (256 rewritten, 8 kept)."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["n"] = attention_to_sdpa(gm)
+        return gm.forward
+
     for s, want in ((attention.MIN_KEYS, 1), (8, 0)):
         xs = _qkv(b=1, h=1, l=3, s=s, e=4, ev=4)
-        seen = {}
-
-        def backend(gm, example_inputs):
-            seen["n"] = attention_to_sdpa(gm)
-            return gm.forward
+        seen.clear()
 
         torch._dynamo.reset()
         torch._dynamo.mark_dynamic(xs[1], 2)

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _dynamo_rewrites import rewritten
 from torch import nn
 
 import kiln
@@ -17,19 +18,7 @@ from kiln.frontends.compile.dropout import drop_zero_dropout
 
 def _ops_after(fn, *args):
     """(calls removed, remaining call targets' names) for ``fn`` captured by Dynamo."""
-    seen = {}
-
-    def backend(gm, example_inputs):
-        seen["n"] = drop_zero_dropout(gm)
-        seen["ops"] = [
-            getattr(n.target, "__name__", str(n.target))
-            for n in gm.graph.nodes
-            if n.op in ("call_function", "call_method")
-        ]
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend)(*args)
+    seen = rewritten(drop_zero_dropout, fn, *args)
     return seen["n"], seen["ops"]
 
 
