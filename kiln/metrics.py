@@ -86,6 +86,14 @@ def fallback(op: str, n: int = 1) -> None:
         _m.fallbacks[op] += n
 
 
+def fallbacks_since(before: dict[str, int]) -> dict[str, int]:
+    """The ATen fallbacks counted since ``before`` (a ``counters()["fallbacks"]``), per op: what
+    a cached compile stores to count again when it is loaded."""
+    with _lock:
+        now = dict(_m.fallbacks)
+    return {k: n - before.get(k, 0) for k, n in now.items() if n != before.get(k, 0)}
+
+
 def forced_sync(reason: str) -> None:
     with _lock:
         _m.syncs[reason] += 1

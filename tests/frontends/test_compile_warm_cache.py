@@ -178,3 +178,38 @@ def test_outputs_that_view_an_intermediate_load_from_the_cache(tmp_path):
         r = run_json(ALIASES, which, KILN_CACHE_DIR=str(tmp_path / "cache"))
         assert r.pop("skipped") >= 1, which
         assert r["kiln"] == r["eager"], which
+
+
+FALLBACKS = """
+import json, torch, kiln
+from kiln import metrics
+w = torch.randn(4, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+@kiln.compile
+def f(x):
+    q, r = torch.linalg.qr(x @ w + 4 * torch.eye(4))  # an op Kiln's lowering leaves to ATen
+    return (q * r.exp()).sum()
+
+x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+loss = f(x)
+loss.backward()
+c = metrics.counters()
+print(json.dumps({
+    "loss": loss.item(),
+    "grad": w.grad.flatten().tolist(),
+    "fallbacks": c["fallbacks"],
+    "hits": c.get("aot_cache_hits", 0),
+    "compiled": metrics.get("graphs_compiled"),
+}))
+"""
+
+
+def test_a_loaded_entry_counts_the_fallbacks_its_lowering_counted(tmp_path):
+    """The forward/backward graphs loaded from AOTAutograd's cache skip Kiln's lowering; the ops
+    it left to ATen are still counted, as in the process that compiled them."""
+    first = run_json(FALLBACKS, KILN_CACHE_DIR=str(tmp_path))
+    second = run_json(FALLBACKS, KILN_CACHE_DIR=str(tmp_path))
+    assert first["hits"] == 0 and first["compiled"] >= 2
+    assert second["hits"] >= 2 and second["compiled"] == 0
+    assert "linalg_qr" in first["fallbacks"] and second["fallbacks"] == first["fallbacks"]
+    assert second["loss"] == first["loss"] and second["grad"] == first["grad"]

@@ -222,7 +222,10 @@ class KilnOutputCode(OutputCode):
         site: str = "",
         sig: Signature | None = None,
         fallback_reason: str = "",
+        fell: dict[str, int] | None = None,
     ) -> None:
+        """``fell``: the ATen fallbacks lowering ``graph`` counted, per op (counted again when
+        the entry is loaded, as a cold compile counts them)."""
         super().__init__()
         self._boxed_call = True
         self._run: Callable[[list], list] | None = run
@@ -232,7 +235,7 @@ class KilnOutputCode(OutputCode):
         self._kiln_tag = cache_key_tag()  # which Kiln lowered the graph
         if graph is not None:
             self._payload = pickle.dumps(
-                (graph, out_spec, site, sig), protocol=pickle.HIGHEST_PROTOCOL
+                (graph, out_spec, site, sig, dict(fell or {})), protocol=pickle.HIGHEST_PROTOCOL
             )
             self._digest = hashlib.sha256(self._payload).hexdigest()
 
@@ -278,9 +281,11 @@ class KilnOutputCode(OutputCode):
                 "compile it again with this Kiln (torch.compile(..., backend='kiln')) and save "
                 "it anew"
             )
-        graph, out_spec, site, sig = pickle.loads(self._payload)
+        graph, out_spec, site, sig, fell = pickle.loads(self._payload)
         if site and sig is not None:
             note_graph(site, sig)
+        for op, n in fell.items():  # the ops the lowering left to ATen, counted as cold
+            metrics.fallback(op, n)
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily():

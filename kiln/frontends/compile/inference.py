@@ -513,8 +513,7 @@ def try_compile(
             recorded = _record_checked(gm, consts, example_inputs, decomps)
             before = metrics.counters()["fallbacks"]
             lowered = lower(recorded)
-            after = metrics.counters()["fallbacks"]
-            fell = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+            fell = metrics.fallbacks_since(before)
             if cache is not None:
                 cache.store(key, (lowered, fell))
         else:
