@@ -9,8 +9,9 @@ its value is saved for backward (the attention probabilities before ``p @ v``) t
 saves both ``x`` and its copy: on the tiny GPT 1 MB more peak tensor memory than eager's step
 (16.5 vs 15.5 MB).  With the call gone the graph is what eager runs.
 
-Matched: ``torch.nn.functional.dropout`` / ``torch.dropout`` / ``Tensor.dropout`` calls whose
-probability is the Python number 0 (any ``training``/``inplace``: each returns its input).
+Matched: ``torch.nn.functional.dropout`` / ``torch.dropout`` calls (``nn.Dropout`` is inlined by
+Dynamo into the former) whose probability is the Python number 0 (any ``training``/``inplace``:
+each returns its input, the same tensor object).
 
 Needs: a Dynamo FX graph.  Guarantees: eager's values and aliasing (the same tensor flows on);
 off with ``KILN_DISABLE_PASSES=dropout``; each call removed counted as ``dropout_p0_removed``.
@@ -37,9 +38,7 @@ def _p(n: torch.fx.Node) -> Any:
 
 
 def _is_dropout(n: torch.fx.Node) -> bool:
-    if n.op == "call_function":
-        return n.target in _DROPOUT
-    return n.op == "call_method" and n.target == "dropout"
+    return n.op == "call_function" and n.target in _DROPOUT
 
 
 def drop_zero_dropout(gm: torch.fx.GraphModule) -> int:
