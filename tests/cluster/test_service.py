@@ -131,9 +131,14 @@ def _worker(db: str, seed: int, ops: int) -> None:
 
 
 def race(url: str, seed_base: int, n_procs: int, n_threads: int, calls: int) -> None:
-    """``n_procs`` forked processes and ``n_threads`` threads run ``_worker`` against one store
-    at once; every caller must finish cleanly (each checks the invariants after every call)."""
-    ctx = multiprocessing.get_context("fork")
+    """``n_procs`` processes and ``n_threads`` threads run ``_worker`` against one store at
+    once; every caller must finish cleanly (each checks the invariants after every call).
+
+    The processes start from a fork server, not by forking this process: a test worker that ran
+    other tests has threads of its own (compile-cache build threads, torch's pools), and a child
+    forked while one of them held a lock can hang on it (a child was still running after 120 s
+    in one CI run)."""
+    ctx = multiprocessing.get_context("forkserver")
     procs = [ctx.Process(target=_worker, args=(url, seed_base + i, calls)) for i in range(n_procs)]
     for p in procs:
         p.start()
