@@ -23,7 +23,8 @@ import threading
 import time
 import warnings
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,12 +87,26 @@ def fallback(op: str, n: int = 1) -> None:
         _m.fallbacks[op] += n
 
 
-def fallbacks_since(before: dict[str, int]) -> dict[str, int]:
-    """The ATen fallbacks counted since ``before`` (a ``counters()["fallbacks"]``), per op: what
-    a cached compile stores to count again when it is loaded."""
+@contextmanager
+def fallbacks_counted() -> Iterator[dict[str, int]]:
+    """The ATen fallbacks counted inside the block, per op (the dict is filled when it ends):
+    what a cached compile stores, to count them again with :func:`fallbacks_again` on a hit."""
     with _lock:
-        now = dict(_m.fallbacks)
-    return {k: n - before.get(k, 0) for k, n in now.items() if n != before.get(k, 0)}
+        before = dict(_m.fallbacks)
+    fell: dict[str, int] = {}
+    try:
+        yield fell
+    finally:
+        with _lock:
+            now = dict(_m.fallbacks)
+        fell.update({k: n - before.get(k, 0) for k, n in now.items() if n != before.get(k, 0)})
+
+
+def fallbacks_again(fell: dict[str, int]) -> None:
+    """Count a cached compile's fallbacks (:func:`fallbacks_counted`) as its lowering did."""
+    with _lock:
+        for op, n in fell.items():
+            _m.fallbacks[op] += n
 
 
 def forced_sync(reason: str) -> None:

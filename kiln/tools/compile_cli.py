@@ -42,20 +42,14 @@ def precompile(steps: int, cmd: tuple[str, ...]) -> None:
     aot = Path(config.cache_dir) / "torch" / "aotautograd"
     direct = Path(config.cache_dir) / INFERENCE_FOLDER
 
-    def count(folder: Path, pattern: str) -> int:
-        return len(list(folder.glob(pattern))) if folder.exists() else 0
+    kinds = ((graphs, "*.kgc"), (aot, "*/*"), (direct, "*.kgc"))
 
-    before, aot_before, direct_before = (
-        count(graphs, "*.kgc"),
-        count(aot, "*/*"),
-        count(direct, "*.kgc"),
-    )
+    def counts() -> list[int]:
+        return [len(list(f.glob(p))) if f.exists() else 0 for f, p in kinds]
+
+    before, aot_before, direct_before = counts()
     rc = _run(cmd, {"KILN_MAX_STEPS": str(steps)})
-    after, aot_after, direct_after = (
-        count(graphs, "*.kgc"),
-        count(aot, "*/*"),
-        count(direct, "*.kgc"),
-    )
+    after, aot_after, direct_after = counts()
     click.echo(
         f"kiln precompile: {after - before} new graphs in {graphs} ({after} in all), "
         f"{aot_after - aot_before} new AOTAutograd entries ({aot_after} in all), "

@@ -284,8 +284,7 @@ class KilnOutputCode(OutputCode):
         graph, out_spec, site, sig, fell = pickle.loads(self._payload)
         if site and sig is not None:
             note_graph(site, sig)
-        for op, n in fell.items():  # the ops the lowering left to ATen, counted as cold
-            metrics.fallback(op, n)
+        metrics.fallbacks_again(fell)  # the ops the lowering left to ATen, counted as cold
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily():

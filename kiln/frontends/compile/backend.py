@@ -71,13 +71,12 @@ def _kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> KilnOutput
     # a different graph with the same input signature at one site is not a recompile
     site, sig = _site(gm) + f"#{len(example_inputs)}", signature(example_inputs)
     note_graph(site, sig)
-    before = metrics.counters()["fallbacks"]
     try:
-        g, out_spec = fx_to_kiln(gm)
+        with metrics.fallbacks_counted() as fell:  # the lowering's: a cache hit counts them again
+            g, out_spec = fx_to_kiln(gm)
     except UnsupportedGraph as e:
         metrics.fallback(f"graph:{e}")
         return KilnOutputCode.fallback(make_boxed_func(gm.forward), str(e))
-    fell = metrics.fallbacks_since(before)  # the lowering's: a cache hit counts them again
     # AOTAutograd may call us inside an active FakeTensorMode; Kiln compiles (constant folding,
     # kernel checks) on real tensors.
     with unset_fake_temporarily():

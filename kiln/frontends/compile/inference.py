@@ -511,16 +511,14 @@ def try_compile(
         entry = cache.load(key) if cache is not None else None
         if entry is None:
             recorded = _record_checked(gm, consts, example_inputs, decomps)
-            before = metrics.counters()["fallbacks"]
-            lowered = lower(recorded)
-            fell = metrics.fallbacks_since(before)
+            with metrics.fallbacks_counted() as fell:
+                lowered = lower(recorded)
             if cache is not None:
                 cache.store(key, (lowered, fell))
         else:
             # the ops lowering left to ATen, counted again as a cold compile counts them
             lowered, fell = entry
-            for op, n in fell.items():
-                metrics.fallback(op, n)
+            metrics.fallbacks_again(fell)
             metrics.incr("inference_graph_cache_hits")
         run = build(lowered, inputs)
     except Declined as e:
