@@ -19,7 +19,8 @@ medians of 7; hand-written vs rewritten, ms, 2 threads / 1 thread): B=8 H=4 E=32
 (B=4 H=8 E=64 L=S=256 13.3 vs 13.5 / 25.7 vs 25.1, B=8 H=4 E=32 L=S=256 8.7 vs 8.4 / 17.1 vs
 14.0, L=S=384 and 1024 2-4% ahead) and it does not keep the (B, H, L, S) probabilities for
 backward.  A symbolic key length is judged by its hint (Dynamo's first size); a chain kept for
-short keys is counted as ``attention_kept_short``.
+short keys is counted as ``attention_kept_short``.  SDPA calls a model makes itself over short keys
+go the other way (:mod:`kiln.frontends.compile.short_attention`, the same threshold).
 
 Matched chain (every intermediate with exactly one user)::
 

@@ -50,6 +50,7 @@ from kiln.frontends.compile.dropout import drop_zero_dropout
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.frontends.compile.gqa import sdpa_gqa
 from kiln.frontends.compile.inference import INFERENCE_FOLDER, Declined, Recorded, try_compile
+from kiln.frontends.compile.short_attention import sdpa_to_chain
 from kiln.ir.graph import Graph
 from kiln.ir.ops import keep_whole_ops
 from kiln.runtime.cache import DiskCache
@@ -160,7 +161,8 @@ def _cyclic_gc_paused() -> Iterator[None]:
 def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
     """Dynamo's graph -> graph-level rewrites (``dropout`` with p=0 -> its input, see
     :mod:`kiln.frontends.compile.dropout`; hand-written attention -> SDPA, see
-    :mod:`kiln.frontends.compile.attention`; repeated k/v heads -> grouped-query SDPA, see
+    :mod:`kiln.frontends.compile.attention`; SDPA over short keys -> the chain, see
+    :mod:`kiln.frontends.compile.short_attention`; repeated k/v heads -> grouped-query SDPA, see
     :mod:`kiln.frontends.compile.gqa`) -> AOTAutograd, with AOTAutograd's cache on for Kiln
     (see :mod:`kiln.frontends.compile.aot_cache`): a new process skips AOTAutograd and Kiln's
     passes.  The rewrites run first, so the cache key is that of the rewritten graph.  The cyclic
@@ -172,6 +174,8 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
             attention_to_sdpa(gm)
         if "gqa" not in config.disabled_passes:
             sdpa_gqa(gm)
+        if "short_attention" not in config.disabled_passes:
+            sdpa_to_chain(gm)
         if "direct_inference" not in config.disabled_passes:
             direct = try_compile(
                 gm,
