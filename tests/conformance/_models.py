@@ -61,6 +61,27 @@ def _lm_batch(g: torch.Generator) -> Batch:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def _padded(left: bool) -> Callable[[torch.Generator], Batch]:
+    """Language-model batches padded as a tokenizer pads a list of texts: a different length per
+    sample, ``attention_mask`` 0 on the padding (left of the text for ``left``, as for decoder
+    generation, else right), the padding's labels ignored (-100)."""
+
+    def batch(g: torch.Generator) -> Batch:
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+        for i in range(BATCH):
+            pad = int(torch.randint(0, SEQ // 2, (1,), generator=g)) if i else SEQ // 2
+            if pad:
+                if left:
+                    mask[i, :pad] = 0
+                else:
+                    mask[i, SEQ - pad :] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    return batch
+
+
 def _seq2seq_batch(g: torch.Generator) -> Batch:
     return {
         "input_ids": torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
@@ -178,6 +199,8 @@ MODELS: dict[str, Spec] = {
     "gpt_neox": Spec(gpt_neox, _lm_batch, "decoder LM, partial rotary, parallel residual, untied"),
     "qwen2": Spec(qwen2, _lm_batch, "decoder LM, rotary, GQA with q/k/v bias"),
     "bert": Spec(bert, _lm_batch, "encoder MLM, learned positions"),
+    "bert_padded": Spec(bert, _padded(left=False), "encoder MLM, right-padded batch with a mask"),
+    "llama_padded": Spec(llama, _padded(left=True), "decoder LM, GQA, left-padded batch with a mask"),
     "roberta": Spec(roberta, _lm_batch, "encoder MLM, padding-offset positions"),
     "t5": Spec(t5, _seq2seq_batch, "encoder-decoder, relative position bias, untied head"),
     "vit": Spec(vit, _image_batch, "vision transformer, patch embedding convolution"),
