@@ -250,3 +250,44 @@ def test_a_dead_reader_does_not_keep_the_contiguous_copy():
         }""",
     )
     assert out.count(lambda n: n.op == "view.default") == 0
+
+
+def _qkv_grads_to_rows(dq, kt, dk_t, dv):
+    # attention's backward as AOTAutograd leaves it: dk^T = bmm(q^T, dS) is (B*H, E, T), read
+    # permuted into the q/k/v gradient cat with E strided
+    B, H, T, E = dq.shape
+    dk = torch.bmm(kt, dk_t).view(B, H, E, T).permute(0, 3, 1, 2)
+    parts = [dq.transpose(1, 2), dk, dv.transpose(1, 2)]
+    return torch.cat(parts, 2).reshape(B * T, 3 * H * E)
+
+
+def test_bmm_read_transposed_by_a_cat_computes_the_transpose():
+    B, H, T, E = 2, 3, 5, 4
+    args = (
+        torch.randn(B, H, T, E),
+        torch.randn(B * H, E, 6),
+        torch.randn(B * H, 6, T),
+        torch.randn(B, H, T, E),
+    )
+    g = capture(_qkv_grads_to_rows, *args)
+    out = dce(layout(g))
+    (mm,) = [n for n in out.nodes if n.op == "bmm.default"]
+    assert mm.type.shape == (B * H, T, E)  # computed as (dS^T q), E innermost
+    assert [out.nodes[i].op for i in mm.inputs] == ["permute.default"] * 2
+    same = [n for n in out.nodes if n.op == "permute.default" and n.type.shape == (B, T, H, E)]
+    assert len(same) == 3 and all(list(n.args[1]) == [0, 2, 1, 3] for n in same)
+    check_pass(layout, g, str(layout(g)))  # verifies and computes the same values
+
+
+def test_bmm_read_transposed_elsewhere_keeps_its_layout():
+    def fn(a, b):
+        y = torch.bmm(a, b).view(2, 3, 4, 5).permute(0, 3, 1, 2)
+        return y.exp(), torch.cat([y, y], 2)  # an elementwise reader besides the cat
+
+    g = capture(fn, torch.randn(6, 4, 7), torch.randn(6, 7, 5))
+    check_pass(layout, g, str(g))
+    g = capture(
+        lambda a, b: torch.bmm(a, b).view(2, 3, 4, 5).permute(0, 3, 1, 2),
+        *(torch.randn(6, 4, 7), torch.randn(6, 7, 5)),
+    )
+    check_pass(layout, g, str(g))  # a graph output: the caller gets eager's strides
