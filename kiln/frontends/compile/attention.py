@@ -279,13 +279,21 @@ def _rewrite(g: torch.fx.Graph, m: _Match, new: list[torch.fx.Node]) -> None:
         g.erase_node(n)
 
 
-def attention_to_sdpa(gm: torch.fx.GraphModule) -> int:
-    """Rewrite every matched attention chain of ``gm`` in place; returns how many."""
-    g = gm.graph
+def uses_autocast(g: torch.fx.Graph) -> bool:
+    """``g`` enters an autocast region that is not switched off (autocast picks other dtypes per
+    op: the attention rewrites leave such graphs as written)."""
     for n in g.nodes:
         enter = n.op == "call_function" and getattr(n.target, "__name__", "") == "_enter_autocast"
         if enter and _arg(n, 2, "enabled", True) is not False:
-            return 0  # autocast picks other dtypes per op; leave its attention as written
+            return True
+    return False
+
+
+def attention_to_sdpa(gm: torch.fx.GraphModule) -> int:
+    """Rewrite every matched attention chain of ``gm`` in place; returns how many."""
+    g = gm.graph
+    if uses_autocast(g):
+        return 0
     found = 0
     erased: set[torch.fx.Node] = set()
     for n in list(g.nodes):

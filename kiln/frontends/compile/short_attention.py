@@ -50,7 +50,13 @@ import torch.fx
 import torch.nn.functional as F
 
 from kiln import metrics
-from kiln.frontends.compile.attention import _long_keys, _provably_finite
+from kiln.frontends.compile.attention import (
+    _f32_4d,
+    _long_keys,
+    _provably_finite,
+    _val,
+    uses_autocast,
+)
 
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -123,10 +129,6 @@ _LIB.impl("attention_chain", _attention_chain, "CompositeImplicitAutograd")
 _CHAIN = torch.ops.kiln.attention_chain.default
 
 
-def _val(n: Any) -> Any:
-    return n.meta.get("example_value") if isinstance(n, torch.fx.Node) else None
-
-
 def _call(n: torch.fx.Node) -> dict[str, Any] | None:
     """The call's arguments by name (defaults filled in), or None for an unexpected spelling."""
     if len(n.args) > len(_PARAMS) or any(k not in _PARAMS for k in n.kwargs):
@@ -135,15 +137,6 @@ def _call(n: torch.fx.Node) -> dict[str, Any] | None:
     a.update(zip(_PARAMS, n.args))
     a.update(n.kwargs)
     return a if all(p in a for p in _PARAMS[:3]) else None
-
-
-def _f32_4d(v: Any) -> bool:
-    return (
-        isinstance(v, torch.Tensor)
-        and v.dtype == torch.float32
-        and v.dim() == 4
-        and all(not isinstance(s, int) or s > 0 for s in v.shape)
-    )
 
 
 def _why_kept(a: dict[str, Any]) -> str | None:
@@ -178,10 +171,8 @@ def _why_kept(a: dict[str, Any]) -> str | None:
 def sdpa_to_chain(gm: torch.fx.GraphModule) -> int:
     """Rewrite every matched SDPA call of ``gm`` in place; returns how many."""
     g = gm.graph
-    for n in g.nodes:
-        enter = n.op == "call_function" and getattr(n.target, "__name__", "") == "_enter_autocast"
-        if enter and (n.args[2] if len(n.args) > 2 else n.kwargs.get("enabled", True)) is not False:
-            return 0  # autocast picks other dtypes per op: leave its attention to SDPA
+    if uses_autocast(g):
+        return 0
     found = 0
     for n in list(g.nodes):
         if n.op != "call_function" or n.target not in _SDPA:
