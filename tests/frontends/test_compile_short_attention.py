@@ -183,6 +183,42 @@ def test_grouped_query(mask):
     _assert_eager(q, k, v, **kw)
 
 
+@pytest.mark.parametrize(
+    ("b", "h", "kv", "t", "e"),
+    [(4, 4, 4, 64, 32), (4, 4, 2, 64, 32), (8, 4, 2, 128, 64), (8, 4, 4, 255, 64)],
+    ids=["gpt2-small", "llama-small", "llama-large", "just-below-min-keys"],
+)
+def test_benchmark_sizes_with_a_transformers_causal_mask(b, h, kv, t, e):
+    """The benchmark's sizes, with the causal mask as transformers builds it for SDPA (a bool
+    (B, 1, T, T) expand of an arange comparison), a left-padded first sample (its padding rows
+    attend to nothing), grouped-query where k/v have fewer heads."""
+    q, k, v = _qkv(b=b, h=h, kv=kv, l=t, s=t, e=e)
+    pos = torch.arange(t)
+    keep = (pos[None, :] <= pos[:, None]).expand(b, 1, t, t).clone()
+    keep[0, :, :, :5] = False  # sample 0: five padding tokens on the left
+    _assert_eager(q, k, v, atol=1e-5, attn_mask=keep, enable_gqa=kv != h)
+
+
+def test_zero_size_batch_compiles_and_equals_eager():
+    """Kept as SDPA (nothing to gain): the compiled step still equals eager, empty gradients."""
+    _assert_eager(*_qkv(b=0), rewrites=0, is_causal=True)
+
+
+def test_chain_that_cannot_be_built_stays_sdpa(monkeypatch):
+    """An error while making the chain's metadata keeps the call as SDPA, counted as a fallback."""
+    from kiln.frontends.compile import short_attention
+
+    def broken(*args):
+        raise RuntimeError("no chain here")
+
+    monkeypatch.setattr(short_attention, "_CHAIN", broken)
+    before = metrics.counters()["fallbacks"].get("sdpa_to_chain (RuntimeError: no chain here)", 0)
+    seen = rewritten(sdpa_to_chain, lambda q, k, v: _sdpa(q, k, v, is_causal=True), *_qkv())
+    assert seen["n"] == 0 and "scaled_dot_product_attention" in seen["ops"]
+    after = metrics.counters()["fallbacks"].get("sdpa_to_chain (RuntimeError: no chain here)", 0)
+    assert after == before + 1
+
+
 def test_grouped_query_after_repeat_kv():
     """transformers' repeat_kv before SDPA: the gqa rewrite makes it enable_gqa first, then this
     one takes it (through the whole backend)."""

@@ -31,7 +31,8 @@ Matched: calls with float32 rank-4 q/k/v (no zero-size dim; k and v with the sam
 whole multiple of them under ``enable_gqa``), ``dropout_p`` 0, a key length below ``MIN_KEYS``
 (a symbolic one judged by its hint), no mask or a bool / float32 mask of rank <= 4 that does not
 require grad, not both a mask and ``is_causal`` (SDPA refuses that), and outside autocast.  Left as
-SDPA: everything else, counted as ``sdpa_kept`` with the reason.
+SDPA: everything else, counted as ``sdpa_kept`` with the reason; a call whose chain cannot be
+built on Dynamo's fake tensors stays SDPA too, counted as a fallback naming the error.
 
 Needs: a Dynamo FX graph with ``example_value`` metadata.  Guarantees: SDPA's values up to the
 GEMMs' summation order and where the scale is applied (observed <= 1e-6 absolute on unit-scale
@@ -150,6 +151,8 @@ def _why_kept(a: dict[str, Any]) -> str | None:
         return "symbolic flag"
     if a["scale"] is not None and not isinstance(a["scale"], (int, float)):
         return "symbolic scale"
+    if a["scale"] is None and not isinstance(q.shape[-1], int):
+        return "symbolic head dim"  # the default scale 1/sqrt(E) needs E
     if _long_keys(k.shape[2]):
         return "long keys"
     if k.shape[:2] != v.shape[:2] or k.shape[2] != v.shape[2] or q.shape[0] != k.shape[0]:
@@ -191,8 +194,12 @@ def sdpa_to_chain(gm: torch.fx.GraphModule) -> int:
         args = (a["query"], a["key"], a["value"], mask, a["is_causal"], float(scale), whole_rows)
         fake_mode = getattr(q, "fake_mode", None)
         ex = torch.fx.node.map_arg(args, _val)
-        with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            example = _CHAIN(*ex)
+        try:
+            with fake_mode if fake_mode is not None else contextlib.nullcontext():
+                example = _CHAIN(*ex)
+        except Exception as e:  # noqa: BLE001 - the call stays SDPA, which raises its own error
+            metrics.fallback(f"sdpa_to_chain ({type(e).__name__}: {e})")
+            continue
         n.target, n.args, n.kwargs = _CHAIN, args, {}
         n.meta["example_value"] = example
         found += 1
