@@ -18,8 +18,8 @@ removes are the copies that only exist to make an operand contiguous:
   contiguous ``cat`` result is free;
 * ``permute(view(bmm(a, b), (..., M, K)), P)`` where ``P`` does not keep ``K`` innermost (the
   key gradient of attention: ``q @ k^T``'s backward computes ``dk^T = q^T @ dS`` as (B*H, E, T),
-  which the q/k/v gradient ``cat`` then reads with E strided by T, a gather ATen's ``cat`` copies
-  element by element: 0.57 ms per call at gpt-large's shape): ``bmm(b^T, a^T)`` computes the
+  which the q/k/v gradient ``cat`` then reads with E strided by T, a gather: ATen's ``cat`` takes
+  0.14 ms per call at gpt-large's shape, 0.057 ms with E contiguous): ``bmm(b^T, a^T)`` computes the
   transposed result, (B*H, T, E), and ``P'`` (``P`` with the last two dims swapped) reads the same
   elements with E contiguous.  ATen's GEMMs read the transposed operands by stride (no copy).
   Only where the bmm and its view have no other reader and the permuted value is read only by
@@ -246,11 +246,12 @@ def permuted_bmm_transposed(rw: Rewriter, n: Node) -> Node | None:
     if perm[-1] == rank - 1 or not _value_readers_only(rw):
         return None  # already contiguous along K innermost, or a reader depends on the strides
     a, b = mm.inputs
-    if rw.type(a) is None or rw.type(b) is None:
+    a_t, b_t = rw.type(a), rw.type(b)
+    if a_t is None or b_t is None:
         return None
     dt = mm_t.dtype
-    ta = rw.add(Node("permute.default", (a,), (In(0), [0, 2, 1]), (), (_swapped(rw.type(a)),)))
-    tb = rw.add(Node("permute.default", (b,), (In(0), [0, 2, 1]), (), (_swapped(rw.type(b)),)))
+    ta = rw.add(Node("permute.default", (a,), (In(0), [0, 2, 1]), (), (_swapped(a_t),)))
+    tb = rw.add(Node("permute.default", (b,), (In(0), [0, 2, 1]), (), (_swapped(b_t),)))
     new_mm = rw.add(
         Node("bmm.default", (tb, ta), (In(0), In(1)), (), (TensorType((nb, k, m), dt),))
     )
@@ -270,7 +271,7 @@ def _value_readers_only(rw: Rewriter) -> bool:
     """The node being rewritten is no graph output and every reader is a ``cat`` or
     dead (``cat_of_reshapes`` leaves the reshapes it replaced dead until a ``dce``)."""
     g, i = rw.g, rw.current
-    if i in rw.facts.outputs or rw.facts.has_mutation:
+    if i in rw.facts.outputs:
         return False
     return all(
         g.nodes[u].op in _VALUE_READERS or (not g.users[u] and u not in rw.facts.outputs)

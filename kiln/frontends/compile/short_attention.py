@@ -20,8 +20,9 @@ chain's ATen ops, and AOTAutograd's cache accepts the op (the key holds this fil
     p = softmax(s, -1);  y = p @ v
 
 SDPA's semantics are kept where they differ from a naive chain: the causal mask is aligned top
-left (query i sees keys 0..i, as SDPA's ``is_causal``); ``enable_gqa`` repeats each k/v head for
-its group of query heads (head h reads k/v head ``h // n``); a row whose every score is masked
+left (query i sees keys 0..i, as SDPA's ``is_causal``); under ``enable_gqa`` query head h reads
+k/v head ``h // n`` (each k/v head's n query heads are stacked into one taller query, so k and v
+are read without being repeated); a row whose every score is masked
 is 0 with zero gradients (SDPA's result; a plain softmax gives NaN): when a mask may mask a whole
 row, the scores of such rows are replaced by zeros before the softmax and the row of ``y`` is
 multiplied by 0 -- exact elsewhere (``* 1``).  A mask that is ``where`` of finite constants
@@ -91,16 +92,13 @@ def _attention_chain(
         rows = torch.arange(q.size(-2), device=q.device) % length
         cols = torch.arange(k.size(-2), device=q.device)
         scores = scores.masked_fill(rows[:, None] < cols[None, :], -math.inf)
-    elif mask is not None and groups != 1:
-        mask = _grouped_mask(mask, k.size(1), groups, length)
+    elif mask is not None:
+        if groups != 1:
+            mask = _grouped_mask(mask, k.size(1), groups, length)
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, -math.inf)
         else:
             scores = scores + mask
-    elif mask is not None and mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, -math.inf)
-    elif mask is not None:
-        scores = scores + mask
     dead = None
     if whole_rows and mask is not None:
         masked = ~mask if mask.dtype == torch.bool else mask == -math.inf
