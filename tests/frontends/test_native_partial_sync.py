@@ -115,3 +115,41 @@ def test_item_of_a_value_that_is_there_needs_no_python_call():
     pending = lx * 2  # a pending value still goes through the fallback's (partial) read
     assert pending.item() == 5.0
     assert native.python_ops().get("aten::_local_scalar_dense.default", 0) == calls + 1
+
+
+def test_a_read_of_a_graph_with_no_inputs_runs_once_and_is_reused():
+    # transformers' per-step check of a mask built from sizes alone: the same small graph every
+    # step, no input -- its values are kept after the first run
+    def step(x: torch.Tensor, width: int) -> tuple[torch.Tensor, bool]:
+        pos = torch.arange(width, device=dev)
+        flag = bool((pos[1:] > pos[:-1]).all())
+        return x * 2 + pos, flag
+
+    x = torch.randn(5)
+    lx = x.to(dev)
+    kiln.mark_step()
+    metrics.reset()
+    for k in range(3):
+        out, flag = step(lx, 5)
+        assert flag is True
+        kiln.mark_step()
+        torch.testing.assert_close(out.cpu(), x * 2 + torch.arange(5))
+    assert metrics.get("partial_syncs") == 3 and metrics.get("partial_syncs_reused") == 2
+    # another size is another graph: computed, not taken from the first one
+    metrics.reset()
+    flag = bool((torch.arange(7, device=dev)[1:] < 3).all())
+    assert flag is False and metrics.get("partial_syncs_reused") == 0
+    kiln.mark_step()
+
+
+def test_a_read_of_a_graph_with_inputs_is_computed_every_time():
+    metrics.reset()
+    for k in range(4):
+        x = torch.randn(6) + (10.0 if k % 2 else -10.0)
+        lx = x.to(dev)
+        kiln.mark_step()
+        pending = lx * 1.5
+        assert bool((pending > 0).all()) is bool(k % 2)
+        assert (pending.sum() + 1).item() == pytest.approx(float((x * 1.5).sum()) + 1, rel=1e-5)
+        kiln.mark_step()
+    assert metrics.get("partial_syncs") == 8 and metrics.get("partial_syncs_reused") == 0

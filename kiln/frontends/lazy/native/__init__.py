@@ -93,6 +93,10 @@ class _Entry:
     run: tuple[bool, Graph, list[int]] | None = None
     # whether a forced read may run this graph on its own, leaving the trace as it is (:func:`peek`)
     peekable: bool = field(init=False)
+    # a peeked graph with no inputs computes the same values every time (its nodes are its whole
+    # definition; random, collective and opaque nodes are never peeked): they are kept after the
+    # first run (:func:`peek`)
+    peeked: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         g = self.conv.graph
@@ -265,14 +269,21 @@ def peek(xs: list[torch.Tensor], reason: str) -> list[torch.Tensor] | None:
     if c is None:  # nothing pending: the values are there
         return [mod.value(x) for x in xs]
     with _run_lock:
-        if not _entry(mod, c).peekable:
+        e = _entry(mod, c)
+        if not e.peekable:
             return None
     metrics.forced_sync(reason)
     metrics.incr("partial_syncs")
+    if e.peeked is not None:  # (transformers' per-step check of a mask it built from sizes)
+        metrics.incr("partial_syncs_reused")
+        return [v.clone() for v in e.peeked]
     with metrics.span(f"kiln::sync {reason} (partial)"):
-        results, compiled = _run(mod, c, c.values())
+        values = c.values()
+        results, compiled = _run(mod, c, values)
     if compiled:
         settle_heap()  # as mark_step does after a new graph
+    if not values and all(isinstance(r, torch.Tensor) for r in results):
+        e.peeked = [r.clone() for r in results]
     return list(results)
 
 
