@@ -70,8 +70,8 @@ def _unit_last_stride_call(op: Callable) -> Callable:
     return call
 
 
-# Ops that must see a unit last-dim stride (see _unit_last_stride_call): always called from Python
-# (the native launcher runs them as PYCALLs), through the wrapper.
+# Ops that must see a unit last-dim stride (see _unit_last_stride_call): the Python executor calls
+# them through the wrapper, the native launcher copies such arguments itself (program.py).
 UNIT_LAST_STRIDE = (
     "_scaled_dot_product_flash_attention_for_cpu.default",
     "_scaled_dot_product_flash_attention_for_cpu_backward.default",

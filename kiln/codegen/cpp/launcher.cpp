@@ -104,6 +104,7 @@ struct Instr {
   Kernel kernel;
   c10::OperatorHandle* op = nullptr;  // ATEN
   c10::OperatorHandle* fallback_op = nullptr;  // view -> reshape where only a copy can do it
+  bool unit_last = false;  // ATEN: tensor arguments get a unit last stride first (a copy)
   std::vector<Arg> args;
   size_t n_returns = 1;
   py::object callable;  // PYCALL
@@ -301,8 +302,8 @@ class Launcher {
           }
           in.kind = PYCALL;
           in.args.clear();
-          in.callable = py::reinterpret_borrow<py::object>(t[7]);
-          in.inputs = ints_of(t[8]);
+          in.callable = py::reinterpret_borrow<py::object>(t[8]);
+          in.inputs = ints_of(t[9]);
           in.take0 = false;
         }
         break;
@@ -328,6 +329,7 @@ class Launcher {
     const auto& schema = in.op->schema();
     in.n_returns = schema.returns().size();
     if (!t[6].is_none()) in.fallback_op = find_op(t[6].cast<std::string>(), "");
+    in.unit_last = t[7].cast<bool>();
     py::list args = t[5];
     TORCH_CHECK(args.size() == schema.arguments().size(), "kiln launcher: argument count");
     for (size_t p = 0; p < args.size(); ++p) {
@@ -466,6 +468,15 @@ class Launcher {
           stack.emplace_back(std::move(l));
           break;
         }
+      }
+    }
+    if (in.unit_last) {
+      // ATen's CPU flash-attention kernels misread a last dim whose stride is not 1
+      // (aten_call.py's UNIT_LAST_STRIDE): such a tensor argument is copied first
+      for (IValue& v : stack) {
+        if (!v.isTensor()) continue;
+        const at::Tensor& x = v.toTensor();
+        if (x.dim() > 0 && x.stride(-1) != 1 && x.size(-1) > 1) v = x.contiguous();
       }
     }
     if (in.fallback_op != nullptr && !viewable(stack)) {

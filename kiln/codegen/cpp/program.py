@@ -10,8 +10,9 @@ call without Python.  Instruction tuples are ``(kind, node, frees, ...)``:
             (or None), output kinds, output dtypes, output placements (-1 new buffer, -2 - n in
             place over node n, s >= 0 memory-plan slot s), single output?
   ATEN      schema name, overload, one argument spec per schema argument, fallback op (a view's
-            reshape) or None, the Python call and input nodes (used instead where the launcher
-            cannot convert an argument)
+            reshape) or None, unit last stride? (tensor arguments whose last stride is not 1 are
+            copied first: the flash-attention kernels), the Python call and input nodes (used
+            instead where the launcher cannot convert an argument)
   GETITEM   source node, index
   WRITEBACK destination node, source node
   PYCALL    ``callable(list of input values)``, input nodes, take element 0?
@@ -67,9 +68,8 @@ def _arg(v: Any, type_str: str, inp: Sequence[int]) -> tuple | None:
 
 def aten_instr(n: Node, inp: Sequence[int]) -> tuple | None:
     """``(schema name, overload, argument specs, fallback op)`` for an ATen node, or None."""
-    if n.op.startswith("opaque.") or n.op in UNIT_LAST_STRIDE:
-        # kept on the Python path: named profiler ranges, data-dependent results, and the
-        # kernels that need their inputs' last stride checked
+    if n.op.startswith("opaque."):
+        # kept on the Python path: named profiler ranges, data-dependent results
         return None
     try:
         op = resolve(n.op)
@@ -102,7 +102,9 @@ def aten_instr(n: Node, inp: Sequence[int]) -> tuple | None:
     if kw:
         return None
     fallback = "aten::reshape" if n.op == "view.default" else None
-    return (schema.name, schema.overload_name, specs, fallback)
+    # the flash-attention kernels: tensor arguments whose last stride is not 1 are copied first
+    # (aten_call.UNIT_LAST_STRIDE), in C++ as in the Python executor's wrapper
+    return (schema.name, schema.overload_name, specs, fallback, n.op in UNIT_LAST_STRIDE)
 
 
 def _kernel_instr(x: Any, inp: Sequence[int], single: bool, slot_ids: dict) -> tuple | None:
