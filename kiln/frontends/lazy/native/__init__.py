@@ -352,6 +352,12 @@ def factory(func: Any, args: tuple, kwargs: dict) -> Any:
     return _handler[0].factory(func, args, kwargs)
 
 
+def factory_replayer(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A function recording again the node :func:`factory` just recorded for this call, where
+    that node has no graph input (``fallback.Handler.factory_replayer``), else None."""
+    return _handler[0].factory_replayer(func, args, kwargs)
+
+
 def python_ops() -> dict[str, int]:
     """Calls handed to the Python fallback since the process started, per ATen overload."""
     return fallback.python_ops()

@@ -199,6 +199,20 @@ class Handler:
             op = self.ops[func] = _Op(func)
         return self.rng.record(self, op, args, kwargs)  # (a plain node unless it is random)
 
+    def factory_replayer(self, func: Any, args: tuple, kwargs: dict) -> Callable[[], Any] | None:
+        """For a factory call just recorded by :meth:`factory` as one plain node with no graph
+        input (``empty``/``empty_strided``: the first op of every ``batch.to(kiln)``), a function
+        that records the same node again without working out its signature; None otherwise."""
+        op = self.ops.get(func)
+        if op is None or rng.is_random_node(func):
+            return None
+        key, inputs = self.signature(op, args, kwargs)
+        r = self.recipes.get(key)
+        if inputs or r is None or r is _RUN_EAGERLY or r.shape is not None:
+            return None
+        record_node, rid, getitems = self.mod.record_node, r.rid, r.getitems
+        return lambda: record_node(rid, getitems, [])[0]
+
     # -- what to do with one call ----------------------------------------------------------------
 
     def dispatch(self, op: _Op, args: tuple, kwargs: dict) -> Any:
