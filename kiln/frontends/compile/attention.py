@@ -64,6 +64,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from kiln import metrics
+from kiln.frontends.compile.rewrite_done import finish
 
 _MATMUL = (torch.matmul, operator.matmul)
 _MUL = (operator.mul, torch.mul)
@@ -319,8 +320,4 @@ def attention_to_sdpa(gm: torch.fx.GraphModule) -> int:
             continue
         erased.update(m.chain)
         found += 1
-    if found:
-        g.lint()
-        gm.recompile()
-        metrics.incr("attention_to_sdpa", found)
-    return found
+    return finish(gm, found, "attention_to_sdpa")

@@ -25,7 +25,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from kiln import metrics
+from kiln.frontends.compile.rewrite_done import finish
 
 _DROPOUT = (F.dropout, torch.dropout)
 
@@ -57,8 +57,4 @@ def drop_zero_dropout(gm: torch.fx.GraphModule) -> int:
         n.replace_all_uses_with(x)
         g.erase_node(n)
         found += 1
-    if found:
-        g.lint()
-        gm.recompile()
-        metrics.incr("dropout_p0_removed", found)
-    return found
+    return finish(gm, found, "dropout_p0_removed")

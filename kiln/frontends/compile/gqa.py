@@ -37,7 +37,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from kiln import metrics
+from kiln.frontends.compile.rewrite_done import finish
 
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 _RESHAPE_METHODS = ("reshape", "view")
@@ -175,8 +175,4 @@ def sdpa_gqa(gm: torch.fx.GraphModule) -> int:
                     g.erase_node(user)  # e.g. a transpose of the repeated k nothing reads
             _erase_unused(old)
         found += 1
-    if found:
-        g.lint()
-        gm.recompile()
-        metrics.incr("sdpa_gqa", found)
-    return found
+    return finish(gm, found, "sdpa_gqa")

@@ -59,6 +59,7 @@ from kiln.frontends.compile.attention import (
     _val,
     uses_autocast,
 )
+from kiln.frontends.compile.rewrite_done import finish
 
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -201,11 +202,7 @@ def sdpa_to_chain(gm: torch.fx.GraphModule) -> int:
         n.target, n.args, n.kwargs = _CHAIN, args, {}
         n.meta["example_value"] = example
         found += 1
-    if found:
-        g.lint()
-        gm.recompile()
-        metrics.incr("sdpa_to_chain", found)
-    return found
+    return finish(gm, found, "sdpa_to_chain")
 
 
 __all__ = ["sdpa_to_chain"]

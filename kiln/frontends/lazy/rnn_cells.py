@@ -54,9 +54,10 @@ def lstm_cell_backward(
     """Gradients of the summed gates (before their activations), of ``cx`` and of the bias."""
     i, f, g, o = workspace.chunk(4, 1)
     tanh_cy = cy.tanh()
-    zero = torch.zeros_like(cy)
-    ghy = zero if grad_hy is None else grad_hy
-    gcy = (zero if grad_cy is None else grad_cy) + ghy * o * (1 - tanh_cy * tanh_cy)
+    ghy = torch.zeros_like(cy) if grad_hy is None else grad_hy
+    gcy = ghy * o * (1 - tanh_cy * tanh_cy)
+    if grad_cy is not None:
+        gcy = grad_cy + gcy
     grad_gates = torch.cat(
         [
             gcy * g * i * (1 - i),
