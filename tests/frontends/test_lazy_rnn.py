@@ -60,9 +60,12 @@ CASES = {
 }
 
 
-def _train(model: nn.Module, xs: list[torch.Tensor], dev: torch.device) -> tuple:
+def _train(model: nn.Module, xs: list[torch.Tensor], dev: torch.device, sgd: bool = False) -> tuple:
     model = model.to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if sgd:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, grads = [], []
     for x in xs:
         loss = model(x.to(dev))
@@ -90,3 +93,57 @@ def test_recurrent_layer_trains_as_in_eager(name):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     for a, b in zip(got[2], want[2]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _compare(
+    base: nn.Module, xs: list[torch.Tensor], rtol: float = 1e-5, sgd: bool = False
+) -> None:
+    want = _train(copy.deepcopy(base), xs, torch.device("cpu"), sgd)
+    got = _train(copy.deepcopy(base), xs, DEV, sgd)
+    torch.testing.assert_close(got[0], want[0], rtol=rtol, atol=1e-6)
+    for step_got, step_want in zip(got[1], want[1]):
+        for a, b in zip(step_got, step_want):
+            torch.testing.assert_close(a, b, rtol=10 * rtol, atol=1e-5)
+    for a, b in zip(got[2], want[2]):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_recurrent_layer_at_a_real_size(kind):
+    # two layers of 256 over 32 steps of a batch of 8 (a language model's encoder); SGD, whose
+    # update is the gradient itself (AdamW turns the float noise of the few elements whose
+    # gradient is ~0 into full-size updates, in any mode)
+    torch.manual_seed(0)
+    rnn = (nn.LSTM if kind == "lstm" else nn.GRU)(128, 256, num_layers=2, batch_first=True)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 32, 128, generator=g) for _ in range(2)]
+    _compare(_Seq(rnn), xs, rtol=1e-4, sgd=True)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_recurrent_layer_on_a_non_contiguous_input(kind):
+    # (T, B, F) read from a (B, T, F) tensor: a transposed view on the device
+    torch.manual_seed(0)
+    base = _Seq((nn.LSTM if kind == "lstm" else nn.GRU)(6, 8))
+
+    class _Transposed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = base
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x.transpose(0, 1))
+
+    g = torch.Generator().manual_seed(1)
+    _compare(_Transposed(), [torch.randn(3, 5, 6, generator=g) for _ in range(2)])
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_recurrent_layer_on_a_zero_size_batch(kind):
+    torch.manual_seed(0)
+    rnn = (nn.LSTM if kind == "lstm" else nn.GRU)(6, 8)
+    want, _ = copy.deepcopy(rnn)(torch.randn(5, 0, 6))
+    got, _ = copy.deepcopy(rnn).to(DEV)(torch.randn(5, 0, 6).to(DEV))
+    kiln.mark_step()
+    assert got.shape == want.shape == (5, 0, 8)
+    assert got.cpu().numel() == 0
