@@ -174,6 +174,14 @@ def roberta() -> nn.Module:
     return _hf("RobertaForMaskedLM", cfg)
 
 
+def mixtral() -> nn.Module:
+    cfg = transformers.MixtralConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **_LM,
+    )  # fmt: skip
+    return _hf("MixtralForCausalLM", cfg)
+
+
 def t5() -> nn.Module:
     cfg = transformers.T5Config(
         num_layers=2, num_decoder_layers=2, d_model=32, d_kv=8, d_ff=64, num_heads=4,
@@ -198,9 +206,12 @@ MODELS: dict[str, Spec] = {
     "bloom": Spec(bloom, _lm_batch, "decoder LM, ALiBi positions, tied head"),
     "gpt_neox": Spec(gpt_neox, _lm_batch, "decoder LM, partial rotary, parallel residual, untied"),
     "qwen2": Spec(qwen2, _lm_batch, "decoder LM, rotary, GQA with q/k/v bias"),
+    "mixtral": Spec(mixtral, _lm_batch, "decoder LM, mixture of experts (top-2 of 4), GQA"),
     "bert": Spec(bert, _lm_batch, "encoder MLM, learned positions"),
     "bert_padded": Spec(bert, _padded(left=False), "encoder MLM, right-padded batch with a mask"),
-    "llama_padded": Spec(llama, _padded(left=True), "decoder LM, GQA, left-padded batch with a mask"),
+    "llama_padded": Spec(
+        llama, _padded(left=True), "decoder LM, GQA, left-padded batch with a mask"
+    ),
     "roberta": Spec(roberta, _lm_batch, "encoder MLM, padding-offset positions"),
     "t5": Spec(t5, _seq2seq_batch, "encoder-decoder, relative position bias, untied head"),
     "vit": Spec(vit, _image_batch, "vision transformer, patch embedding convolution"),

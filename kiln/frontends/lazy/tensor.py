@@ -24,8 +24,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from kiln import metrics
 from kiln.config import config
+from kiln.frontends.lazy import accelerator_dtypes, recipes, rnn_cells
 from kiln.frontends.lazy import device_module as _devmod
-from kiln.frontends.lazy import recipes, rnn_cells
 from kiln.frontends.lazy import trace as T
 from kiln.frontends.lazy.foreach import record_split, split_of
 from kiln.frontends.lazy.memory import track, update_peak
@@ -43,7 +43,8 @@ _CPU = torch.device("cpu")
 # lazy device used ``.get`` and so decomposed no op at all: ``select_backward`` and the like ran
 # through ATen); ``items()`` fills it.
 _DECOMPS: dict[Any, Any] = dict(core_aten_decompositions().items())
-_OWN_DECOMPS: dict[Any, Any] = dict(rnn_cells.DECOMPOSITIONS)  # Kiln's, looked up first
+# Kiln's, looked up first
+_OWN_DECOMPS: dict[Any, Any] = {**rnn_cells.DECOMPOSITIONS, **accelerator_dtypes.DECOMPOSITIONS}
 
 
 def _wait_at_once(x: torch.Tensor) -> torch.Tensor:
