@@ -53,29 +53,42 @@ def _unit_last_stride(a: Any) -> Any:
     return a
 
 
-def _unit_last_stride_call(op: Callable) -> Callable:
-    """``op`` with every tensor argument made contiguous when its last dim's stride is not 1.
+def _contiguous(a: Any) -> Any:
+    if isinstance(a, torch.Tensor) and not a.is_contiguous():
+        return a.contiguous()
+    return a
 
-    ATen's CPU flash-attention kernels read the last dim as if its stride were 1 and give wrong
-    numbers, silently, when it is not (``sdp_utils_cpp``'s choice sends such inputs to the math
-    path, but only for the strides it sees at trace time); a Kiln kernel's output is contiguous
-    where eager kept an input's permuted layout, so a view of it can reach the kernel with a last
-    stride eager's tensor did not have."""
+
+# How an op's tensor arguments are prepared before the call, for ATen CPU kernels that give wrong
+# numbers, silently, on layouts a Kiln graph can hand them (a Kiln kernel's output is contiguous
+# where eager kept an input's permuted or channels-last layout, so an op can see a mix of layouts
+# eager never gives it).  The code is what the native launcher gets (program.py, launcher.cpp).
+UNIT_LAST = 1  # tensors whose last dim's stride is not 1 are copied (made contiguous)
+CONTIGUOUS = 2  # every non-contiguous tensor is copied (made contiguous)
+ARG_LAYOUT: dict[str, int] = {
+    # the CPU flash-attention kernels read the last dim as if its stride were 1
+    # (``sdp_utils_cpp`` sends such inputs to the math path, but only for the strides it sees at
+    # trace time)
+    "_scaled_dot_product_flash_attention_for_cpu.default": UNIT_LAST,
+    "_scaled_dot_product_flash_attention_for_cpu_backward.default": UNIT_LAST,
+    # group norm's backward reads dY in X's memory format: a channels-last X with a contiguous
+    # dY (or the reverse) gives wrong gradients (torch 2.13; batch norm's, layer norm's, the
+    # pooling and convolution backwards copy to one format themselves)
+    "native_group_norm_backward.default": CONTIGUOUS,
+}
+_PREPARE: dict[int, Callable[[Any], Any]] = {UNIT_LAST: _unit_last_stride, CONTIGUOUS: _contiguous}
+
+
+def _prepared_args_call(op: Callable, prepare: Callable[[Any], Any]) -> Callable:
+    """``op`` with each argument passed through ``prepare`` first (see :data:`ARG_LAYOUT`)."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        args = tuple(_unit_last_stride(a) for a in args)
-        kwargs = {k: _unit_last_stride(v) for k, v in kwargs.items()}
+        args = tuple(prepare(a) for a in args)
+        kwargs = {k: prepare(v) for k, v in kwargs.items()}
         return op(*args, **kwargs)
 
     return call
 
-
-# Ops that must see a unit last-dim stride (see _unit_last_stride_call): the Python executor calls
-# them through the wrapper, the native launcher copies such arguments itself (program.py).
-UNIT_LAST_STRIDE = (
-    "_scaled_dot_product_flash_attention_for_cpu.default",
-    "_scaled_dot_product_flash_attention_for_cpu_backward.default",
-)
 
 # View ops called as Tensor methods: same ATen kernels, without the OpOverload Python dispatch
 # (~5 us -> ~2 us a call; a transformer step runs a few hundred of them).
@@ -90,8 +103,8 @@ _METHODS: dict[str, Callable] = {
     "transpose.int": torch.Tensor.transpose,
     "select.int": torch.Tensor.select,
 }
-for _op in UNIT_LAST_STRIDE:
-    _METHODS[_op] = _unit_last_stride_call(resolve(_op))
+for _op, _code in ARG_LAYOUT.items():
+    _METHODS[_op] = _prepared_args_call(resolve(_op), _PREPARE[_code])
 
 
 def prepare_aten_call(n: Node) -> Callable[[Sequence[Any]], Any]:

@@ -104,7 +104,9 @@ struct Instr {
   Kernel kernel;
   c10::OperatorHandle* op = nullptr;  // ATEN
   c10::OperatorHandle* fallback_op = nullptr;  // view -> reshape where only a copy can do it
-  bool unit_last = false;  // ATEN: tensor arguments get a unit last stride first (a copy)
+  // ATEN: tensor arguments copied to a safe layout first (aten_call.py's ARG_LAYOUT):
+  // 1 = a unit last stride, 2 = contiguous
+  int arg_layout = 0;
   std::vector<Arg> args;
   size_t n_returns = 1;
   py::object callable;  // PYCALL
@@ -329,7 +331,7 @@ class Launcher {
     const auto& schema = in.op->schema();
     in.n_returns = schema.returns().size();
     if (!t[6].is_none()) in.fallback_op = find_op(t[6].cast<std::string>(), "");
-    in.unit_last = t[7].cast<bool>();
+    in.arg_layout = t[7].cast<int>();
     py::list args = t[5];
     TORCH_CHECK(args.size() == schema.arguments().size(), "kiln launcher: argument count");
     for (size_t p = 0; p < args.size(); ++p) {
@@ -470,13 +472,16 @@ class Launcher {
         }
       }
     }
-    if (in.unit_last) {
-      // ATen's CPU flash-attention kernels misread a last dim whose stride is not 1
-      // (aten_call.py's UNIT_LAST_STRIDE): such a tensor argument is copied first
+    if (in.arg_layout != 0) {
+      // ATen CPU kernels that misread layouts a Kiln graph can give them (aten_call.py's
+      // ARG_LAYOUT): 1 = the flash-attention kernels, which read the last dim as if its stride
+      // were 1; 2 = group norm's backward, which reads dY in X's memory format
       for (IValue& v : stack) {
         if (!v.isTensor()) continue;
         const at::Tensor& x = v.toTensor();
-        if (x.dim() > 0 && x.stride(-1) != 1 && x.size(-1) > 1) v = x.contiguous();
+        if (in.arg_layout == 1 ? x.dim() > 0 && x.stride(-1) != 1 && x.size(-1) > 1
+                               : !x.is_contiguous())
+          v = x.contiguous();
       }
     }
     if (in.fallback_op != nullptr && !viewable(stack)) {

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kiln.codegen.cpp.aten_call import UNIT_LAST_STRIDE, has_in, prepared
+from kiln.codegen.cpp.aten_call import ARG_LAYOUT, has_in, prepared
 from kiln.ir.graph import Graph, In, Node
 from kiln.ir.kernel import OutKind
 from kiln.ir.semantics import resolve
@@ -102,9 +102,9 @@ def aten_instr(n: Node, inp: Sequence[int]) -> tuple | None:
     if kw:
         return None
     fallback = "aten::reshape" if n.op == "view.default" else None
-    # the flash-attention kernels: tensor arguments whose last stride is not 1 are copied first
-    # (aten_call.UNIT_LAST_STRIDE), in C++ as in the Python executor's wrapper
-    return (schema.name, schema.overload_name, specs, fallback, n.op in UNIT_LAST_STRIDE)
+    # ops whose tensor arguments are copied to a safe layout first (aten_call.ARG_LAYOUT), in C++
+    # as in the Python executor's wrapper
+    return (schema.name, schema.overload_name, specs, fallback, ARG_LAYOUT.get(n.op, 0))
 
 
 def _kernel_instr(x: Any, inp: Sequence[int], single: bool, slot_ids: dict) -> tuple | None:

@@ -7,7 +7,7 @@
 // which reads only sizes, strides, dtypes and flags), so the step records
 // `_scaled_dot_product_flash_attention_for_cpu` and its backward, as eager CPU and compile mode
 // run them.  The recorded strides are eager's; the executors check the strides the kernels
-// really get (kiln/codegen/cpp/aten_call.py, UNIT_LAST_STRIDE).
+// really get (kiln/codegen/cpp/aten_call.py, ARG_LAYOUT).
 #pragma once
 
 #include <ATen/native/transformers/attention.h>
