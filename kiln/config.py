@@ -6,12 +6,15 @@ Every setting has a field here and an environment variable ``KILN_<NAME>``.  Unk
     import kiln
     kiln.config.update(checks=True)
     KILN_EAGER=1 python train.py
+    torch.compile(step, backend="kiln", options={"disable_passes": "cse"})   # one compile
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Sequence
@@ -104,12 +107,31 @@ class Config:
         return [f.name for f in dataclasses.fields(cls)]
 
     def update(self, **kw: Any) -> None:
+        for k, v in self._checked(kw).items():
+            setattr(self, k, v)
+
+    @contextlib.contextmanager
+    def scoped(self, **kw: Any) -> Iterator[None]:
+        """``kw`` in force inside the block (every value checked first), the old values after."""
+        new = self._checked(kw)
+        old = {k: getattr(self, k) for k in new}
+        for k, v in new.items():
+            setattr(self, k, v)
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                setattr(self, k, v)
+
+    def _checked(self, kw: dict[str, Any]) -> dict[str, Any]:
+        out = {}
         for k, v in kw.items():
             if k not in self.names():
                 raise ConfigError(
                     f"unknown Kiln config key {k!r}; valid keys: {', '.join(self.names())}"
                 )
-            setattr(self, k, self._check(k, v))
+            out[k] = self._check(k, v)
+        return out
 
     def _check(self, k: str, v: Any) -> Any:
         ftype = {f.name: f.type for f in dataclasses.fields(self)}[k]

@@ -50,6 +50,7 @@ from kiln.frontends.compile.dropout import drop_zero_dropout
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.frontends.compile.gqa import sdpa_gqa
 from kiln.frontends.compile.inference import INFERENCE_FOLDER, Declined, Recorded, try_compile
+from kiln.frontends.compile.options import compile_options
 from kiln.frontends.compile.short_attention import sdpa_to_chain
 from kiln.ir.graph import Graph
 from kiln.ir.ops import keep_whole_ops
@@ -117,11 +118,18 @@ _KEEP = tuple(
 _DECOMPS = {k: v for k, v in core_aten_decompositions().items() if k not in _KEEP}
 
 
-def _aot_backend() -> Callable:
+def _aot_backend(options: dict[str, Any]) -> Callable:
     """AOTAutograd around Kiln's compiler, made afresh for each Dynamo graph: AOTAutograd wraps
     the backward compiler of a SerializableAOTDispatchCompiler in place on every call, so one
-    shared instance would nest a wrapper per compiled graph (RecursionError after a few hundred)."""
-    compiler = SerializableAOTDispatchCompiler(KilnOutputCode, _kiln_compiler)
+    shared instance would nest a wrapper per compiled graph (RecursionError after a few hundred).
+    ``options`` (torch.compile's, see :mod:`kiln.frontends.compile.options`) are in force for
+    each of its compiles, also a backward AOTAutograd compiles at its first run."""
+
+    def kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> KilnOutputCode:
+        with config.scoped(**options):
+            return _kiln_compiler(gm, example_inputs)
+
+    compiler = SerializableAOTDispatchCompiler(KilnOutputCode, kiln_compiler)
     return aot_autograd(
         fw_compiler=compiler,
         bw_compiler=compiler,
@@ -166,8 +174,11 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
     :mod:`kiln.frontends.compile.gqa`) -> AOTAutograd, with AOTAutograd's cache on for Kiln
     (see :mod:`kiln.frontends.compile.aot_cache`): a new process skips AOTAutograd and Kiln's
     passes.  The rewrites run first, so the cache key is that of the rewritten graph.  The cyclic
-    garbage collector pauses for the call (:func:`_cyclic_gc_paused`)."""
-    with _cyclic_gc_paused():
+    garbage collector pauses for the call (:func:`_cyclic_gc_paused`).  torch.compile's
+    ``options`` are Kiln config keys in force for this graph's compiles, its ``mode`` is
+    Inductor's (see :mod:`kiln.frontends.compile.options`)."""
+    options = compile_options(kwargs)
+    with _cyclic_gc_paused(), config.scoped(**options):
         if "dropout" not in config.disabled_passes:
             drop_zero_dropout(gm)
         if "attention" not in config.disabled_passes:
@@ -189,7 +200,7 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
             if direct is not None:
                 return direct
         with aot_cache_settings():
-            return _aot_backend()(gm, example_inputs, **kwargs)
+            return _aot_backend(options)(gm, example_inputs, **kwargs)
 
 
 def _register() -> None:

@@ -146,7 +146,14 @@ class LazyTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
         with T._lock:
             try:
-                out = _dispatch(func, args, kwargs or {})
+                if torch.is_inference_mode_enabled() and _view_of_normal(func, args):
+                    # as ATen's views: a view of a normal tensor made under inference_mode is a
+                    # normal tensor (autograd's view tracking gives it its base's version counter,
+                    # which an inference tensor cannot take)
+                    with torch.inference_mode(False):
+                        out = _dispatch(func, args, kwargs or {})
+                else:
+                    out = _dispatch(func, args, kwargs or {})
             except Exception as e:
                 if torch._C._current_graph_task_id() == -1:
                     raise
@@ -445,6 +452,16 @@ def _facts(func: Any) -> _Facts:
     if f is None or f.func is not func:
         f = _FACTS[id(func)] = _Facts(func)
     return f
+
+
+def _view_of_normal(func: Any, args: tuple) -> bool:
+    """Whether ``func`` is a view op of a tensor that is not an inference tensor."""
+    return (
+        _facts(func).view
+        and bool(args)
+        and isinstance(args[0], torch.Tensor)
+        and not args[0].is_inference()
+    )
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:

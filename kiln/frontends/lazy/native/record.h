@@ -117,7 +117,7 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
     NativeImpl* x = native_of((*stack)[first + r->slots[0].stack_index].toTensor());
     std::vector<int32_t> chain(x->chain);
     chain.push_back(r->id);
-    out = make_tensor(x->st, std::move(chain), r->out_geo);
+    out = make_view(*x, std::move(chain), r->out_geo);
   } else {
     int64_t ins[16];
     std::vector<int64_t> more;

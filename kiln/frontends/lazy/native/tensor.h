@@ -137,6 +137,18 @@ struct NativeImpl final : c10::TensorImpl {
     set_sizes_and_strides(sizes, strides, offset);
   }
 
+  // A view of `base` (c10's VIEW construction, as ATen's own views: the key set is the base's, so
+  // a view of a normal tensor made under torch.inference_mode is a normal tensor that autograd's
+  // view tracking can give its base's version counter, and a view of an inference tensor is one).
+  NativeImpl(const NativeImpl& base, std::vector<int32_t> c, int32_t g, const Geo& G)
+      : c10::TensorImpl(c10::TensorImpl::VIEW, handle_of(*base.st), base.key_set(),
+                        c10::scalarTypeToTypeMeta(G.dtype)),
+        st(base.st),
+        chain(std::move(c)),
+        geo(g) {
+    set_sizes_and_strides(G.sizes, G.strides, G.offset);
+  }
+
   // A copy of this tensor's metadata (its own sizes and strides: no lock needed).
   c10::intrusive_ptr<NativeImpl> copy() const {
     return c10::make_intrusive<NativeImpl>(st, chain, geo, c10::typeMetaToScalarType(dtype()),
@@ -148,7 +160,9 @@ struct NativeImpl final : c10::TensorImpl {
       const c10::VariableVersion& version_counter,
       bool allow_tensor_metadata_change) const override {
     auto r = copy();
-    r->set_version_counter(version_counter);
+    // an inference tensor (made under torch.inference_mode) has no version counter to set, as
+    // in c10's own copy_tensor_metadata
+    if (!r->is_inference()) r->set_version_counter(version_counter);
     r->set_allow_tensor_metadata_change(allow_tensor_metadata_change);
     return r;
   }
@@ -156,7 +170,7 @@ struct NativeImpl final : c10::TensorImpl {
       c10::VariableVersion&& version_counter,
       bool allow_tensor_metadata_change) const override {
     auto r = copy();
-    r->set_version_counter(std::move(version_counter));
+    if (!r->is_inference()) r->set_version_counter(std::move(version_counter));
     r->set_allow_tensor_metadata_change(allow_tensor_metadata_change);
     return r;
   }
@@ -172,6 +186,11 @@ NativeImpl* native_of(const at::Tensor& t) {
 at::Tensor make_tensor(std::shared_ptr<Storage> st, std::vector<int32_t> chain, int32_t geo) {
   return at::Tensor(
       c10::make_intrusive<NativeImpl>(std::move(st), std::move(chain), geo, geos[geo]));
+}
+
+// A view of `base` with the recipes `chain` and geometry `geo` (see NativeImpl's view constructor).
+at::Tensor make_view(const NativeImpl& base, std::vector<int32_t> chain, int32_t geo) {
+  return at::Tensor(c10::make_intrusive<NativeImpl>(base, std::move(chain), geo, geos[geo]));
 }
 
 }  // namespace
