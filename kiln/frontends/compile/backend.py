@@ -166,6 +166,23 @@ def _cyclic_gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+# Calls that only switch autocast state: Dynamo keeps a ``with torch.autocast(...)`` block as
+# these two, also in a graph where nothing else is left (a graph break inside the block).
+_AUTOCAST_SWITCHES = (
+    torch.amp.autocast_mode._enter_autocast,
+    torch.amp.autocast_mode._exit_autocast,
+)
+
+
+def _computes_nothing(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` calls nothing but autocast switches (no tensor op, no module, no method)."""
+    return all(
+        n.op in ("placeholder", "output", "get_attr")
+        or (n.op == "call_function" and n.target in _AUTOCAST_SWITCHES)
+        for n in gm.graph.nodes
+    )
+
+
 def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
     """Dynamo's graph -> graph-level rewrites (``dropout`` with p=0 -> its input, see
     :mod:`kiln.frontends.compile.dropout`; hand-written attention -> SDPA, see
@@ -187,6 +204,13 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
             sdpa_gqa(gm)
         if "short_attention" not in config.disabled_passes:
             sdpa_to_chain(gm)
+        if _computes_nothing(gm):
+            # runs as the Python Dynamo wrote (its autocast switches, its outputs): AOTAutograd's
+            # wrappers and an empty Kiln graph cost ~0.1 ms a call and do nothing here (GPT-2's
+            # step ran two such graphs a step: the autocast block around its loss, split by the
+            # loss's graph break)
+            metrics.incr("trivial_graphs")
+            return gm.forward
         if "direct_inference" not in config.disabled_passes:
             direct = try_compile(
                 gm,
