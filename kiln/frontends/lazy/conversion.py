@@ -10,6 +10,15 @@ wide.  Kiln turns it on only for the duration of a conversion that involves the 
 conversion whose target is kiln (``Module.to``, ``to_empty``, ``kiln()``) or of a module that holds
 a kiln tensor.  Every other conversion -- and ``load_state_dict`` -- sees the user's own setting.
 
+**What a parameter keeps through the swap.**  ``swap_tensors`` swaps class, ``__dict__`` and
+TensorImpl, so a parameter moved to the kiln device lost what eager's ``param.data =`` keeps on a
+CPU -> CUDA move: its attributes (``p.no_decay = True``), a ``Parameter`` subclass, and its
+gradient hooks (``register_hook``, ``register_post_accumulate_grad_hook``), which live on the
+TensorImpl's autograd metadata while the Python dicts holding them stay -- a hook registered
+before ``model.to(kiln)`` never ran (a gradient-scaling hook left the gradient unscaled,
+silently).  Inside kiln conversions the swapped parameter gets its attributes and subclass back
+and its hook dicts are set again, which registers them on its new TensorImpl.
+
 **Pinning.**  Once kiln is PyTorch's accelerator, ``Tensor.pin_memory()`` without a device (what a
 ``DataLoader(pin_memory=True)`` does) pins for kiln.  The kiln device lives in host memory, so a
 pinned copy is an ordinary host copy with the same layout; pinning for any other device goes to
@@ -41,6 +50,44 @@ class _KilnConversion:
     def __exit__(self, *exc: object) -> bool:
         _tls.depth -= 1
         return False
+
+
+_orig_swap_tensors = torch.utils.swap_tensors
+
+
+# a Python-recorder kiln tensor's own state (lazy/tensor.py) and Parameter's flag for such tensors:
+# never carried from one side of a conversion to the other
+_TENSOR_STATE = frozenset({"_st", "_chain", "_meta", "_g", "_is_param"})
+
+
+def _swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    """``torch.utils.swap_tensors``; inside kiln conversions ``t1`` (the parameter every module
+    and optimizer holds) keeps what ``param.data =`` keeps on eager's device moves: its gradient
+    hooks, its attributes (``p.no_decay = True``, transformers' ``_is_hf_initialized``) and its
+    ``Parameter`` subclass (the native recorder's tensors; the Python recorder's are its own
+    class)."""
+    if getattr(_tls, "depth", 0) == 0:
+        _orig_swap_tensors(t1, t2)
+        return
+    own = {k: v for k, v in t1.__dict__.items() if k not in _TENSOR_STATE}
+    cls = type(t1)
+    _orig_swap_tensors(t1, t2)
+    for k, v in own.items():
+        t1.__dict__.setdefault(k, v)
+    P = torch.nn.Parameter
+    if type(t1) is P and cls is not P and isinstance(cls, type) and issubclass(cls, P):
+        t1.__class__ = cls
+    _rehook(t1)
+
+
+def _rehook(t: torch.Tensor) -> None:
+    """Register ``t``'s hook dicts on its (new) TensorImpl: setting them registers them."""
+    hooks = t._backward_hooks
+    if hooks is not None:
+        t._backward_hooks = hooks
+    post = t._post_accumulate_grad_hooks
+    if post is not None:
+        t._post_accumulate_grad_hooks = post
 
 
 def _is_kiln(device: Any) -> bool:
@@ -131,6 +178,7 @@ def install() -> list[torch.library.Library]:
     M.to_empty = _wrap_to_empty(M.to_empty)
     M.kiln = _module_kiln
     torch.__future__.get_swap_module_params_on_conversion = _swap_module_params_on_conversion
+    torch.utils.swap_tensors = _swap_tensors
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("_pin_memory", _pin_memory, "CPU")
     _installed = True

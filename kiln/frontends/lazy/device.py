@@ -203,8 +203,11 @@ def _backward_reaches_kiln() -> bool:
         trace._trace = trace.Trace(_PROBE_GEN)
     _probing = True
     try:
-        x = torch.zeros((), device="kiln", requires_grad=True)
-        torch.autograd.grad(x.view(()), x, torch.ones((), device="kiln"))
+        # grad mode on: the first use of the device may come inside ``no_grad`` or
+        # ``inference_mode`` (``model.to("kiln")``: Module._apply converts under no_grad)
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.zeros((), device="kiln", requires_grad=True)
+            torch.autograd.grad(x.view(()), x, torch.ones((), device="kiln"))
     except RuntimeError as e:
         if "device_ready_queues_" not in str(e):
             raise

@@ -122,6 +122,24 @@ class LazyTensor(torch.Tensor):
         r._g = None
         return r
 
+    # ``param.data = t`` (weight initialisation, ``vector_to_parameters``, EMA copies): PyTorch
+    # copies the tensor metadata (sizes, strides, dtype) but knows nothing of a kiln tensor's own
+    # state, so the parameter kept its old value under the new metadata (silently).  Here the
+    # lazy state comes along; autograd identity and version counter stay, as in eager.
+    @property
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        if not isinstance(new, LazyTensor):
+            raise RuntimeError(
+                f"kiln: `.data =` on a kiln tensor takes a kiln tensor, got one on {new.device}; "
+                "move it first (`t.to('kiln')`)"
+            )
+        torch._C.TensorBase.data.__set__(self, new)  # metadata checks, as eager's
+        self._st, self._chain, self._meta, self._g = new._st, new._chain, new._meta, new._g
+
     # Libraries that serialize state dicts (safetensors, transformers' save_pretrained) find
     # shared tensors by their storage and data pointers; a kiln tensor answers with those of the
     # host buffer it holds (pending work runs first).

@@ -111,6 +111,8 @@ void note_holding(const std::shared_ptr<Storage>& st) {
   }
 }
 
+extern std::mutex mu;  // the recorder's lock (trace.h)
+
 struct NativeImpl final : c10::TensorImpl {
   std::shared_ptr<Storage> st;
   std::vector<int32_t> chain;  // view recipes from the storage's base to this tensor
@@ -174,8 +176,22 @@ struct NativeImpl final : c10::TensorImpl {
     r->set_allow_tensor_metadata_change(allow_tensor_metadata_change);
     return r;
   }
-  void shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>&) override {
-    TORCH_CHECK_NOT_IMPLEMENTED(false, "kiln native recorder: shallow_copy_from");
+  // `param.data = t` (weight initialisation, vector_to_parameters, EMA copies): this tensor
+  // takes `t`'s storage, view recipes and geometry; its autograd identity and version counter
+  // stay, as c10's own shallow_copy_from keeps them.
+  void shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& impl) override {
+    const auto* src = dynamic_cast<const NativeImpl*>(impl.get());
+    TORCH_CHECK(src != nullptr,
+                "kiln: `.data =` on a kiln tensor takes a kiln tensor; move it first "
+                "(`t.to('kiln')`)");
+    // the recorder's lock, taken without the GIL (a thread recording under the lock may need it)
+    std::optional<py::gil_scoped_release> nogil;
+    if (PyGILState_Check()) nogil.emplace();
+    std::lock_guard<std::mutex> lock(mu);
+    copy_tensor_metadata(src, this, version_counter(), allow_tensor_metadata_change());
+    st = src->st;
+    chain = src->chain;
+    geo = src->geo;
   }
 };
 
