@@ -147,3 +147,45 @@ def test_recurrent_layer_on_a_zero_size_batch(kind):
     kiln.mark_step()
     assert got.shape == want.shape == (5, 0, 8)
     assert got.cpu().numel() == 0
+
+
+class _Packed(nn.Module):
+    """Variable-length sequences through ``pack_padded_sequence`` (CPU lengths, as required)."""
+
+    def __init__(self, rnn: nn.Module, lengths: list[int], sorted_: bool) -> None:
+        super().__init__()
+        self.rnn, self.lengths, self.sorted = rnn, lengths, sorted_
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lengths = torch.tensor(self.lengths)
+        packed = nn.utils.rnn.pack_padded_sequence(
+            x, lengths, batch_first=True, enforce_sorted=self.sorted
+        )
+        out, state = self.rnn(packed)
+        assert out.batch_sizes.device.type == "cpu"  # as on every device
+        padded, out_lengths = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        assert out_lengths.tolist() == self.lengths
+        h = state[0] if isinstance(state, tuple) else state
+        return padded.pow(2).mean() + h.sin().sum()
+
+
+@pytest.mark.parametrize(
+    ("kind", "lengths", "sorted_"),
+    [("lstm", [5, 3, 2], True), ("gru", [2, 5, 1], False), ("lstm", [4, 4, 4], True)],
+)
+def test_packed_sequences_train_as_in_eager(kind, lengths, sorted_):
+    # pack_padded_sequence kept its batch_sizes on the kiln device, which PackedSequence refuses
+    torch.manual_seed(0)
+    rnn = (nn.LSTM if kind == "lstm" else nn.GRU)(6, 8, batch_first=True)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(3, 5, 6, generator=g) for _ in range(2)]
+    _compare(_Packed(rnn, lengths, sorted_), xs)
+
+
+def test_packing_unsorted_lengths_raises_as_eager():
+    x = torch.randn(3, 4, 2)
+    lengths = torch.tensor([2, 4, 1])
+    with pytest.raises(RuntimeError, match="sorted in decreasing order"):
+        nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+    with pytest.raises(RuntimeError, match="sorted in decreasing order"):
+        nn.utils.rnn.pack_padded_sequence(x.to(DEV), lengths, batch_first=True)

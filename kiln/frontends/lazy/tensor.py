@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from kiln import metrics
 from kiln.config import config
-from kiln.frontends.lazy import accelerator_dtypes, recipes, rnn_cells
+from kiln.frontends.lazy import accelerator_dtypes, packed_sequences, recipes, rnn_cells
 from kiln.frontends.lazy import device_module as _devmod
 from kiln.frontends.lazy import trace as T
 from kiln.frontends.lazy.foreach import record_split, split_of
@@ -44,7 +44,11 @@ _CPU = torch.device("cpu")
 # through ATen); ``items()`` fills it.
 _DECOMPS: dict[Any, Any] = dict(core_aten_decompositions().items())
 # Kiln's, looked up first
-_OWN_DECOMPS: dict[Any, Any] = {**rnn_cells.DECOMPOSITIONS, **accelerator_dtypes.DECOMPOSITIONS}
+_OWN_DECOMPS: dict[Any, Any] = {
+    **rnn_cells.DECOMPOSITIONS,
+    **accelerator_dtypes.DECOMPOSITIONS,
+    **packed_sequences.DECOMPOSITIONS,
+}
 
 
 def _wait_at_once(x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +98,20 @@ _STRUCTURAL_FLOATS = {
     "nan_to_num",
 }
 # Ops that take CPU index tensors next to device tensors, as in eager PyTorch (x_cuda[cpu_idx]).
-_CPU_INDICES_OK = {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index"}
+# Ops that take CPU tensors with dimensions next to kiln tensors (any other mix raises eager's
+# mixed-device error), for both recorders: indices (as CUDA takes CPU index tensors) and
+# ``_pack_padded_sequence``, whose ``lengths`` must be a CPU tensor on every device
+# (packed_sequences.py).  (Copies between the devices are handled before this check.)
+CPU_OPERANDS_OK = frozenset(
+    {
+        "index",
+        "index_put",
+        "index_put_",
+        "_index_put_impl_",
+        "_unsafe_index",
+        "_pack_padded_sequence",
+    }
+)
 
 
 class LazyTensor(torch.Tensor):
@@ -518,7 +535,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             # checks): run the pending work, then an ordinary host copy
             args[0].copy_(materialize(args[1], "to_cpu"), *args[2:], **kwargs)
             return args[0]
-    elif name not in _CPU_INDICES_OK:
+    elif name not in CPU_OPERANDS_OK:
         _check_devices(func, args, kwargs)
     if func in FILLS:
         out = _fill(func, args, kwargs)

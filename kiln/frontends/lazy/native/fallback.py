@@ -53,6 +53,7 @@ from kiln.frontends.lazy.native.outops import written as _written
 from kiln.frontends.lazy.shapes import infer_typed
 from kiln.frontends.lazy.tensor import (
     _BIT_VIEWS,
+    CPU_OPERANDS_OK,
     FILLS,
     _facts,
     _with_defaults,
@@ -565,12 +566,6 @@ class Handler:
                 )
 
 
-# ops that take CPU tensors with dimensions next to kiln tensors, as on the Python device
-CPU_OPERANDS_OK = frozenset(
-    {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index", "copy_", "copy"}
-)
-
-
 def _device_active() -> bool:
     """The native recorder is the kiln device's (``config.lazy_recorder``): its rules apply."""
     return config.lazy_recorder == "native"
@@ -579,9 +574,10 @@ def _device_active() -> bool:
 def check_cpu_operand(func: Any, a: torch.Tensor) -> None:
     """A CPU tensor with dimensions next to native kiln tensors, with the native recorder as the
     kiln device's: eager's mixed-device error (the Python device's ``tensor._check_one``), except
-    for 0-dim tensors and the ops in :data:`CPU_OPERANDS_OK`.  (Without the switch, native
+    for 0-dim tensors, copies and the ops in ``CPU_OPERANDS_OK``.  (Without the switch, native
     tensors made by ``native.tensor`` take any CPU tensor as a graph input.)"""
-    if a.dim() == 0 or func._schema.name.split("::")[1] in CPU_OPERANDS_OK:
+    name = func._schema.name.split("::")[1]
+    if a.dim() == 0 or name in CPU_OPERANDS_OK or name in ("copy_", "copy"):
         return
     raise RuntimeError(
         "Expected all tensors to be on the same device, but found at least two devices, "
