@@ -129,3 +129,23 @@ print(json.dumps({"device": str(m.weight.device), "grad": m.weight.grad.cpu().to
     out = run_json(code)
     assert out["device"] == "kiln:0"
     assert out["grad"] == [[4.0, 4.0, 4.0], [4.0, 4.0, 4.0]]
+
+
+def test_dtype_conversion_on_the_device_while_a_graph_holds_the_parameters():
+    # kiln -> kiln conversions assign .data as eager does; a swap raised while an autograd graph
+    # (here: the kept forward output) still referenced the parameters
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    m = copy.deepcopy(base)
+    m[0].weight.no_decay = True  # (deepcopy does not copy a parameter's attributes)
+    m.to(DEV)
+    weight = m[0].weight
+    out = m(torch.randn(3, 4).to(DEV))  # holds the parameters' AccumulateGrad nodes
+    m.to(torch.float64)
+    assert m[0].weight is weight and weight.dtype == torch.float64 and weight.no_decay is True
+    x = torch.randn(3, 4, dtype=torch.float64)
+    want = copy.deepcopy(base).double()(x)
+    got = m(x.to(DEV))
+    kiln.mark_step()
+    torch.testing.assert_close(got.cpu(), want)
+    del out

@@ -17,7 +17,10 @@ gradient hooks (``register_hook``, ``register_post_accumulate_grad_hook``), whic
 TensorImpl's autograd metadata while the Python dicts holding them stay -- a hook registered
 before ``model.to(kiln)`` never ran (a gradient-scaling hook left the gradient unscaled,
 silently).  Inside kiln conversions the swapped parameter gets its attributes and subclass back
-and its hook dicts are set again, which registers them on its new TensorImpl.
+and its hook dicts are set again, which registers them on its new TensorImpl.  A conversion on
+the device (``model.to(torch.bfloat16)`` of a kiln model: old and new tensors of one type) assigns
+``param.data`` as eager does instead of swapping, which also works while an autograd graph still
+holds the parameters (a swap refuses then).
 
 **Pinning.**  Once kiln is PyTorch's accelerator, ``Tensor.pin_memory()`` without a device (what a
 ``DataLoader(pin_memory=True)`` does) pins for kiln.  The kiln device lives in host memory, so a
@@ -68,6 +71,12 @@ def _swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
     class)."""
     if getattr(_tls, "depth", 0) == 0:
         _orig_swap_tensors(t1, t2)
+        return
+    if torch._has_compatible_shallow_copy_type(t1, t2):
+        # a conversion on the device (``model.to(torch.bfloat16)`` of a kiln model): eager's
+        # ``param.data =``, which keeps everything and, unlike a swap, works while autograd
+        # graphs still hold the parameter (a swap raised "Expected use_count of t1 ...")
+        t1.data = t2.data
         return
     own = {k: v for k, v in t1.__dict__.items() if k not in _TENSOR_STATE}
     cls = type(t1)
