@@ -181,14 +181,7 @@ class LazyTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
         with T._lock:
             try:
-                if torch.is_inference_mode_enabled() and _view_of_normal(func, args):
-                    # as ATen's views: a view of a normal tensor made under inference_mode is a
-                    # normal tensor (autograd's view tracking gives it its base's version counter,
-                    # which an inference tensor cannot take)
-                    with torch.inference_mode(False):
-                        out = _dispatch(func, args, kwargs or {})
-                else:
-                    out = _dispatch(func, args, kwargs or {})
+                out = _dispatch(func, args, kwargs or {})
             except Exception as e:
                 if torch._C._current_graph_task_id() == -1:
                     raise
@@ -489,14 +482,23 @@ def _facts(func: Any) -> _Facts:
     return f
 
 
-def _view_of_normal(func: Any, args: tuple) -> bool:
-    """Whether ``func`` is a view op of a tensor that is not an inference tensor."""
+def _normal_view_in_inference(args: tuple) -> bool:
+    """Whether a view op's input is a normal (not an inference) tensor under inference_mode.
+
+    As ATen's views, such a view is a normal tensor (autograd's view tracking gives it its base's
+    version counter, which an inference tensor cannot take), so it is made with inference_mode
+    off.  Asked by view ops only: the check stays off every other op's path."""
     return (
-        _facts(func).view
+        torch.is_inference_mode_enabled()
         and bool(args)
         and isinstance(args[0], torch.Tensor)
         and not args[0].is_inference()
     )
+
+
+def _view_outside_inference(func: Any, args: tuple, kwargs: dict) -> Any:
+    with torch.inference_mode(False):
+        return _dispatch(func, args, kwargs)
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -509,6 +511,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             if r is not None:
                 return _replay(r, leaves)
     elif f.fast_view:  # the same for views: a view recipe, whose one leaf is the viewed tensor
+        if _normal_view_in_inference(args):
+            return _view_outside_inference(func, args, kwargs)
         leaves = []
         key = recipes.signature(f, args, kwargs, False, leaves)
         if key is not None and len(leaves) == 1 and leaves[0] is args[0]:
@@ -553,6 +557,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         # an unresolved conjugate in the meta only; compute the value instead (a copy, not a view)
         return _dispatch(_BIT_VIEWS[func], args, kwargs)
     if f.view:
+        if _normal_view_in_inference(args):
+            return _view_outside_inference(func, args, kwargs)
         if f.identity and len(args) == 1 and not kwargs and type(args[0]) is LazyTensor:
             return _alias_of(args[0])
         if func is not aten.as_strided.default:  # (as_strided checks its storage's size)
