@@ -106,6 +106,11 @@ class Config:
     def names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
+    def check(self, **kw: Any) -> dict[str, Any]:
+        """``kw`` as :meth:`update` would set them, changing nothing: :class:`ConfigError` for an
+        unknown key or a bad value."""
+        return self._checked(kw)
+
     def update(self, **kw: Any) -> None:
         for k, v in self._checked(kw).items():
             setattr(self, k, v)

@@ -39,6 +39,16 @@ def test_type_checked_update():
         kiln.config.update(checks="yes")
 
 
+def test_check_validates_without_changing_anything():
+    before = kiln.config.checks
+    assert kiln.config.check(checks=not before) == {"checks": not before}
+    assert kiln.config.checks is before
+    with pytest.raises(ConfigError, match="config 'checks' must be True or False"):
+        kiln.config.check(checks="yes")
+    with pytest.raises(ConfigError, match="unknown Kiln config key 'chekcs'"):
+        kiln.config.check(chekcs=True)
+
+
 def test_backend_choices_come_from_the_backend_registry():
     from kiln.codegen import Backend, get_backend, register_backend
     from kiln.codegen.base import unregister_backend

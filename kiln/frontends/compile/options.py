@@ -60,6 +60,4 @@ def compile_options(kwargs: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             f"unknown Kiln compile option {key!r}; valid: " + ", ".join(COMPILE_OPTIONS)
         )
-    with config.scoped(**options):  # values checked now, as kiln.config.update checks them
-        pass
-    return options
+    return config.check(**options)  # values checked now, as kiln.config.update checks them
