@@ -571,13 +571,18 @@ def _device_active() -> bool:
     return config.lazy_recorder == "native"
 
 
+# CPU operands the native recorder takes: CPU_OPERANDS_OK (both recorders' list) and the copies
+# between the devices, which the Python recorder handles before its device check (``_dispatch``)
+_TAKES_CPU = CPU_OPERANDS_OK | {"copy_", "copy"}
+
+
 def check_cpu_operand(func: Any, a: torch.Tensor) -> None:
     """A CPU tensor with dimensions next to native kiln tensors, with the native recorder as the
     kiln device's: eager's mixed-device error (the Python device's ``tensor._check_one``), except
     for 0-dim tensors, copies and the ops in ``CPU_OPERANDS_OK``.  (Without the switch, native
     tensors made by ``native.tensor`` take any CPU tensor as a graph input.)"""
     name = func._schema.name.split("::")[1]
-    if a.dim() == 0 or name in CPU_OPERANDS_OK or name in ("copy_", "copy"):
+    if a.dim() == 0 or name in _TAKES_CPU:
         return
     raise RuntimeError(
         "Expected all tensors to be on the same device, but found at least two devices, "
