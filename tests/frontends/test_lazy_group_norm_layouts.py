@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from _training_compare import assert_same_training
 from torch import nn
 
 import kiln
@@ -66,12 +67,7 @@ def _channels_last(x: torch.Tensor, how: str) -> torch.Tensor:
 def _compare(base: nn.Module, xs: list[torch.Tensor], mode: str) -> None:
     want = _train(copy.deepcopy(base), xs, "eager")
     got = _train(copy.deepcopy(base), xs, mode)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
-    for step_got, step_want in zip(got[1], want[1]):
-        for a, b in zip(step_got, step_want):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    for a, b in zip(got[2], want[2]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_same_training(got, want)
 
 
 @pytest.mark.parametrize("how", ["memory_format", "permuted"])

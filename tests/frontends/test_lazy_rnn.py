@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from _training_compare import assert_same_training
 from torch import nn
 
 import kiln
@@ -100,12 +101,7 @@ def _compare(
 ) -> None:
     want = _train(copy.deepcopy(base), xs, torch.device("cpu"), sgd)
     got = _train(copy.deepcopy(base), xs, DEV, sgd)
-    torch.testing.assert_close(got[0], want[0], rtol=rtol, atol=1e-6)
-    for step_got, step_want in zip(got[1], want[1]):
-        for a, b in zip(step_got, step_want):
-            torch.testing.assert_close(a, b, rtol=10 * rtol, atol=1e-5)
-    for a, b in zip(got[2], want[2]):
-        torch.testing.assert_close(a, b, rtol=rtol, atol=1e-6)
+    assert_same_training(got, want, rtol)
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
