@@ -132,14 +132,33 @@ def _no_entries_with_view_replay() -> Iterator[None]:
         AOTAutogradCache.save = original  # type: ignore[method-assign]
 
 
+def takes_python_scalars(gm: torch.fx.GraphModule) -> bool:
+    """Whether Dynamo passes a Python number to ``gm`` as a 0-dim tensor: a float argument that
+    changed between calls (``specialize_float=False``, torch.compile's default), read back with
+    ``.item()`` inside the graph.
+
+    Such a graph must not be cached by its text (torch 2.13, pytorch/pytorch#197889): where the
+    number reaches an op's scalar argument (``add(y, alpha=-lr)``, ``clamp(max=s)``,
+    ``rms_norm(eps=...)``), tracing bakes in the value of the compiling call and guards on it,
+    but the guard is over a symbol the cache does not keep, and the graph's text is the same for
+    every value.  The next value fails the guard, recompiles, hits the first entry and computes
+    silently with the old number (Inductor too).  Kiln compiles such graphs without a cache."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        arg = node.meta.get("grapharg")
+        if arg is not None and arg.pass_arg_as_tensor and not arg.is_tensor:
+            return True
+    return False
+
+
 @contextlib.contextmanager
-def aot_cache_settings() -> Iterator[None]:
+def aot_cache_settings(cache: bool = True) -> Iterator[None]:
     """For the duration of one Kiln backend call: AOTAutograd's cache on (bundled entries, Kiln's
     tag in the key, ``config.disk_cache`` decides), under ``<config.cache_dir>/torch``, the backward
     compiled with the forward (one entry holds both), and a key that does not import Inductor's
     code generators (:func:`_key_without_inductor_codegen`), and no entry saved for a graph whose
     outputs are rebuilt by view replay (:func:`_no_entries_with_view_replay`).  Inductor and
-    other backends are untouched."""
+    other backends are untouched.  ``cache=False``: the cache off for this call
+    (:func:`takes_python_scalars`)."""
     # the partitioner is not part of AOTAutograd's key (entries hold partitioned graphs)
     tag = cache_key_tag() + ("|recompute" if config.recompute else "")
     user_tag = torch.compiler.config.cache_key_tag
@@ -149,7 +168,7 @@ def aot_cache_settings() -> Iterator[None]:
     try:
         with (
             torch._functorch.config.patch(
-                enable_autograd_cache=config.disk_cache,
+                enable_autograd_cache=config.disk_cache and cache,
                 bundled_autograd_cache=True,
                 force_non_lazy_backward_lowering=True,
             ),

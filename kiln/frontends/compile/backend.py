@@ -44,6 +44,7 @@ from kiln.frontends.compile.aot_cache import (
     make_runner,
     note_graph,
     signature,
+    takes_python_scalars,
 )
 from kiln.frontends.compile.attention import attention_to_sdpa
 from kiln.frontends.compile.dropout import drop_zero_dropout
@@ -211,6 +212,11 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
             # loss's graph break)
             metrics.incr("trivial_graphs")
             return gm.forward
+        # a graph whose text is the same for every value of a Python number it takes is compiled
+        # without the caches keyed on that text (takes_python_scalars: a stale value otherwise)
+        cache = config.disk_cache and not takes_python_scalars(gm)
+        if config.disk_cache and not cache:
+            metrics.incr("cache_skipped_python_scalars")
         if "direct_inference" not in config.disabled_passes:
             direct = try_compile(
                 gm,
@@ -218,12 +224,12 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
                 _DECOMPS,
                 _direct_lower,
                 _direct_builder(gm),
-                DiskCache(config.cache_dir, INFERENCE_FOLDER) if config.disk_cache else None,
+                DiskCache(config.cache_dir, INFERENCE_FOLDER) if cache else None,
                 cache_key_tag(),
             )
             if direct is not None:
                 return direct
-        with aot_cache_settings():
+        with aot_cache_settings(cache):
             return _aot_backend(options)(gm, example_inputs, **kwargs)
 
 
