@@ -184,6 +184,10 @@ def _computes_nothing(gm: torch.fx.GraphModule) -> bool:
     )
 
 
+# the lazy device's type (kiln.frontends.lazy.tensor.DEVICE; the frontends do not import each other)
+_LAZY_DEVICE = "kiln"
+
+
 def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
     """Dynamo's graph -> graph-level rewrites (``dropout`` with p=0 -> its input, see
     :mod:`kiln.frontends.compile.dropout`; hand-written attention -> SDPA, see
@@ -196,6 +200,12 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
     ``options`` are Kiln config keys in force for this graph's compiles, its ``mode`` is
     Inductor's (see :mod:`kiln.frontends.compile.options`)."""
     options = compile_options(kwargs)
+    if any(isinstance(x, torch.Tensor) and x.device.type == _LAZY_DEVICE for x in example_inputs):
+        # a step on the kiln device (the model moved there): the device records what the graph
+        # runs and compiles it at mark_step, as torch.compile's XLA backend leaves XLA tensors to
+        # the XLA device (AOTAutograd cannot trace them: its fake tensors do not take them)
+        metrics.incr("lazy_device_graphs")
+        return gm.forward
     with _cyclic_gc_paused(), config.scoped(**options):
         if "dropout" not in config.disabled_passes:
             drop_zero_dropout(gm)

@@ -354,8 +354,21 @@ def _cpu_device(a: Any) -> Any:
     return a
 
 
+def host_scalars(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A foreach op's ``scalars`` tensor (``_foreach_addcdiv_.Tensor``'s step sizes): a CPU
+    tensor next to device tensors on every device (CUDA's too), read on the host.  None where
+    ``func`` has none.  Both recorders take it."""
+    i = _facts(func).host_scalars
+    if i < 0:
+        return None
+    return args[i] if i < len(args) else kwargs.get("scalars")
+
+
 def _check_devices(func: Any, args: Any, kwargs: dict) -> None:
+    host = host_scalars(func, args, kwargs)
     for a in (*args, *kwargs.values()):
+        if a is host and host is not None:
+            continue
         if isinstance(a, (list, tuple)):
             for x in a:
                 _check_one(func, x)
@@ -431,6 +444,7 @@ class _Facts:
         "plain",
         "split",
         "fast_view",
+        "host_scalars",
     )
 
     def __init__(self, func: Any) -> None:
@@ -438,6 +452,18 @@ class _Facts:
         self.name = func._schema.name.split("::")[1]
         self.composite = self.name not in OPS and _is_composite_implicit(func)
         self.view = func.is_view
+        # the position of a foreach op's ``scalars`` tensor (``_foreach_addcdiv_.Tensor``'s step
+        # sizes), a CPU tensor on every device, as CUDA takes it; -1: none
+        self.host_scalars = next(
+            (
+                i
+                for i, a in enumerate(func._schema.arguments)
+                if self.name.startswith("_foreach_")
+                and a.name == "scalars"
+                and str(a.type) == "Tensor"
+            ),
+            -1,
+        )
         self.identity = func in _IDENTITY_VIEWS  # detach / alias: a new tensor, same value
         self.inplace_view = (
             torch.Tag.inplace_view in func.tags and func is not aten.set_.source_Tensor

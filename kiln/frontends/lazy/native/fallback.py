@@ -59,6 +59,7 @@ from kiln.frontends.lazy.tensor import (
     _with_defaults,
     check_inplace_cast,
     fill_value,
+    host_scalars,
 )
 from kiln.ir.graph import In
 from kiln.lowering.aten import Ref, op_name, template
@@ -382,10 +383,11 @@ class Handler:
         lift = op.facts.lift
         inputs: list = []
         key_parts: list = []
+        host = host_scalars(func, args, kwargs) if op.facts.host_scalars >= 0 else None
         for a in args:
-            key_parts.append(self.walk(func, a, lift, inputs))
+            key_parts.append(self.walk(func, a, lift, inputs, host))
         for k, v in kwargs.items():
-            key_parts.append((k, self.walk(func, v, lift, inputs)))
+            key_parts.append((k, self.walk(func, v, lift, inputs, host)))
         return (op, torch.get_default_dtype(), tuple(key_parts)), inputs
 
     def record(self, op: _Op, args: tuple, kwargs: dict, sig: tuple | None = None) -> Any:
@@ -408,9 +410,10 @@ class Handler:
         res = [next(it) if s is _TENSOR else s for s in r.shape]
         return res if r.as_list else tuple(res)
 
-    def walk(self, func: Any, x: Any, lift: bool, inputs: list) -> Any:
+    def walk(self, func: Any, x: Any, lift: bool, inputs: list, host: Any = None) -> Any:
         """The signature part of one argument; graph values appended to ``inputs`` in the order
-        ``lowering.aten.template`` numbers them."""
+        ``lowering.aten.template`` numbers them.  ``host``: the call's foreach ``scalars``
+        tensor, a CPU tensor it takes (:func:`host_scalars`)."""
         if isinstance(x, torch.Tensor):
             inputs.append(x)
             g = self.mod.geo_of(x)
@@ -418,14 +421,14 @@ class Handler:
                 return ("n", g)
             if x.device.type != "cpu":
                 self.check_devices(func, (x,), {})
-            elif _device_active():
+            elif _device_active() and x is not host:
                 check_cpu_operand(func, x)
             return ("c", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype)
         if lift and type(x) is float:
             inputs.append(x)
             return ("f",)
         if isinstance(x, (list, tuple)):
-            return (type(x), tuple(self.walk(func, y, lift, inputs) for y in x))
+            return (type(x), tuple(self.walk(func, y, lift, inputs, host) for y in x))
         return (type(x), x)
 
     def make_recipe(self, func: Any, args: tuple, kwargs: dict, lift: bool) -> _Recipe | None:
@@ -555,8 +558,9 @@ class Handler:
         flat = [*args, *kwargs.values()]
         flat += [y for a in flat if isinstance(a, (list, tuple)) for y in a]
         strict = func is not None and _device_active()  # the kiln device's rules for CPU operands
+        host = host_scalars(func, args, kwargs) if strict else None
         for a in flat:
-            if strict and isinstance(a, torch.Tensor) and a.device == _CPU:
+            if strict and isinstance(a, torch.Tensor) and a.device == _CPU and a is not host:
                 check_cpu_operand(func, a)
             if isinstance(a, torch.Tensor) and not self.mod.is_native(a) and a.device != _CPU:
                 raise RuntimeError(
