@@ -27,7 +27,6 @@ import torch
 from functorch.compile import (
     default_partition,
     make_boxed_func,
-    min_cut_rematerialization_partition,
 )
 from torch._decomp import core_aten_decompositions
 from torch._dynamo.backends.common import aot_autograd
@@ -52,6 +51,7 @@ from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.frontends.compile.gqa import sdpa_gqa
 from kiln.frontends.compile.inference import INFERENCE_FOLDER, Declined, Recorded, try_compile
 from kiln.frontends.compile.options import compile_options
+from kiln.frontends.compile.partition import min_cut_keeping_mutated_reads
 from kiln.frontends.compile.short_attention import sdpa_to_chain
 from kiln.ir.graph import Graph
 from kiln.ir.ops import keep_whole_ops
@@ -138,7 +138,7 @@ def _aot_backend(options: dict[str, Any]) -> Callable:
         decompositions=_DECOMPS,
         # what the forward saves for backward: Inductor's choice (recompute cheap pointwise work,
         # save less) or AOTAutograd's default (save every value backward reads)
-        partition_fn=min_cut_rematerialization_partition if config.recompute else default_partition,
+        partition_fn=min_cut_keeping_mutated_reads if config.recompute else default_partition,
         # in-place updates of inputs (the optimizer's parameters and state) stay in the graph as
         # copy_ nodes -> Kiln ``writeback`` nodes, so kernels can write the new values in place
         keep_inference_input_mutations=True,
