@@ -1,0 +1,56 @@
+"""Graphs whose outputs belong to separate autograd graphs (a GAN step's generator output and
+discriminator loss): left to eager autograd.
+
+Needs: a Dynamo graph with ``example_value`` metadata (fake tensors whose ``requires_grad`` says
+what autograd records).  Guarantees: nothing changes; :func:`separate_autograd_parts` only counts.
+
+Why: AOTAutograd makes one autograd node of a whole graph.  In eager PyTorch, a GAN step's
+``fake = G(z)`` and the discriminator loss on ``fake.detach()`` are separate autograd graphs:
+``loss_d.backward()`` leaves the generator's graph alone, and ``D(fake)``'s loss backpropagates
+through it afterwards.  Compiled as one node, ``loss_d.backward()`` runs (and frees) that node's
+backward, and the generator's backward then raises "Trying to backward through the graph a
+second time" -- with every AOTAutograd backend (Inductor, aot_eager), on PyTorch's DCGAN recipe.
+Kiln runs such a graph as Dynamo captured it (eager autograd, counted as an ATen fallback) so the
+step trains as written.
+
+Two values are in one autograd part when one is computed from the other and both require grad
+(``detach``, ``no_grad`` regions and integer results cut the chain); a graph with two or more
+parts that each give an output requiring grad is the case above.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+
+def _requires_grad(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (list, tuple)):
+        return any(_requires_grad(v) for v in value)
+    return False
+
+
+def separate_autograd_parts(gm: torch.fx.GraphModule) -> int:
+    """How many separate autograd parts of ``gm`` give an output that requires grad."""
+    parent: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def find(n: torch.fx.Node) -> torch.fx.Node:
+        while parent.get(n, n) is not n:
+            parent[n] = parent.get(parent[n], parent[n])
+            n = parent[n]
+        return n
+
+    grad = {n for n in gm.graph.nodes if _requires_grad(n.meta.get("example_value"))}
+    for n in gm.graph.nodes:
+        if n not in grad or n.op == "output":
+            continue
+        for u in n.all_input_nodes:
+            if u in grad:
+                parent[find(u)] = find(n)
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    roots = {find(u) for u in out.all_input_nodes if u in grad}
+    return len(roots)
