@@ -71,7 +71,22 @@ def _site(gm: torch.fx.GraphModule) -> str:
     return f"compile:{gm.__class__.__name__}"
 
 
+def _no_donated_buffers() -> None:
+    """Tell AOTAutograd that Kiln's backward donates none of the saved tensors' buffers.
+
+    AOTAutograd lists saved tensors a backward may overwrite ("donated buffers", an Inductor
+    memory reuse) and then refuses ``backward(retain_graph=True)`` for a backward compiled before
+    its first run, as Kiln compiles it (one cache entry holds both): ``l1.backward(retain_graph=
+    True); l2.backward()`` through a compiled step raised, where Inductor, which compiles the
+    backward at that first run, drops the list.  Kiln's kernels never write into saved tensors,
+    so the list is empty."""
+    ctx = torch._guards.TracingContext.try_get()
+    if ctx is not None and ctx.fw_metadata is not None:
+        ctx.fw_metadata.bw_donated_idxs = []
+
+
 def _kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> KilnOutputCode:
+    _no_donated_buffers()
     # a different graph with the same input signature at one site is not a recompile
     site, sig = _site(gm) + f"#{len(example_inputs)}", signature(example_inputs)
     note_graph(site, sig)
