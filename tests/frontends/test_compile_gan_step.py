@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln
-from kiln.frontends.compile.autograd_parts import separate_autograd_parts
+from kiln.frontends.compile.autograd_parts import detached_across_parts, separate_autograd_parts
 
 
 def _nets() -> tuple[nn.Module, nn.Module]:
@@ -76,16 +76,20 @@ def _captured(fn, *args) -> torch.fx.GraphModule:
 
 
 @pytest.mark.parametrize(
-    ("body", "parts"),
+    ("body", "parts", "detached"),
     [
-        (lambda a, b, x: (a(x), b(a(x).detach())), 2),  # the GAN shape: two autograd graphs
-        (lambda a, b, x: (a(x), b(a(x))), 1),  # one graph through both
-        (lambda a, b, x: (a(x) + b(x),), 1),
-        (lambda a, b, x: (a(x).detach(), b(x)), 1),  # one output needs no grad
-        (lambda a, b, x: (a(x), b(x)), 2),
+        (lambda a, b, x: (a(x), b(a(x).detach())), 2, True),  # the GAN shape
+        (lambda a, b, x: (a(x), b(a(x))), 1, False),  # one graph through both
+        (lambda a, b, x: (a(x) + b(x),), 1, False),
+        (lambda a, b, x: (a(x).detach(), b(x)), 1, False),  # one output needs no grad
+        # two encoders whose loss is taken after the graph: two parts, no cut between them (one
+        # backward() runs both; left compiled as one)
+        (lambda a, b, x: (a(x), b(x)), 2, False),
+        (lambda a, b, x: (a(x), b(a(x).argmax(1, keepdim=True).float() * x)), 2, True),
     ],
 )
-def test_parts_are_counted_as_autograd_sees_them(body, parts):
+def test_parts_are_counted_as_autograd_sees_them(body, parts, detached):
     a, b = nn.Linear(3, 3), nn.Linear(3, 3)
     gm = _captured(lambda x: body(a, b, x), torch.randn(2, 3))
     assert separate_autograd_parts(gm) == parts
+    assert detached_across_parts(gm) is detached

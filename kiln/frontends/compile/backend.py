@@ -46,7 +46,7 @@ from kiln.frontends.compile.aot_cache import (
     takes_python_scalars,
 )
 from kiln.frontends.compile.attention import attention_to_sdpa
-from kiln.frontends.compile.autograd_parts import separate_autograd_parts
+from kiln.frontends.compile.autograd_parts import detached_across_parts
 from kiln.frontends.compile.dropout import drop_zero_dropout
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.frontends.compile.gqa import sdpa_gqa
@@ -231,7 +231,7 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
             sdpa_gqa(gm)
         if "short_attention" not in config.disabled_passes:
             sdpa_to_chain(gm)
-        if torch.is_grad_enabled() and separate_autograd_parts(gm) > 1:
+        if torch.is_grad_enabled() and detached_across_parts(gm):
             # outputs of separate autograd graphs (a GAN step): AOTAutograd would make them one
             # node, whose backward the first loss.backward() frees (autograd_parts.py)
             metrics.fallback("graph:separate autograd graphs")
