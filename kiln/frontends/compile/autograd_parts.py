@@ -2,7 +2,8 @@
 discriminator loss): left to eager autograd.
 
 Needs: a Dynamo graph with ``example_value`` metadata (fake tensors whose ``requires_grad`` says
-what autograd records).  Guarantees: nothing changes; :func:`separate_autograd_parts` only counts.
+what autograd records).  Guarantees: nothing changes (:func:`separate_autograd_parts` counts,
+:func:`detached_across_parts` answers; the backend decides).
 
 Why: AOTAutograd makes one autograd node of a whole graph.  In eager PyTorch, a GAN step's
 ``fake = G(z)`` and the discriminator loss on ``fake.detach()`` are separate autograd graphs:
@@ -77,7 +78,7 @@ def detached_across_parts(gm: torch.fx.GraphModule) -> bool:
     for n in gm.graph.nodes:
         if n.op == "output":
             continue
-        came = set()
+        came: set[torch.fx.Node] = set()
         for u in n.all_input_nodes:
             came |= {find(u)} if u in grad else reached.get(u, set())
         if n not in grad:

@@ -84,7 +84,9 @@ def keep_reads_of_mutated_inputs(graph: torch.fx.Graph) -> int:
     return marked
 
 
-def min_cut_keeping_mutated_reads(joint: torch.fx.GraphModule, joint_inputs: Any, **kw: Any):
+def min_cut_keeping_mutated_reads(
+    joint: torch.fx.GraphModule, joint_inputs: Any, **kw: Any
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """:func:`min_cut_rematerialization_partition` after :func:`keep_reads_of_mutated_inputs`."""
     keep_reads_of_mutated_inputs(joint.graph)
     return min_cut_rematerialization_partition(joint, joint_inputs, **kw)
