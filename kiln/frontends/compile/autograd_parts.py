@@ -33,8 +33,6 @@ from typing import Any
 import torch
 import torch.fx
 
-from kiln import metrics
-
 
 def _requires_grad(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
@@ -166,12 +164,6 @@ class _CompileParts(torch.fx.Interpreter):
 
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
         sub = self.fetch_attr(target)
-        try:
-            compiled: torch.nn.Module = _Compiled(self.compile_part(sub, list(args)))
-        except Exception as e:  # noqa: BLE001 - this part runs as captured, counted
-            # the earlier parts have run (their effects are done): this one runs uncompiled
-            # rather than the whole graph again
-            metrics.fallback(f"graph:autograd part not compiled: {type(e).__name__}: {e}"[:200])
-            compiled = sub
+        compiled = _Compiled(self.compile_part(sub, list(args)))
         setattr(self.module, target, compiled)
         return compiled(*args, **kwargs)
