@@ -46,11 +46,7 @@ from kiln.frontends.compile.aot_cache import (
     takes_python_scalars,
 )
 from kiln.frontends.compile.attention import attention_to_sdpa
-from kiln.frontends.compile.autograd_parts import (
-    PartsRunner,
-    detached_across_parts,
-    split_by_parts,
-)
+from kiln.frontends.compile.autograd_parts import detached_across_parts
 from kiln.frontends.compile.dropout import drop_zero_dropout
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.frontends.compile.gqa import sdpa_gqa
@@ -237,20 +233,9 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
             sdpa_to_chain(gm)
         if torch.is_grad_enabled() and detached_across_parts(gm):
             # outputs of separate autograd graphs (a GAN step): AOTAutograd would make them one
-            # node, whose backward the first loss.backward() frees (autograd_parts.py); each
-            # part is compiled as its own function, or the graph runs under eager autograd
-            split = split_by_parts(gm)
-            if split is None:
-                metrics.fallback("graph:separate autograd graphs")
-                return gm.forward
-            metrics.incr("autograd_parts_split")
-            cache = config.disk_cache and not takes_python_scalars(gm)
-
-            def compile_part(part: torch.fx.GraphModule, inputs: list) -> Callable:
-                with config.scoped(**options), aot_cache_settings(cache):
-                    return _aot_backend(options)(part, inputs)
-
-            return PartsRunner(split, compile_part)
+            # node, whose backward the first loss.backward() frees (autograd_parts.py)
+            metrics.fallback("graph:separate autograd graphs")
+            return gm.forward
         if _computes_nothing(gm):
             # runs as the Python Dynamo wrote (its autocast switches, its outputs): AOTAutograd's
             # wrappers and an empty Kiln graph cost ~0.1 ms a call and do nothing here (GPT-2's
