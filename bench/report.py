@@ -70,8 +70,14 @@ def table(result: dict) -> str:
         f"{result['gemm_peak_gflops']:.1f} GFLOP/s (torch.mm 2048x2048, median of "
         f"{s['gemm_reps']}).",
         f"ms/step: median of {s['steps']} training steps (forward, backward, AdamW, zero_grad, "
-        f"loss.item()) after {s['warmup']} warm-up steps, modes interleaved round-robin in one "
-        "process. vs eager: eager median / mode median.",
+        f"loss.item()) after {s['warmup']} warm-up steps, "
+        + (
+            "modes interleaved one step each in one process (cold caches every step). "
+            if s.get("in_process")
+            else f"each mode in its own process, interleaved in rounds of {s.get('block')} steps "
+            "per mode (order rotating). "
+        )
+        + "vs eager: eager median / mode median.",
         "compile cold: first step minus median step, with empty Kiln and Inductor caches (fresh "
         "temp dirs). compile warm: the same in a fresh process (forked from a parent that only "
         "imported torch/kiln) reusing those cache dirs.",

@@ -6,9 +6,12 @@
     python bench/run.py --quick --workloads mlp           # tiny sizes, 3 steps (smoke test)
 
 For each workload (bench/workloads.py) it times the full training step (forward, backward, AdamW
-step, zero_grad, ``loss.item()``) with the modes interleaved round-robin in one process, then runs
-a second, warm-cache process for warm compile times and peak memory (process RSS, and tensor memory
-at the allocator level: bench/tensor_memory.py), and prints one markdown table
+step, zero_grad, ``loss.item()``) with each mode in a process of its own (bench/mode_worker.py: as
+a user trains), interleaved in time: after the warm-up steps, rounds of ``--block`` steps per mode,
+the order rotating every round (``--in-process``: every mode in this process, one step each in
+turn, as before 2026-12-03).  Then a second, warm-cache process measures warm compile times and
+peak memory (process RSS, and tensor memory at the allocator level: bench/tensor_memory.py), and
+it prints one markdown table
 (bench/report.py).  Results also go to ``bench/results.json`` (``--json PATH``).  A workload/mode
 that raises or runs past ``--timeout`` seconds in one step shows ``error: ...`` in its row.
 """
@@ -42,6 +45,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 import kiln  # noqa: E402
 from bench import tensor_memory  # noqa: E402
+from bench.mode_worker import ModeProcess  # noqa: E402
 from bench.report import table, write_json  # noqa: E402
 from bench.workloads import SIZES, WORKLOADS, Workload, build  # noqa: E402
 
@@ -72,7 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--workloads", default=None, help="comma list (default: those of --size)")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--steps", type=int, default=None, help="measured steps (default 10)")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps (default 20)")
+    ap.add_argument("--block", type=int, default=5, help="steps per mode per round (default 5)")
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="every mode in this process, one step each in turn (cold caches every step)",
+    )
     ap.add_argument("--warmup", type=int, default=None, help="unmeasured steps, incl. the first")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 3 steps")
     ap.add_argument("--bf16", action="store_true", help="add the autocast bf16 modes")
@@ -83,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warm-only", action="store_true", help="internal: warm-cache subprocess")
     ap.add_argument("--pairs", default="", help="internal: workload:mode,... for --warm-only")
     a = ap.parse_args(argv)
-    a.steps = a.steps if a.steps is not None else (3 if a.quick else 10)
+    a.steps = a.steps if a.steps is not None else (3 if a.quick else 20)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 3)
     a.warm_steps = 2 if a.quick else 3
     if a.workloads is None:
@@ -203,6 +213,7 @@ class Runner:
         self.losses: list[float] = []
         self.graphs = 0  # Kiln graphs compiled during this runner's steps
         self.error: str | None = None
+        self.dyn: int | str | None = None  # graphs over ten sequence lengths (gpt only)
         try:
             self.dev = kiln.device() if mode == "lazy" else torch.device("cpu")
             model = copy.deepcopy(wl.model).to(self.dev)
@@ -229,12 +240,13 @@ class Runner:
         self.times.append(time.perf_counter() - t0)
         self.losses.append(value)
 
-    def compile_s(self, warmup: int) -> float | None:
-        """First step minus a steady step (the median of the steps after ``warmup``)."""
-        steady = self.times[warmup:]
-        if self.error or not steady or self.mode.startswith("eager"):
-            return None
-        return max(0.0, self.times[0] - statistics.median(steady))
+
+def compile_s(r: Runner | ModeProcess, warmup: int) -> float | None:
+    """First step minus a steady step (the median of the steps after ``warmup``)."""
+    steady = r.times[warmup:]
+    if r.error or not steady or r.mode.startswith("eager"):
+        return None
+    return max(0.0, r.times[0] - statistics.median(steady))
 
 
 def gemm_peak() -> float:
@@ -273,16 +285,51 @@ def dynamic_graphs(wl: Workload, mode: str, timeout: float) -> int | str:
     return r.error or r.graphs
 
 
-def bench_workload(name: str, a: argparse.Namespace, peak: float) -> tuple[dict, list[dict]]:
-    """Interleaved timing of every mode on one workload; returns (workload info, rows)."""
+def _step_in_process(name: str, wl: Workload, a: argparse.Namespace) -> dict[str, Runner]:
+    """Every mode in this process, one step each in turn (``--in-process``)."""
     torch._dynamo.reset()  # each workload's compiled steps start fresh (no recompile limits)
-    wl = build(name, a.quick, a.warmup + a.steps)
-    flops = step_flops(wl)
     runners = {m: Runner(m, wl, a.timeout) for m in a.modes}
     for i, batch in enumerate(wl.batches):
         k = i % len(a.modes)
         for m in a.modes[k:] + a.modes[:k]:  # rotate who goes first, so noise hits all modes
             runners[m].run(batch)
+    for m in ("kiln", "lazy"):
+        if name == "gpt" and m in runners and not runners[m].error:
+            runners[m].dyn = dynamic_graphs(wl, m, a.timeout)
+    return runners
+
+
+def _step_in_workers(name: str, a: argparse.Namespace) -> dict[str, ModeProcess]:
+    """Each mode in its own process: the warm-up steps mode by mode, then rounds of ``a.block``
+    measured steps per mode, the order rotating each round."""
+    procs = {m: ModeProcess(m, name, a) for m in a.modes}
+    try:
+        for p in procs.values():
+            p.wait_ready()  # all built before anything is timed
+        for p in procs.values():
+            p.steps(0, a.warmup)
+        total = a.warmup + a.steps
+        for k, start in enumerate(range(a.warmup, total, a.block)):
+            j = k % len(a.modes)
+            for m in a.modes[j:] + a.modes[:j]:
+                procs[m].steps(start, min(start + a.block, total))
+        for m in ("kiln", "lazy"):
+            if name == "gpt" and m in procs and not procs[m].error:
+                procs[m].dyn = procs[m].dyn_graphs()
+    finally:
+        for p in procs.values():
+            p.close()
+    return procs
+
+
+def bench_workload(name: str, a: argparse.Namespace, peak: float) -> tuple[dict, list[dict]]:
+    """Interleaved timing of every mode on one workload; returns (workload info, rows)."""
+    wl = build(name, a.quick, a.warmup + a.steps)
+    flops = step_flops(wl)
+    if a.in_process:
+        runners = _step_in_process(name, wl, a)
+    else:
+        runners = _step_in_workers(name, a)
     eager = runners.get("eager")
     eager_ms = (
         statistics.median(eager.times[a.warmup :]) * 1e3 if eager and not eager.error else None
@@ -299,21 +346,19 @@ def bench_workload(name: str, a: argparse.Namespace, peak: float) -> tuple[dict,
                 "mode": m,
                 "ms_per_step": ms,
                 "speedup": eager_ms / ms if ms and eager_ms else None,
-                "compile_cold_s": r.compile_s(a.warmup),
+                "compile_cold_s": compile_s(r, a.warmup),
                 "compile_warm_s": None,
                 "peak_rss_mb": None,
                 "peak_tensor_mb": None,
                 "loss_drift": drift,
                 "mfu_pct": 100 * flops / (ms / 1e3) / peak if ms else None,
                 "kiln_graphs": r.graphs if m in ("kiln", "lazy", "kiln-bf16") else None,
-                "dyn_graphs": None,
+                "dyn_graphs": r.dyn,
                 "note": r.error,
                 "losses": r.losses,
                 "times_s": r.times,
             }
         )
-        if name == "gpt" and m in ("kiln", "lazy") and not r.error:
-            rows[-1]["dyn_graphs"] = dynamic_graphs(wl, m, a.timeout)
     return {"desc": wl.desc, "gflop_per_step": flops / 1e9}, rows
 
 
@@ -350,7 +395,7 @@ def warm_only(a: argparse.Namespace) -> None:
                     r.run(batch)
                     if counting:
                         peaks.append(tensor_memory.peak_bytes() / MB)
-                res.update(compile_warm_s=r.compile_s(1), error=r.error)
+                res.update(compile_warm_s=compile_s(r, 1), error=r.error)
                 if counting and not r.error:
                     res.update(
                         peak_tensor_mb=max(peaks[1:]),  # steady steps (the first compiles)
@@ -422,6 +467,8 @@ def main(argv: list[str] | None = None) -> dict:
             "steps": a.steps,
             "warmup": a.warmup,
             "warm_steps": a.warm_steps,
+            "block": a.block,
+            "in_process": a.in_process,
             "quick": a.quick,
             "timeout_s": a.timeout,
             "gemm_reps": GEMM_REPS,
