@@ -10,8 +10,10 @@ Why a process per mode: a user trains with one mode per process.  Run side by si
 and stepped one step each in turn, the modes evict each other's weights, gradients and optimizer
 state from the caches before every step (L2 is 1 MiB a core here), and share process-wide state
 (glibc's malloc thresholds, which Kiln tunes; the OpenMP pool): every step is then a cold one, which
-a training run's steady steps are not.  bench/run.py keeps the modes interleaved in time (rounds
-of a few steps each, the order rotating) so that the machine's noise still hits all of them.
+a training run's steady steps are not (measured: the first step of a block after another mode's
+process ran took 1.5-2x the block's other steps).  bench/run.py keeps the modes interleaved in time
+(rounds of a few steps each, the order rotating) so that the machine's noise still hits all of them,
+and takes its medians over the steps of each block but the first.
 
 The protocol is one JSON object per line: the worker writes ``{"ready": true, "error": ...}`` once
 the workload and the mode's step are built, then answers each command (``{"cmd": "steps", "start":
@@ -38,6 +40,7 @@ class ModeProcess:
     def __init__(self, mode: str, workload: str, a: argparse.Namespace) -> None:
         self.mode = mode
         self.times: list[float] = []
+        self.counted: list[float] = []  # measured steps but the first of each block
         self.losses: list[float] = []
         self.graphs = 0
         self.error: str | None = None
@@ -96,14 +99,24 @@ class ModeProcess:
         except RuntimeError as e:
             self.error = f"error: {e}"
 
-    def steps(self, start: int, stop: int) -> None:
+    def steps(self, start: int, stop: int, measured: bool = True) -> None:
+        """Run batches ``start..stop-1``.  Of a measured block, all steps but the first count
+        (:meth:`steady`): the first pays for the switch from another mode's process (its caches
+        and its idle OpenMP threads), which steps of one training run do not."""
         if self.error:
             return
         r = self._ask({"cmd": "steps", "start": start, "stop": stop})
+        if measured:
+            times = r.get("times", [])
+            self.counted += times[1:] if len(times) > 1 else times
         self.times += r.get("times", [])
         self.losses += r.get("losses", [])
         self.graphs += r.get("graphs", 0)
         self.error = self.error or r.get("error")
+
+    def steady(self, warmup: int) -> list[float]:
+        """The step times the medians are taken over (see :meth:`steps`)."""
+        return self.counted
 
     def dyn_graphs(self) -> int | str | None:
         return self._ask({"cmd": "dyn"}).get("dyn_graphs", self.error)

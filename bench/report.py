@@ -75,7 +75,8 @@ def table(result: dict) -> str:
             "modes interleaved one step each in one process (cold caches every step). "
             if s.get("in_process")
             else f"each mode in its own process, interleaved in rounds of {s.get('block')} steps "
-            "per mode (order rotating). "
+            "per mode (order rotating), the first step of each round not counted (the switch "
+            "between processes). "
         )
         + "vs eager: eager median / mode median.",
         "compile cold: first step minus median step, with empty Kiln and Inductor caches (fresh "

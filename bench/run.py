@@ -240,10 +240,14 @@ class Runner:
         self.times.append(time.perf_counter() - t0)
         self.losses.append(value)
 
+    def steady(self, warmup: int) -> list[float]:
+        """The step times the medians are taken over: those after the warm-up steps."""
+        return self.times[warmup:]
+
 
 def compile_s(r: Runner | ModeProcess, warmup: int) -> float | None:
     """First step minus a steady step (the median of the steps after ``warmup``)."""
-    steady = r.times[warmup:]
+    steady = r.steady(warmup)
     if r.error or not steady or r.mode.startswith("eager"):
         return None
     return max(0.0, r.times[0] - statistics.median(steady))
@@ -307,7 +311,7 @@ def _step_in_workers(name: str, a: argparse.Namespace) -> dict[str, ModeProcess]
         for p in procs.values():
             p.wait_ready()  # all built before anything is timed
         for p in procs.values():
-            p.steps(0, a.warmup)
+            p.steps(0, a.warmup, measured=False)
         total = a.warmup + a.steps
         for k, start in enumerate(range(a.warmup, total, a.block)):
             j = k % len(a.modes)
@@ -332,11 +336,11 @@ def bench_workload(name: str, a: argparse.Namespace, peak: float) -> tuple[dict,
         runners = _step_in_workers(name, a)
     eager = runners.get("eager")
     eager_ms = (
-        statistics.median(eager.times[a.warmup :]) * 1e3 if eager and not eager.error else None
+        statistics.median(eager.steady(a.warmup)) * 1e3 if eager and not eager.error else None
     )
     rows = []
     for m, r in runners.items():
-        ms = statistics.median(r.times[a.warmup :]) * 1e3 if not r.error else None
+        ms = statistics.median(r.steady(a.warmup)) * 1e3 if not r.error else None
         drift = None
         if ms is not None and eager_ms is not None:
             drift = max(abs(x - e) / abs(e) for x, e in zip(r.losses, eager.losses))

@@ -124,3 +124,53 @@ def test_table_shows_errors_in_the_row() -> None:
     }
     line = table(res).splitlines()[2]
     assert line.startswith("| mlp | lazy | - |") and "error: TimeoutError: step / took" in line
+
+
+@pytest.mark.timeout(900)
+def test_in_process_method_trains_the_same(result: dict, tmp_path: Path) -> None:
+    """``--in-process`` (every mode in one process, a step each in turn) trains the same model on
+    the same batches as the default (a process per mode): the same losses, step for step."""
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "run.py"),
+        "--quick",
+        "--workloads",
+        "mlp",
+        "--modes",
+        "eager,kiln",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--in-process",
+        "--json",
+        str(tmp_path / "r.json"),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "KILN_CACHE_DIR"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "one step each in one process" in p.stdout
+    mine = json.loads((tmp_path / "r.json").read_text())
+    assert mine["settings"]["in_process"] is True and result["settings"]["in_process"] is False
+    for mode in ("eager", "kiln"):
+        got = next(r for r in mine["rows"] if r["mode"] == mode)
+        want = next(r for r in result["rows"] if r["mode"] == mode)
+        assert got["note"] is None and got["losses"] == pytest.approx(want["losses"], rel=1e-6)
+
+
+def test_mode_worker_reports_a_failed_build(tmp_path: Path) -> None:
+    from argparse import Namespace
+
+    from bench.mode_worker import ModeProcess
+
+    a = Namespace(warmup=1, steps=1, threads=1, timeout=60.0, cache_dir=str(tmp_path), quick=True)
+    p = ModeProcess("eager", "no-such-workload", a)
+    try:
+        p.wait_ready()
+        p.steps(0, 2)
+    finally:
+        p.close()
+    assert p.error and "unknown workload 'no-such-workload'" in p.error, p.error
+    assert p.times == [] and p.proc.returncode == 0
