@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--workloads", default=None, help="comma list (default: those of --size)")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--steps", type=int, default=None, help="measured steps (default 20)")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps (default 40)")
     ap.add_argument("--block", type=int, default=5, help="steps per mode per round (default 5)")
     ap.add_argument(
         "--in-process",
@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warm-only", action="store_true", help="internal: warm-cache subprocess")
     ap.add_argument("--pairs", default="", help="internal: workload:mode,... for --warm-only")
     a = ap.parse_args(argv)
-    a.steps = a.steps if a.steps is not None else (3 if a.quick else 20)
+    a.steps = a.steps if a.steps is not None else (3 if a.quick else 40)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 3)
     a.warm_steps = 2 if a.quick else 3
     if a.workloads is None:
