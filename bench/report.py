@@ -69,14 +69,14 @@ def table(result: dict) -> str:
         f"Python {m['python']}, {m['platform']}; fp32 GEMM peak "
         f"{result['gemm_peak_gflops']:.1f} GFLOP/s (torch.mm 2048x2048, median of "
         f"{s['gemm_reps']}).",
-        f"ms/step: median of {s['steps']} training steps (forward, backward, AdamW, zero_grad, "
-        f"loss.item()) after {s['warmup']} warm-up steps, "
+        f"ms/step: median of {s['steps']} measured training steps (forward, backward, AdamW, "
+        f"zero_grad, loss.item()) after {s['warmup']} warm-up steps, "
         + (
             "modes interleaved one step each in one process (cold caches every step). "
             if s.get("in_process")
             else f"each mode in its own process, interleaved in rounds of {s.get('block')} steps "
-            "per mode (order rotating), the first step of each round not counted (the switch "
-            "between processes). "
+            "per mode (order rotating), less the first step of each round (the switch between "
+            "processes, not counted). "
         )
         + "vs eager: eager median / mode median.",
         "compile cold: first step minus median step, with empty Kiln and Inductor caches (fresh "
