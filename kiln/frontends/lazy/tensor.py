@@ -1011,6 +1011,20 @@ def _has_tensor_out(out: Any) -> bool:
     return False
 
 
+def refuse_nested(func: Any, out: Any) -> None:
+    """Raise a clear error if an op run on CPU values returned a nested tensor, which the kiln
+    device cannot hold (it has no strides to record; both recorders call this)."""
+    if any(isinstance(o, torch.Tensor) and o.is_nested for o in tree_flatten(out)[0]):
+        raise NotImplementedError(
+            f"{func._schema.name} returned a nested tensor, which the kiln device does not "
+            "support. nn.TransformerEncoder builds one in its inference fast path (eval mode, "
+            "no grad, a src_key_padding_mask): run it with "
+            "torch.backends.mha.set_fastpath_enabled(False), or build it with "
+            "enable_nested_tensor=False (the same values at unpadded positions; padded positions "
+            "are computed instead of zero, as under torch.compile)."
+        )
+
+
 def _eager(func: Any, args: tuple, kwargs: dict, reason: str) -> Any:
     """Run one op eagerly on materialized values (a forced sync), writing mutations back."""
     metrics.fallback(func._schema.name.split("::")[1])
@@ -1036,6 +1050,8 @@ def _eager(func: Any, args: tuple, kwargs: dict, reason: str) -> Any:
         for t in a if isinstance(a, (list, tuple)) else [a]:
             if isinstance(t, LazyTensor):
                 mutated_ids.add(id(t))
+
+    refuse_nested(func, out)
 
     def wrap(o: Any) -> Any:
         if isinstance(o, torch.Tensor):

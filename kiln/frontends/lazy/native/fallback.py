@@ -60,6 +60,7 @@ from kiln.frontends.lazy.tensor import (
     check_inplace_cast,
     fill_value,
     host_scalars,
+    refuse_nested,
 )
 from kiln.ir.graph import In
 from kiln.lowering.aten import Ref, op_name, template
@@ -517,6 +518,7 @@ class Handler:
         cargs = tree_map(conc, args)
         ckwargs = tree_map(conc, kwargs)
         out = func(*cargs, **ckwargs)
+        refuse_nested(func, out)
         flat_c = tree_flatten((cargs, ckwargs))[0]
         flat_a = tree_flatten((args, kwargs))[0]
         buffers = {_buffer(c) for c in flat_c if isinstance(c, torch.Tensor)} - {0}
