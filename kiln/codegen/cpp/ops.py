@@ -394,7 +394,19 @@ KI double abs(double x) { return __builtin_fabs(x); }
 KI int64_t abs(int64_t x) { return x < 0 ? -x : x; }
 KI float pow(float a, float b) { return __builtin_powf(a, b); }
 KI double pow(double a, double b) { return __builtin_pow(a, b); }
-KI double pow(int64_t a, int64_t b) { return __builtin_pow((double)a, (double)b); }
+// Integer powers as ATen's powi: exact, by repeated squaring, wrapping on overflow (done in
+// unsigned arithmetic, where wrapping is defined); a negative exponent gives 1 for base 1, +-1 for
+// base -1 and 0 otherwise.  (Through double, results past 2^53 lost their low digits and an
+// overflow gave INT64_MIN where eager wraps.)
+KI int64_t pow(int64_t a, int64_t b) {
+  if (b < 0) return a == 1 ? 1 : a == -1 ? ((b & 1) ? -1 : 1) : 0;
+  uint64_t r = 1, x = (uint64_t)a;
+  for (uint64_t e = (uint64_t)b; e; e >>= 1) {
+    if (e & 1) r *= x;
+    x *= x;
+  }
+  return (int64_t)r;
+}
 KI float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 KI double fma(double a, double b, double c) { return __builtin_fma(a, b, c); }
 }  // namespace km
