@@ -3,7 +3,9 @@
 OpInfo samples are random values of moderate size; these are the values where C++ and ATen can
 part ways: integer powers past 2^53 and past the type's range (ATen wraps; Kiln computed them
 through double, so 3**39 lost its low digits and an overflow gave INT64_MIN), the sign
-conventions of floor division and remainders, NaN through minimum/maximum/clamp.  Each op runs
+conventions of floor division and remainders, NaN through minimum/maximum/clamp, log-softmax
+over large logits (computed as x - (max + log(sum)), the sum rounded to the logits' magnitude:
+logits of 1e5 lost 2e-3, of 1e3 3e-5, of 1e38 everything; ATen subtracts the max first).  Each op runs
 whole-tensor through the compile backend and on the lazy device (both end in Kiln's kernels);
 integer results must be equal, float results equal up to rounding (NaN where eager has NaN).
 """
@@ -59,6 +61,14 @@ CASES: dict[str, tuple[Callable, Callable[[], tuple]]] = {
     "clamp_nan": (
         lambda a, b: torch.stack([a.clamp(-1.0, 1.0), a.clamp(min=b), a.clamp(max=b)]),
         lambda: _grid(FLOATS, torch.float32),
+    ),
+    "log_softmax_large_logits": (
+        lambda x: torch.stack([torch.log_softmax(x, -1), torch.softmax(x, -1)]),
+        lambda: (
+            torch.tensor(
+                [[3.4e38] * 4, [1e5, 1e5 + 0.5, 1e5 + 1.0, 1e5 - 2.0], [-3e4, -3e4 + 1, -3e4, 0.0]]
+            ),
+        ),
     ),
     "shifts_int": (
         lambda a, b: torch.stack([a << b.clamp(0, 62), a >> b.clamp(0, 62)]),

@@ -502,9 +502,11 @@ class _Emitter:
             else:
                 self.w(f"    #pragma omp simd reduction(+:s) {SAFELEN}")
                 self.w("    for (int64_t j = 0; j < L; ++j) s += km::exp(y[j] - mx);")
-                self.w("    const float sh = mx + km::log(s);")
+                # (x - max) - log(sum), as ATen: x - (max + log(sum)) rounds the sum to the
+                # row's magnitude (logits of 1e38: log-probabilities 0 instead of -log(L))
+                self.w("    const float ls = km::log(s);")
                 self.w("    #pragma omp simd")
-                self.w("    for (int64_t j = 0; j < L; ++j) y[j] -= sh;")
+                self.w("    for (int64_t j = 0; j < L; ++j) y[j] = (y[j] - mx) - ls;")
             self.rows_end()
             return
         clauses = []
