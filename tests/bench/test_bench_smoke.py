@@ -39,9 +39,8 @@ def _eager_losses(n: int) -> list[float]:
     return out
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("bench")
+def _bench(out: Path, modes: list[str], *extra: str) -> tuple[dict, str]:
+    """bench/run.py on the tiny MLP, 1 + 2 steps: (its JSON result, its stdout)."""
     cmd = [
         sys.executable,
         str(ROOT / "bench" / "run.py"),
@@ -49,7 +48,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "--workloads",
         "mlp",
         "--modes",
-        ",".join(MODES),
+        ",".join(modes),
         "--steps",
         "2",
         "--warmup",
@@ -60,12 +59,18 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
         str(out / "r.json"),
         "--cache-dir",
         str(out / "cache"),
+        *extra,
     ]
     env = {k: v for k, v in os.environ.items() if k != "KILN_CACHE_DIR"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "| workload | mode | ms/step |" in p.stdout
-    return json.loads((out / "r.json").read_text())
+    return json.loads((out / "r.json").read_text()), p.stdout
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _bench(tmp_path_factory.mktemp("bench"), MODES)[0]
 
 
 @pytest.mark.timeout(900)
@@ -130,29 +135,8 @@ def test_table_shows_errors_in_the_row() -> None:
 def test_in_process_method_trains_the_same(result: dict, tmp_path: Path) -> None:
     """``--in-process`` (every mode in one process, a step each in turn) trains the same model on
     the same batches as the default (a process per mode): the same losses, step for step."""
-    cmd = [
-        sys.executable,
-        str(ROOT / "bench" / "run.py"),
-        "--quick",
-        "--workloads",
-        "mlp",
-        "--modes",
-        "eager,kiln",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-        "--in-process",
-        "--json",
-        str(tmp_path / "r.json"),
-        "--cache-dir",
-        str(tmp_path / "cache"),
-    ]
-    env = {k: v for k, v in os.environ.items() if k != "KILN_CACHE_DIR"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "one step each in one process" in p.stdout
-    mine = json.loads((tmp_path / "r.json").read_text())
+    mine, stdout = _bench(tmp_path, ["eager", "kiln"], "--in-process")
+    assert "one step each in one process" in stdout
     assert mine["settings"]["in_process"] is True and result["settings"]["in_process"] is False
     for mode in ("eager", "kiln"):
         got = next(r for r in mine["rows"] if r["mode"] == mode)
