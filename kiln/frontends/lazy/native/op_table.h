@@ -147,6 +147,8 @@ IValue const_of(const IValue& v) {
         return IValue(*static_cast<const int64_t*>(impl->data()));
       case at::kBool:
         return IValue(*static_cast<const bool*>(impl->data()));
+      case at::kComplexDouble:  // `z * 1j`: sig_of refuses it, so it reaches to_python only
+        return IValue(*static_cast<const c10::complex<double>*>(impl->data()));
       default:
         TORCH_CHECK(false, "kiln native recorder: unexpected wrapped number");
     }
