@@ -70,6 +70,20 @@ CASES: dict[str, tuple[Callable, Callable[[], tuple]]] = {
             ),
         ),
     ),
+    "pow_int_empty_and_transposed": (
+        lambda a, b: torch.cat([torch.pow(a, b).flatten(), (a.t() ** 3).flatten()]),
+        lambda: (torch.arange(-6, 6).view(3, 4).t()[:, :0], torch.ones(4, 0, dtype=torch.long)),
+    ),
+    "pow_int_transposed": (
+        lambda a, b: torch.pow(a, b),
+        lambda: (torch.arange(-6, 6).view(3, 4).t() * 1000, torch.arange(12).view(4, 3) % 7),
+    ),
+    "log_softmax_empty_and_transposed": (
+        lambda x, y: torch.cat(
+            [torch.log_softmax(x, -1).flatten(), torch.log_softmax(y, -1).flatten()]
+        ),
+        lambda: (torch.randn(0, 5), (torch.randn(7, 3) * 1e4).t()),
+    ),
     "shifts_int": (
         lambda a, b: torch.stack([a << b.clamp(0, 62), a >> b.clamp(0, 62)]),
         lambda: _grid([v for v in INT64 if abs(v) < 2**40], torch.int64),
