@@ -45,7 +45,6 @@ class ModeProcess:
         self.graphs = 0
         self.error: str | None = None
         self.dyn: int | str | None = None
-        self.timeout = a.timeout
         # the worker's stderr: open for the worker's life, closed by close()
         self.log = tempfile.NamedTemporaryFile(prefix=f"kiln-bench-{mode}-", suffix=".log")  # noqa: SIM115
         cmd = [
@@ -133,23 +132,19 @@ class ModeProcess:
 
 
 def _serve(a: argparse.Namespace, out: IO[str]) -> None:
-    import torch
-
-    from bench.run import Runner, dynamic_graphs, use_cache_dir
+    from bench.run import Runner, _err, dynamic_graphs, set_up_process
     from bench.workloads import build
 
     def say(msg: dict[str, Any]) -> None:
         out.write(json.dumps(msg) + "\n")
         out.flush()
 
-    torch.set_num_threads(a.threads)
-    torch._dynamo.config.recompile_limit = 64
-    use_cache_dir(a.cache_dir)
+    set_up_process(a.threads, a.cache_dir)
     try:
         wl = build(a.workload, a.quick, a.batches)
         runner = Runner(a.mode, wl, a.timeout)
     except Exception as e:  # noqa: BLE001 - reported in the table
-        say({"ready": True, "error": f"error: {type(e).__name__}: {e}"[:200]})
+        say({"ready": True, "error": _err(e)})
         return
     say({"ready": True, "error": runner.error})
     for line in sys.stdin:

@@ -289,6 +289,15 @@ def dynamic_graphs(wl: Workload, mode: str, timeout: float) -> int | str:
     return r.error or r.graphs
 
 
+def _dynamic_shapes(
+    name: str, runners: dict[str, Runner] | dict[str, ModeProcess], count: Callable
+) -> None:
+    """On the tiny GPT, the graphs each Kiln mode compiles over ten sequence lengths."""
+    for m in ("kiln", "lazy"):
+        if name == "gpt" and m in runners and not runners[m].error:
+            runners[m].dyn = count(m)
+
+
 def _step_in_process(name: str, wl: Workload, a: argparse.Namespace) -> dict[str, Runner]:
     """Every mode in this process, one step each in turn (``--in-process``)."""
     torch._dynamo.reset()  # each workload's compiled steps start fresh (no recompile limits)
@@ -297,9 +306,6 @@ def _step_in_process(name: str, wl: Workload, a: argparse.Namespace) -> dict[str
         k = i % len(a.modes)
         for m in a.modes[k:] + a.modes[:k]:  # rotate who goes first, so noise hits all modes
             runners[m].run(batch)
-    for m in ("kiln", "lazy"):
-        if name == "gpt" and m in runners and not runners[m].error:
-            runners[m].dyn = dynamic_graphs(wl, m, a.timeout)
     return runners
 
 
@@ -317,9 +323,7 @@ def _step_in_workers(name: str, a: argparse.Namespace) -> dict[str, ModeProcess]
             j = k % len(a.modes)
             for m in a.modes[j:] + a.modes[:j]:
                 procs[m].steps(start, min(start + a.block, total))
-        for m in ("kiln", "lazy"):
-            if name == "gpt" and m in procs and not procs[m].error:
-                procs[m].dyn = procs[m].dyn_graphs()
+        _dynamic_shapes(name, procs, lambda m: procs[m].dyn_graphs())
     finally:
         for p in procs.values():
             p.close()
@@ -332,6 +336,7 @@ def bench_workload(name: str, a: argparse.Namespace, peak: float) -> tuple[dict,
     flops = step_flops(wl)
     if a.in_process:
         runners = _step_in_process(name, wl, a)
+        _dynamic_shapes(name, runners, lambda m: dynamic_graphs(wl, m, a.timeout))
     else:
         runners = _step_in_workers(name, a)
     eager = runners.get("eager")
@@ -448,12 +453,17 @@ def run_warm(a: argparse.Namespace, pairs: list[tuple[str, str]]) -> dict:
         return {"runs": [], "error": _err(e)}
 
 
+def set_up_process(threads: int, cache_dir: str) -> None:
+    """What every benchmark process sets first: its threads, Dynamo's limit, the caches."""
+    torch.set_num_threads(threads)
+    torch._dynamo.config.recompile_limit = 64
+    use_cache_dir(cache_dir)
+
+
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
-    torch.set_num_threads(a.threads)
-    torch._dynamo.config.recompile_limit = 64
     a.cache_dir = a.cache_dir or tempfile.mkdtemp(prefix="kiln-bench-cache-")
-    use_cache_dir(a.cache_dir)
+    set_up_process(a.threads, a.cache_dir)
     if a.warm_only:
         warm_only(a)
         return {}
