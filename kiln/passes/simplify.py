@@ -304,6 +304,47 @@ def fill_operand(rw: Rewriter, n: Node) -> Node | None:
     return None
 
 
+_ADDC = {"div.Tensor": "addcdiv.default", "mul.Tensor": "addcmul.default"}
+
+
+def addc_of_fma(rw: Rewriter, n: Node) -> Node | None:
+    """``fma(t1 / t2, v, x)`` -> ``addcdiv(x, t1, t2, value=v)`` and ``fma(t1 * t2, v, x)`` ->
+    ``addcmul(x, t1, t2, value=v)``, everything of one floating dtype.
+
+    Dynamo writes ``x.addcdiv_(t1, t2, value=v)`` and ``x.addcmul_(...)`` (the updates of RMSprop,
+    Adagrad, Adadelta, single-tensor Adam: the default optimizers on CPU run per parameter) as
+    ``prims.fma(t1 op t2, v, x)``, where ATen's kernels compute ``x + v * t1 / t2`` and
+    ``fma(v * t1, t2, x)``: products and quotients rounded in other places, so 310 of 1,185
+    parameters of a compiled RMSprop and 38 of Adagrad's differed from eager's after three steps
+    (every backend alike).  ``prims.fma`` is not user code; undone, the steps are eager's.  A
+    ``v`` that Dynamo keeps as a 0-dim tensor (the step-dependent ones) cannot be addcdiv's
+    Scalar: in float32 / float64 the kernel's own order is spelled out instead (each op rounds to
+    the dtype, as the kernel's float arithmetic does); in bf16 / fp16 the rule does not apply."""
+    if len(n.args) != 3 or n.args[0] != In(0) or n.kwargs or len(n.types) != 1:
+        return None
+    out, value, inner = n.types[0], n.args[1], rw.node(n.inputs[0])
+    if inner.op not in _ADDC or inner.args != (In(0), In(1)) or inner.kwargs:
+        return None
+    (t1, t2), last = inner.inputs, n.args[2]
+    if not isinstance(last, In) or out is None or not out.dtype.is_floating_point:
+        return None
+    x = n.inputs[last.k]
+    if any(rw.type(v) is None or rw.type(v).dtype != out.dtype for v in (x, t1, t2)):
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        args = (In(0), In(1), In(2))
+        return Node(_ADDC[inner.op], (x, t1, t2), args, (("value", value),), n.types)
+    v = n.inputs[value.k] if isinstance(value, In) else None
+    vt = rw.type(v) if v is not None else None
+    if vt is None or vt.shape != () or vt.dtype != out.dtype or out.dtype.itemsize < 4:
+        return None
+    scaled = rw.add(Node("mul.Tensor", (t1, v), (In(0), In(1)), (), (rw.type(t1),)))
+    if inner.op == "mul.Tensor":  # fma(v * t1, t2, x)
+        return Node("fma.default", (scaled, t2, x), (In(0), In(1), In(2)), (), n.types)
+    q = rw.add(Node("div.Tensor", (scaled, t2), (In(0), In(1)), (), inner.types))
+    return Node("add.Tensor", (x, q), (In(0), In(1)), (), n.types)
+
+
 # --- the table: first matching rule wins ----------------------------------------------------
 RULES: tuple[Rule, ...] = (
     # x * 1 -> x,  1 * x -> x
@@ -362,6 +403,9 @@ RULES: tuple[Rule, ...] = (
     ),
     # op(fill(empty_like(x), c), y) -> op(full([], c), y): a literal to the fuser (SiLU backward)
     Rule("fill_operand", FILL_READERS, fill_operand),
+    # fma(t1 / t2, v, x) -> addcdiv(x, t1, t2, value=v), the same for * and addcmul: Dynamo's
+    # forms of addcdiv_ / addcmul_ undone
+    Rule("addc_of_fma", ("fma.default",), addc_of_fma),
 )
 
 

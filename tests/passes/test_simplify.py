@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import torch
 from _passes_testlib import V, call, capture, check_pass, f32, same_results
 
+from kiln.codegen.interpreter import Interpreter
 from kiln.ir import GraphBuilder, TensorType, verify
 from kiln.passes.dce import dce
 from kiln.passes.simplify import simplify
@@ -391,3 +394,67 @@ def test_fill_operand_stays_where_the_fill_sets_the_shape_or_dtype():
     g = _fill_then("add.Tensor", f32(3, 5), True, value=2, fill_dtype=torch.int64)
     assert "full.default" not in {n.op for n in simplify(g).nodes}
     same_results(g, simplify(g))
+
+
+def test_dynamo_fma_forms_of_addcdiv_and_addcmul_are_undone():
+    """Dynamo writes ``p.addcdiv_(t1, t2, value=v)`` as ``fma(t1 / t2, v, p)`` (and addcmul_ with
+    a product): back to ATen's ops, or to the kernel's own order for a 0-dim tensor ``v``."""
+    b = GraphBuilder()
+    x, t1, t2 = b.input(f32(8)), b.input(f32(8)), b.input(f32(8))
+    v = b.input(f32())
+    q = call(b, "div.Tensor", [V(t1), V(t2)], f32(8))
+    p = call(b, "mul.Tensor", [V(t1), V(t2)], f32(8))
+    outs = [
+        call(b, "fma.default", [V(q), 0.3, V(x)], f32(8)),
+        call(b, "fma.default", [V(p), -0.01, V(x)], f32(8)),
+        call(b, "fma.default", [V(q), V(v), V(x)], f32(8)),
+        call(b, "fma.default", [V(p), V(v), V(x)], f32(8)),
+    ]
+    check_pass(
+        lambda g: dce(simplify(g)),
+        b.build(outs),
+        """
+        graph(%0: f32[8], %1: f32[8], %2: f32[8], %3: f32[]) {
+          %4 = addcdiv.default(%0, %1, %2, value=0.3) : f32[8]
+          %5 = addcmul.default(%0, %1, %2, value=-0.01) : f32[8]
+          %6 = mul.Tensor(%1, %3) : f32[8]
+          %7 = div.Tensor(%6, %2) : f32[8]
+          %8 = add.Tensor(%0, %7) : f32[8]
+          %9 = mul.Tensor(%1, %3) : f32[8]
+          %10 = fma.default(%9, %2, %0) : f32[8]
+          return (%4, %5, %8, %10)
+        }""",
+    )
+
+
+def test_dynamo_fma_form_in_bf16_gives_eagers_addcdiv():
+    """In bf16 the number form becomes ``addcdiv`` (one rounding: eager's bits, where the fma of
+    a rounded quotient is not); a 0-dim tensor ``v`` stays, as op-by-op rounding would not be
+    the kernel's either."""
+    bf = TensorType((64,), torch.bfloat16)
+    b = GraphBuilder()
+    x, t1, t2 = b.input(bf), b.input(bf), b.input(bf)
+    v = b.input(TensorType((), torch.bfloat16))
+    q = call(b, "div.Tensor", [V(t1), V(t2)], bf)
+    outs = [
+        call(b, "fma.default", [V(q), 0.3, V(x)], bf),
+        call(b, "fma.default", [V(q), V(v), V(x)], bf),
+    ]
+    out = dce(simplify(b.build(outs)))
+    assert (
+        str(out)
+        == textwrap.dedent(
+            """
+        graph(%0: bf16[64], %1: bf16[64], %2: bf16[64], %3: bf16[]) {
+          %4 = div.Tensor(%1, %2) : bf16[64]
+          %5 = addcdiv.default(%0, %1, %2, value=0.3) : bf16[64]
+          %6 = fma.default(%4, %3, %0) : bf16[64]
+          return (%5, %6)
+        }"""
+        ).strip()
+    ), str(out)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, generator=g).to(torch.bfloat16) for _ in range(3)]
+    got = Interpreter(out)([*xs, torch.tensor(0.5, dtype=torch.bfloat16)])[0]
+    want = torch.addcdiv(xs[0], xs[1], xs[2], value=0.3)
+    assert torch.equal(got, want)

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kiln.codegen.cpp import scalars
 from kiln.codegen.cpp.ops import CTYPE, FORMULAS, Operand, literal
 from kiln.codegen.cpp.row_phases import closure, inputs_of, row_phases
 from kiln.ir.graph import In, Node, dtype_abbr
@@ -236,13 +237,18 @@ class _Emitter:
 
     def operand(self, v: Any, vals: dict[int, tuple[str, str]]) -> Operand:
         if isinstance(v, In):
-            return Operand(self.load(v.k), self.ctype_of_input(v.k))
+            t = self.in_types[v.k]
+            if t.dtype is None:  # a lifted Python number
+                return Operand(self.load(v.k), "double")
+            one = self.spec.input_modes[self.pos[v.k]] == "one"
+            abbr = dtype_abbr(t.dtype)
+            return Operand(self.load(v.k), CTYPE[t.dtype], None, abbr, len(t.shape) == 0, one)
         if isinstance(v, Val):
             expr, ct = vals[v.i]
-            return Operand(expr, ct)
+            return Operand(expr, ct, None, self.body[v.i][3], False, False)
         if isinstance(v, Lit):
             ct = _ABBR_CT[v.dtype]
-            return Operand(f"(({ct}){literal(v.value)})", ct)
+            return Operand(f"(({ct}){literal(v.value)})", ct, None, v.dtype)
         if v is None:
             return Operand("0", None, None)
         return Operand(literal(v), None, v)
@@ -271,9 +277,15 @@ class _Emitter:
             if op not in FORMULAS:
                 continue
             ct = _ABBR_CT[dt]
-            ops = [self.operand(a, vals) for a in args]
+            given = [self.operand(a, vals) for a in args]
             kw = {k: self.operand(v, vals) if isinstance(v, In) else v for k, v in kwargs}
-            expr = FORMULAS[op](ops, kw, ct)
+            # a bf16 / fp16 op's other operands rounded first, as ATen's kernels round them
+            ops, kw, narrow = scalars.narrow(op, given, kw)
+            if narrow is not None and op == "pow.Tensor_Scalar":
+                x = ops[0].expr if ops[0].ctype == ct else f"(({ct})({ops[0].expr}))"
+                expr = scalars.pow_tensor_scalar(x, given[1].literal, ops[1], ct, narrow)
+            else:
+                expr = FORMULAS[op](ops, kw, ct)
             if dt in lowp.LOWP:  # rounded where computed, as eager rounds each op's result
                 expr = lowp.round_expr(dt, f"(float)({expr})", self.spec.sr, idx)
             self.w(f"{indent}const {ct} v{idx} = ({ct})({expr});")

@@ -35,6 +35,12 @@ class Operand:
     expr: str
     ctype: str | None  # None: a Python literal (expr holds its C++ spelling)
     literal: Any = None
+    # a tensor value's dtype abbreviation (None: a Python number, literal or lifted), whether it
+    # is a 0-dim tensor (or a number), and whether it is one element broadcast everywhere: what
+    # ATen's type promotion and scalar handling look at (kiln.codegen.cpp.scalars)
+    dtype: str | None = None
+    dim0: bool = True
+    one: bool = True
 
 
 def literal(v: Any) -> str:
