@@ -159,6 +159,11 @@ def _register() -> None:
         # torch.tensor(data, device=kiln) copies into the new tensor with the Python dispatch key
         # excluded: copy_ then needs a kiln kernel of its own (the fallback cannot serve it).
         impl.impl("copy_", _copy_kernel, "PrivateUse1")
+        # silu_backward has a CompositeImplicitAutograd kernel (sigmoid, fill, sub, mul, add, mul)
+        # that PyTorch runs for any backend without a kernel of its own: recorded op by op, it
+        # rounded between the ops (bf16: half the gradient's elements off eager's kernel).  With
+        # a kiln kernel, the Python key above it sees the op whole and records one node.
+        impl.impl("silu_backward", _silu_backward, "PrivateUse1")
         libs = [lib, impl, *autocast.register(), *conversion.install()]
         serialization.install()
         _register.libs = libs  # type: ignore[attr-defined]  # keep registrations alive
@@ -166,6 +171,14 @@ def _register() -> None:
         backward_thread.translate_stream_errors()
         _registered = True
         device_module.pending_probe = _engine_check
+
+
+def _silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The kiln kernel of ``silu_backward``: ATen's formula.  Its presence is what counts; it
+    runs only for a kiln tensor without the Python key, which neither recorder makes (the Python
+    recorder's take the op at the Python key above it, the native recorder's are PrivateUse2)."""
+    s = torch.sigmoid(x)
+    return grad * s * (1 + x * (1 - s))
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):

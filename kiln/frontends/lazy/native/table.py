@@ -73,6 +73,7 @@ TRAINING = [
     "_log_softmax.default",
     "_log_softmax_backward_data.default",
     "gelu_backward.default",
+    "silu_backward.default",
     "nll_loss_backward.default",
     "embedding.default",
     "embedding_dense_backward.default",
