@@ -281,7 +281,10 @@ class _Emitter:
             kw = {k: self.operand(v, vals) if isinstance(v, In) else v for k, v in kwargs}
             # a bf16 / fp16 op's other operands rounded first, as ATen's kernels round them
             ops, kw, narrow = scalars.narrow(op, given, kw)
-            if narrow is not None and op == "pow.Tensor_Scalar":
+            half = scalars.half_formula(op, ops, ct) if dt == "f16" else None
+            if half is not None:
+                expr = half
+            elif narrow is not None and op == "pow.Tensor_Scalar":
                 x = ops[0].expr if ops[0].ctype == ct else f"(({ct})({ops[0].expr}))"
                 expr = scalars.pow_tensor_scalar(x, given[1].literal, ops[1], ct, narrow)
             else:

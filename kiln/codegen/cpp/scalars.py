@@ -28,6 +28,10 @@ any other exponent is ``pow``.  In float16 every exponent is ``pow`` (no special
 ``(-inf) ** 0.5`` is ``inf`` there, ``NaN`` in float32 and bf16), except that ``x * x`` is kept
 for 2 (exact in float, one rounding: the correctly rounded square ``pow`` also gives).
 
+``sigmoid_backward`` in float16: ATen's kernel computes ``a * (1 - b) * b`` on float16 vectors (its
+bf16 branch converts to float; float16 takes the generic one), each operation rounded: 2,467 of
+8,192 elements were off; :func:`half_formula` spells that out.
+
 Not emulated: ATen's scalar tail of a vectorized loop, and every element of a non-contiguous input,
 compute ``add`` with ``alpha != 1`` as ``self + alpha * other`` in ``c10::BFloat16`` arithmetic,
 rounding the product too; Kiln rounds once everywhere, as ATen's vector body does.
@@ -148,3 +152,13 @@ def pow_tensor_scalar(x: str, original: Any, e: Operand, out: str, abbr: str) ->
     sq = lowp.round_expr(abbr, f"({x} * {x})", False, 0)
     special = {1: x, 2: f"({x} * {x})", 3: f"({sq} * {x})", -2: f"((({out})1) / {sq})"}
     return special.get(e.literal, generic)
+
+
+def half_formula(op: str, ops: list[Operand], out: str) -> str | None:
+    """float16 ``op`` as an ATen kernel that computes in float16 arithmetic does (every
+    intermediate rounded; the emitter rounds the result), or None for ops computed in float."""
+    if op != "sigmoid_backward.default":
+        return None
+    g, y = (o.expr if o.ctype == out else f"(({out})({o.expr}))" for o in ops[:2])
+    one_minus = lowp.round_expr("f16", f"((({out})1) - {y})", False, 0)
+    return f"({lowp.round_expr('f16', f'({g} * {one_minus})', False, 0)} * {y})"

@@ -56,6 +56,7 @@ from kiln.frontends.compile.partition import min_cut_keeping_mutated_reads
 from kiln.frontends.compile.short_attention import sdpa_to_chain
 from kiln.ir.graph import Graph
 from kiln.ir.ops import keep_whole_ops
+from kiln.lowering.decompositions import DECOMPOSITIONS
 from kiln.runtime.cache import DiskCache
 from kiln.runtime.compiler import compile_graph
 from kiln.runtime.steps import call_site, stack_trace_frames
@@ -132,7 +133,10 @@ _KEEP = tuple(
     for pkt in (getattr(torch.ops.aten, n) for n in keep_whole_ops())
     for o in pkt.overloads()
 )
-_DECOMPS = {k: v for k, v in core_aten_decompositions().items() if k not in _KEEP}
+# torch's table, Kiln's own entries (kiln/lowering/decompositions.py) in place of some
+_DECOMPS = {
+    k: v for k, v in {**core_aten_decompositions(), **DECOMPOSITIONS}.items() if k not in _KEEP
+}
 
 
 def _aot_backend(options: dict[str, Any]) -> Callable:

@@ -34,6 +34,7 @@ from kiln.frontends.lazy.views import Link, inverse, split_links
 from kiln.ir.graph import Node
 from kiln.ir.ops import OPS, Category, functional_variant
 from kiln.lowering.aten import Ref, lower_call, op_name, template
+from kiln.lowering.decompositions import DECOMPOSITIONS as REDUCED_FLOAT_DECOMPOSITIONS
 
 aten = torch.ops.aten
 DEVICE = torch.device("kiln", 0)
@@ -48,6 +49,13 @@ _OWN_DECOMPS: dict[Any, Any] = {
     **rnn_cells.DECOMPOSITIONS,
     **accelerator_dtypes.DECOMPOSITIONS,
     **packed_sequences.DECOMPOSITIONS,
+    # where torch's differ from ATen's kernels in bf16 / fp16; ops Kiln has a record for are
+    # recorded whole and run by ATen (or a Kiln formula), never decomposed
+    **{
+        op: f
+        for op, f in REDUCED_FLOAT_DECOMPOSITIONS.items()
+        if op._schema.name.split("::")[1] not in OPS
+    },
 }
 
 
