@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from kiln.codegen.cpp import scalars
-from kiln.codegen.cpp.ops import CTYPE, FORMULAS, Operand, literal
+from kiln.codegen.cpp.ops import CTYPE, FORMULAS, Operand, cast, literal
 from kiln.codegen.cpp.row_phases import closure, inputs_of, row_phases
 from kiln.ir.graph import In, Node, dtype_abbr
 from kiln.ir.kernel import FusedKernel, Lit, LoopKind, OutKind, Val
@@ -285,7 +285,7 @@ class _Emitter:
             if half is not None:
                 expr = half
             elif narrow is not None and op == "pow.Tensor_Scalar":
-                x = ops[0].expr if ops[0].ctype == ct else f"(({ct})({ops[0].expr}))"
+                x = cast(ops[0], ct)
                 expr = scalars.pow_tensor_scalar(x, given[1].literal, ops[1], ct, narrow)
             else:
                 expr = FORMULAS[op](ops, kw, ct)

@@ -59,7 +59,7 @@ def literal(v: Any) -> str:
     raise TypeError(f"no C++ literal for {v!r}")
 
 
-def _cast(o: Operand, t: str) -> str:
+def cast(o: Operand, t: str) -> str:
     if o.ctype == t:
         return o.expr
     return f"(({t})({o.expr}))"
@@ -88,7 +88,7 @@ Formula = Callable[[list[Operand], dict, str], str]
 def _binary(sym: str) -> Formula:
     def f(a: list[Operand], kw: dict, out: str) -> str:
         t = out if out != "bool" else _compute_type(a[:2])
-        return f"({_cast(a[0], t)} {sym} {_cast(a[1], t)})"
+        return f"({cast(a[0], t)} {sym} {cast(a[1], t)})"
 
     return f
 
@@ -103,7 +103,7 @@ def _alpha(sym: str) -> Formula:
         alpha = kw["alpha"] if "alpha" in kw else (a[2] if len(a) > 2 else 1)
         if isinstance(alpha, Operand) and alpha.ctype is None:
             alpha = alpha.literal  # a Python literal passed positionally
-        x, y = _cast(a[0], out), _cast(a[1], out)
+        x, y = cast(a[0], out), cast(a[1], out)
         if not isinstance(alpha, Operand) and alpha == 1:
             return f"({x} {sym} {y})"
         scale = f"(({out}){literal(alpha)})"
@@ -118,20 +118,20 @@ def _alpha(sym: str) -> Formula:
 def _compare(sym: str) -> Formula:
     def f(a: list[Operand], kw: dict, out: str) -> str:
         t = _compute_type(a[:2])
-        return f"({_cast(a[0], t)} {sym} {_cast(a[1], t)})"
+        return f"({cast(a[0], t)} {sym} {cast(a[1], t)})"
 
     return f
 
 
 def _unary(tmpl: str) -> Formula:
     def f(a: list[Operand], kw: dict, out: str) -> str:
-        return tmpl.format(x=_cast(a[0], out), t=out)
+        return tmpl.format(x=cast(a[0], out), t=out)
 
     return f
 
 
 def _pow_tensor_scalar(a: list[Operand], kw: dict, out: str) -> str:
-    x, e = _cast(a[0], out), a[1].literal
+    x, e = cast(a[0], out), a[1].literal
     special = {
         2: f"({x} * {x})",
         3: f"({x} * {x} * {x})",
@@ -143,11 +143,11 @@ def _pow_tensor_scalar(a: list[Operand], kw: dict, out: str) -> str:
     }
     if a[1].ctype is None and e in special:
         return special[e]
-    return f"km::pow({x}, {_cast(a[1], out)})"
+    return f"km::pow({x}, {cast(a[1], out)})"
 
 
 def _gelu(a: list[Operand], kw: dict, out: str) -> str:
-    x = _cast(a[0], out)
+    x = cast(a[0], out)
     if kw.get("approximate", "none") == "tanh":
         return (
             f"(0.5f * {x} * (1.0f + km::tanh(0.7978845608028654f * "
@@ -157,33 +157,33 @@ def _gelu(a: list[Operand], kw: dict, out: str) -> str:
 
 
 def _gelu_backward(a: list[Operand], kw: dict, out: str) -> str:
-    g, x = _cast(a[0], out), _cast(a[1], out)
+    g, x = cast(a[0], out), cast(a[1], out)
     if kw.get("approximate", "none") == "tanh":
         return f"kiln_gelu_tanh_bwd({g}, {x})"
     return f"kiln_gelu_bwd({g}, {x})"
 
 
 def _where(a: list[Operand], kw: dict, out: str) -> str:
-    return f"({_cast(a[0], 'bool')} ? {_cast(a[1], out)} : {_cast(a[2], out)})"
+    return f"({cast(a[0], 'bool')} ? {cast(a[1], out)} : {cast(a[2], out)})"
 
 
 def _masked_fill(a: list[Operand], kw: dict, out: str) -> str:
-    return f"({_cast(a[1], 'bool')} ? {_cast(a[2], out)} : {_cast(a[0], out)})"
+    return f"({cast(a[1], 'bool')} ? {cast(a[2], out)} : {cast(a[0], out)})"
 
 
 def _clamp(a: list[Operand], kw: dict, out: str) -> str:
-    x = _cast(a[0], out)
+    x = cast(a[0], out)
     lo = a[1] if len(a) > 1 else None
     hi = a[2] if len(a) > 2 else None
     if lo is not None and not (lo.ctype is None and lo.literal is None):
-        x = f"kiln_max({x}, {_cast(lo, out)})"
+        x = f"kiln_max({x}, {cast(lo, out)})"
     if hi is not None and not (hi.ctype is None and hi.literal is None):
-        x = f"kiln_min({x}, {_cast(hi, out)})"
+        x = f"kiln_min({x}, {cast(hi, out)})"
     return x
 
 
 def _fma(a: list[Operand], kw: dict, out: str) -> str:
-    return f"km::fma({_cast(a[0], out)}, {_cast(a[1], out)}, {_cast(a[2], out)})"
+    return f"km::fma({cast(a[0], out)}, {cast(a[1], out)}, {cast(a[2], out)})"
 
 
 def _addc(sym: str) -> Formula:
@@ -193,9 +193,9 @@ def _addc(sym: str) -> Formula:
     divides, so nothing fuses there."""
 
     def f(a: list[Operand], kw: dict, out: str) -> str:
-        x, t1, t2 = (_cast(o, out) for o in a[:3])
+        x, t1, t2 = (cast(o, out) for o in a[:3])
         value = kw.get("value", 1)
-        v = f"(({out}){literal(value)})" if not isinstance(value, Operand) else _cast(value, out)
+        v = f"(({out}){literal(value)})" if not isinstance(value, Operand) else cast(value, out)
         if sym == "*" and out in ("float", "double"):
             return f"km::fma({v} * {t1}, {t2}, {x})"
         return f"({x} + {v} * {t1} {sym} {t2})"
@@ -206,7 +206,7 @@ def _addc(sym: str) -> Formula:
 def _lerp(a: list[Operand], kw: dict, out: str) -> str:
     """ATen's lerp (``LerpKernel.cpp``'s ``lerp_vec``): ``w < 0.5 ? self + w * (end - self) :
     end + (w - 1) * (end - self)``, each as one fused multiply-add."""
-    x, e, w = _cast(a[0], out), _cast(a[1], out), _cast(a[2], out)
+    x, e, w = cast(a[0], out), cast(a[1], out), cast(a[2], out)
     small = f"(kiln_abs({w}) < ({out})0.5)"
     if out in ("float", "double"):
         return f"km::fma({small} ? {w} : ({w} - (({out})1)), ({e} - {x}), {small} ? {x} : {e})"
@@ -214,11 +214,11 @@ def _lerp(a: list[Operand], kw: dict, out: str) -> str:
 
 
 def _copy(a: list[Operand], kw: dict, out: str) -> str:
-    return _cast(a[1], out)
+    return cast(a[1], out)
 
 
 def _ident(a: list[Operand], kw: dict, out: str) -> str:
-    return _cast(a[0], out)
+    return cast(a[0], out)
 
 
 FORMULAS: dict[str, Formula] = {
@@ -242,11 +242,11 @@ FORMULAS: dict[str, Formula] = {
     "gt.Scalar": _compare(">"),
     "ge.Tensor": _compare(">="),
     "ge.Scalar": _compare(">="),
-    "logical_and.default": lambda a, kw, o: f"({_cast(a[0], 'bool')} && {_cast(a[1], 'bool')})",
-    "logical_or.default": lambda a, kw, o: f"({_cast(a[0], 'bool')} || {_cast(a[1], 'bool')})",
-    "logical_not.default": lambda a, kw, o: f"(!{_cast(a[0], 'bool')})",
+    "logical_and.default": lambda a, kw, o: f"({cast(a[0], 'bool')} && {cast(a[1], 'bool')})",
+    "logical_or.default": lambda a, kw, o: f"({cast(a[0], 'bool')} || {cast(a[1], 'bool')})",
+    "logical_not.default": lambda a, kw, o: f"(!{cast(a[0], 'bool')})",
     "bitwise_not.default": lambda a, kw, o: (
-        f"(!{a[0].expr})" if o == "bool" else f"(~{_cast(a[0], o)})"
+        f"(!{a[0].expr})" if o == "bool" else f"(~{cast(a[0], o)})"
     ),
     "neg.default": _unary("(-{x})"),
     "abs.default": _unary("km::abs({x})"),
@@ -268,12 +268,12 @@ FORMULAS: dict[str, Formula] = {
     "square.default": _unary("({x} * {x})"),
     "sign.default": _unary("(({t})(({x} > 0) - ({x} < 0)))"),
     "pow.Tensor_Scalar": _pow_tensor_scalar,
-    "pow.Scalar": lambda a, kw, o: f"km::pow({_cast(a[0], o)}, {_cast(a[1], o)})",
-    "pow.Tensor_Tensor": lambda a, kw, o: f"km::pow({_cast(a[0], o)}, {_cast(a[1], o)})",
-    "maximum.default": lambda a, kw, o: f"kiln_max({_cast(a[0], o)}, {_cast(a[1], o)})",
-    "minimum.default": lambda a, kw, o: f"kiln_min({_cast(a[0], o)}, {_cast(a[1], o)})",
-    "clamp_min.default": lambda a, kw, o: f"kiln_max({_cast(a[0], o)}, {_cast(a[1], o)})",
-    "clamp_max.default": lambda a, kw, o: f"kiln_min({_cast(a[0], o)}, {_cast(a[1], o)})",
+    "pow.Scalar": lambda a, kw, o: f"km::pow({cast(a[0], o)}, {cast(a[1], o)})",
+    "pow.Tensor_Tensor": lambda a, kw, o: f"km::pow({cast(a[0], o)}, {cast(a[1], o)})",
+    "maximum.default": lambda a, kw, o: f"kiln_max({cast(a[0], o)}, {cast(a[1], o)})",
+    "minimum.default": lambda a, kw, o: f"kiln_min({cast(a[0], o)}, {cast(a[1], o)})",
+    "clamp_min.default": lambda a, kw, o: f"kiln_max({cast(a[0], o)}, {cast(a[1], o)})",
+    "clamp_max.default": lambda a, kw, o: f"kiln_min({cast(a[0], o)}, {cast(a[1], o)})",
     "clamp.default": _clamp,
     "gelu.default": _gelu,
     "gelu_backward.default": _gelu_backward,
@@ -281,16 +281,16 @@ FORMULAS: dict[str, Formula] = {
     "masked_fill.Scalar": _masked_fill,
     "masked_fill.Tensor": _masked_fill,
     "sigmoid_backward.default": lambda a, kw, o: (
-        f"({_cast(a[0], o)} * ((({o})1) - {_cast(a[1], o)}) * {_cast(a[1], o)})"
+        f"({cast(a[0], o)} * ((({o})1) - {cast(a[1], o)}) * {cast(a[1], o)})"
     ),
     # ATen: grad * (1 - y * y), the inner part contracted to one fused multiply-add
     "tanh_backward.default": lambda a, kw, o: (
-        f"({_cast(a[0], o)} * km::fma(-{_cast(a[1], o)}, {_cast(a[1], o)}, (({o})1)))"
+        f"({cast(a[0], o)} * km::fma(-{cast(a[1], o)}, {cast(a[1], o)}, (({o})1)))"
     ),
     "threshold_backward.default": lambda a, kw, o: (
-        f"(({_cast(a[1], 'float')} <= {_cast(a[2], 'float')}) ? ({o})0 : {_cast(a[0], o)})"
+        f"(({cast(a[1], 'float')} <= {cast(a[2], 'float')}) ? ({o})0 : {cast(a[0], o)})"
     ),
-    "silu_backward.default": lambda a, kw, o: f"kiln_silu_bwd({_cast(a[0], o)}, {_cast(a[1], o)})",
+    "silu_backward.default": lambda a, kw, o: f"kiln_silu_bwd({cast(a[0], o)}, {cast(a[1], o)})",
     "fma.default": _fma,
     "addcmul.default": _addc("*"),
     "addcdiv.default": _addc("/"),

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from kiln.codegen.cpp.ops import Operand, literal
+from kiln.codegen.cpp.ops import Operand, cast, literal
 from kiln.precision import cpp as lowp
 
 _FLOATS = ("bf16", "f16", "f32", "f64")
@@ -159,6 +159,6 @@ def half_formula(op: str, ops: list[Operand], out: str) -> str | None:
     intermediate rounded; the emitter rounds the result), or None for ops computed in float."""
     if op != "sigmoid_backward.default":
         return None
-    g, y = (o.expr if o.ctype == out else f"(({out})({o.expr}))" for o in ops[:2])
+    g, y = cast(ops[0], out), cast(ops[1], out)
     one_minus = lowp.round_expr("f16", f"((({out})1) - {y})", False, 0)
     return f"({lowp.round_expr('f16', f'({g} * {one_minus})', False, 0)} * {y})"

@@ -51,11 +51,7 @@ _OWN_DECOMPS: dict[Any, Any] = {
     **packed_sequences.DECOMPOSITIONS,
     # where torch's differ from ATen's kernels in bf16 / fp16; ops Kiln has a record for are
     # recorded whole and run by ATen (or a Kiln formula), never decomposed
-    **{
-        op: f
-        for op, f in REDUCED_FLOAT_DECOMPOSITIONS.items()
-        if op._schema.name.split("::")[1] not in OPS
-    },
+    **{op: f for op, f in REDUCED_FLOAT_DECOMPOSITIONS.items() if not op_name(op)[1]},
 }
 
 
