@@ -64,8 +64,8 @@ def child(name: str, quick: bool, repeat: int, nested: bool = False) -> None:
 
     make_aot, lower = be._aot_backend, be.fx_to_kiln
 
-    def timed_aot() -> Any:
-        f = make_aot()
+    def timed_aot(options: dict[str, Any]) -> Any:
+        f = make_aot(options)
 
         def call(gm: torch.fx.GraphModule, example_inputs: list, **kw: Any) -> Any:
             t = time.thread_time()

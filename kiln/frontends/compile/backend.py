@@ -51,6 +51,7 @@ from kiln.frontends.compile.dropout import drop_zero_dropout
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.frontends.compile.gqa import sdpa_gqa
 from kiln.frontends.compile.inference import INFERENCE_FOLDER, Declined, Recorded, try_compile
+from kiln.frontends.compile.optimizer_trace import install as _quiet_optimizer_trace
 from kiln.frontends.compile.options import compile_options
 from kiln.frontends.compile.partition import min_cut_keeping_mutated_reads
 from kiln.frontends.compile.short_attention import sdpa_to_chain
@@ -218,7 +219,10 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
     passes.  The rewrites run first, so the cache key is that of the rewritten graph.  The cyclic
     garbage collector pauses for the call (:func:`_cyclic_gc_paused`).  torch.compile's
     ``options`` are Kiln config keys in force for this graph's compiles, its ``mode`` is
-    Inductor's (see :mod:`kiln.frontends.compile.options`)."""
+    Inductor's (see :mod:`kiln.frontends.compile.options`).  The first call stops Dynamo's
+    optimizer tracing from importing Inductor for CPU tensors
+    (:mod:`kiln.frontends.compile.optimizer_trace`)."""
+    _quiet_optimizer_trace()
     options = compile_options(kwargs)
     if any(isinstance(x, torch.Tensor) and x.device.type == _LAZY_DEVICE for x in example_inputs):
         # a step on the kiln device (the model moved there): the device records what the graph
@@ -279,4 +283,5 @@ def compile(model_or_fn: Any = None, **kwargs: Any) -> Any:
     """``kiln.compile(f)`` = ``torch.compile(f, backend="kiln")``; keyword arguments pass through."""
     if model_or_fn is None:
         return lambda f: compile(f, **kwargs)
+    _quiet_optimizer_trace()
     return torch.compile(model_or_fn, backend="kiln", **kwargs)
