@@ -20,10 +20,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch._functorch.config as functorch_config
 import torch.fx
 from functorch.compile import min_cut_rematerialization_partition
 from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 from torch.utils.checkpoint import CheckpointPolicy
+
+from kiln.frontends.compile.joint_cse import joint_cse
 
 
 def _mutated_inputs(graph: torch.fx.Graph) -> list[torch.fx.Node]:
@@ -87,6 +90,11 @@ def keep_reads_of_mutated_inputs(graph: torch.fx.Graph) -> int:
 def min_cut_keeping_mutated_reads(
     joint: torch.fx.GraphModule, joint_inputs: Any, **kw: Any
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-    """:func:`min_cut_rematerialization_partition` after :func:`keep_reads_of_mutated_inputs`."""
+    """:func:`min_cut_rematerialization_partition` after :func:`keep_reads_of_mutated_inputs`,
+    with Kiln's CSE of the joint graph in place of the partitioner's own (which imports
+    Inductor's lowering: :mod:`kiln.frontends.compile.joint_cse`)."""
     keep_reads_of_mutated_inputs(joint.graph)
-    return min_cut_rematerialization_partition(joint, joint_inputs, **kw)
+    if functorch_config.cse:
+        joint_cse(joint.graph)
+    with functorch_config.patch(cse=False):
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kw)
