@@ -1,18 +1,14 @@
 """Kiln's CSE of the joint graph before the min-cut partition (kiln/frontends/compile/joint_cse.py):
-golden cases, the same merges as torch's own CSE on real joint graphs, and a first compile that
-imports none of Inductor's lowering."""
+golden cases and the same merges as torch's own CSE on real joint graphs."""
 
 from __future__ import annotations
 
 import collections
 import copy
 import operator
-import textwrap
 
-import pytest
 import torch
 import torch.fx
-from _subprocess import run_json
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kiln.frontends.compile import backend
@@ -205,43 +201,4 @@ def _multiset(g):
     return collections.Counter(str(n.target) for n in g.nodes)
 
 
-FIRST_COMPILE = textwrap.dedent(
-    """
-    import copy, json, sys
-    import torch, kiln
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
-    ref = copy.deepcopy(model)
-    opt, ref_opt = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(ref.parameters())
-
-    def step(m, o, x, y):
-        loss = torch.nn.functional.cross_entropy(m(x), y)
-        loss.backward()
-        o.step()
-        o.zero_grad()
-        return loss
-
-    compiled = torch.compile(step, backend="kiln")
-    batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(3)]
-    losses = [compiled(model, opt, *b).item() for b in batches]
-    eager = [step(ref, ref_opt, *b).item() for b in batches]
-    print(json.dumps({
-        "inductor": sorted(
-            m for m in ("torch._inductor.lowering", "torch._inductor.pattern_matcher",
-                        "torch._inductor.compile_fx", "torch._inductor.cudagraph_trees")
-            if m in sys.modules
-        ),
-        "partitioned": kiln.metrics.get("graphs_compiled"),
-        "losses": losses,
-        "eager": eager,
-    }))
-    """
-)
-
-
-def test_a_cold_first_compile_imports_no_inductor_lowering(tmp_path):
-    out = run_json(FIRST_COMPILE, KILN_CACHE_DIR=str(tmp_path / "cache"))
-    assert out["partitioned"] >= 3  # forward, backward, optimizer step
-    assert out["inductor"] == []
-    assert out["losses"] == pytest.approx(out["eager"], rel=1e-5)
+# a cold first compile that imports none of Inductor's lowering: test_compile_optimizer_trace.py
