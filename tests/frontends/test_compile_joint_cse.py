@@ -86,6 +86,20 @@ def test_numbers_compare_with_their_types():
     assert joint_cse(g) == 0
 
 
+def test_signed_zeros_stay_apart():
+    def build(g, _):
+        x = _placeholder(g, "x", 4)
+        a = _call(g, aten.mul.Tensor, x, 0.0)
+        b = _call(g, aten.mul.Tensor, x, -0.0)  # 0.0 == -0.0, but the products' zeros differ
+        c = _call(g, aten.mul.Tensor, x, -0.0)  # b's value: merged
+        g.output((_call(g, aten.add.Tensor, a, _call(g, aten.add.Tensor, b, c)),))
+
+    g = _graph(build)
+    assert joint_cse(g) == 1
+    muls = [n for n in g.nodes if n.target is aten.mul.Tensor]
+    assert [str(n.args[1]) for n in muls] == ["0.0", "-0.0"]
+
+
 def test_no_merge_across_an_in_place_op():
     def build(g, _):
         x = _placeholder(g, "x", 4)
@@ -202,3 +216,19 @@ def _multiset(g):
 
 
 # a cold first compile that imports none of Inductor's lowering: test_compile_optimizer_trace.py
+
+
+def test_signed_zero_products_keep_their_signs_through_a_compiled_training_graph():
+    # the joint graph (x requires grad) goes through the partition and its CSE: torch's own CSE
+    # merges x * 0.0 and x * -0.0 (0.0 == -0.0), and 1 / (x * -0.0) became +inf (Inductor too)
+    torch._dynamo.reset()
+
+    def f(x):
+        return torch.stack([1.0 / (x * 0.0), 1.0 / (x * -0.0)]) * x
+
+    x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    got = torch.compile(f, backend="kiln")(x)
+    want = f(x)
+    torch._dynamo.reset()
+    assert torch.equal(got, want)
+    assert want[1].tolist() == [float("-inf")] * 3

@@ -11,8 +11,9 @@ same duplicates itself and runs the partitioner with that option off
 
 Needs: a joint graph whose nodes carry ``meta["val"]`` (AOTAutograd's).
 Guarantees: a ``call_function`` node that computes what an earlier node computes -- the same op,
-the same arguments (earlier duplicates already replaced; numbers compared with their types), no
-in-place op between the two -- is replaced by the earlier node and erased.  Never merged: ops that
+the same arguments (earlier duplicates already replaced; numbers compared with their types and
+zeros with their signs), no in-place op between the two -- is replaced by the earlier node and
+erased.  Never merged: ops that
 mutate (their schema says so, or an ``out=`` argument; each one also ends the span in which nodes
 may merge), random ops (``nondeterministic_seeded``), ``empty`` and its kin (uninitialized
 memory), nodes whose storage a graph output shares (eager returns separate tensors for them),
@@ -23,6 +24,7 @@ it erased.  Rewrites: the graph in place (its users re-pointed, the duplicates e
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
@@ -87,6 +89,10 @@ def _key(node: torch.fx.Node, rep: dict[torch.fx.Node, torch.fx.Node]) -> Any:
                 v = rep.get(v, v)
             elif isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                 v = v.node
+            elif isinstance(v, float):
+                # 0.0 == -0.0, but x * 0.0 and x * -0.0 differ in the sign of their zeros
+                vals.append((v, float, math.copysign(1.0, v)))
+                continue
             vals.append((v, type(v)))
         flat.append((tuple(vals), str(spec)))
     key = (node.target, tuple(flat))
