@@ -6,8 +6,11 @@ keep their order and ``index``; nodes that become unused are left for ``dce``.  
 pass through untouched; symbolic sizes are compared as opaque strings, never evaluated.
 
 Deliberately *not* here: ``x * 0 -> 0`` (wrong for NaN and inf), ``pow(x, .5) -> sqrt`` (differs
-at -inf), ``1/(1/x) -> x`` (rounds).  ``x + 0 -> x`` turns ``-0.0 + 0`` into ``-0.0``; like every
-compiler we accept that.
+at -inf), ``1/(1/x) -> x`` (rounds).  For floating-point values ``x + 0.0`` is not ``x`` either:
+``-0.0 + 0.0`` is ``+0.0`` (IEEE round-to-nearest), so a float add drops only a ``-0.0`` addend and a
+float sub only a ``+0.0`` subtrahend (``x + (-0.0)`` and ``x - 0.0`` are ``x`` for every ``x``);
+integer adds drop any zero.  Before 2026-12-03 every ``x + 0`` was dropped and compiled
+``x + 0.0`` returned ``-0.0`` where eager returns ``0.0``.
 
 Example::
 
@@ -21,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -80,9 +84,17 @@ def value_at(n: Node, pos: int) -> int | None:
 
 
 def drop_neutral(
-    rw: Rewriter, n: Node, neutral: float, commutes: bool, alpha_scales_other: bool
+    rw: Rewriter,
+    n: Node,
+    neutral: float,
+    commutes: bool,
+    alpha_scales_other: bool,
+    zero_sign: float | None = None,
 ) -> int | None:
     """``x op neutral -> x`` (and ``neutral op x -> x`` if the op commutes).
+
+    ``zero_sign`` (adds: 1, subs: -1) asks a zero to leave every float ``x`` unchanged: the
+    addend, ``zero_sign * alpha * zero``, must be ``-0.0`` (see the module docstring).
 
     The table binds ``neutral``/``commutes``/``alpha_scales_other`` with ``functools.partial``
     rather than a closure built at import, so the rule's code runs (and can be instrumented, e.g.
@@ -90,14 +102,50 @@ def drop_neutral(
     """
     if len(n.args) < 2:
         return None
-    if n.kwarg("alpha", 1) != 1 and not alpha_scales_other:
+    alpha = n.kwarg("alpha", 1)
+    if alpha != 1 and not alpha_scales_other:
         return None
-    if number(rw, n, 1) == neutral and value_at(n, 0) is not None:
+    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        return None  # x + inf * 0 is NaN
+    scaled_sign = None if zero_sign is None else zero_sign * math.copysign(1, alpha)
+    if (
+        number(rw, n, 1) == neutral
+        and value_at(n, 0) is not None
+        and (scaled_sign is None or _zero_leaves_x(rw, n, 1, scaled_sign))
+    ):
         return value_at(n, 0)
-    alpha_ok = n.kwarg("alpha", 1) == 1
-    if commutes and alpha_ok and number(rw, n, 0) == neutral and value_at(n, 1) is not None:
+    if (
+        commutes
+        and alpha == 1
+        and number(rw, n, 0) == neutral
+        and value_at(n, 1) is not None
+        and (zero_sign is None or _zero_leaves_x(rw, n, 0, zero_sign))
+    ):
         return value_at(n, 1)
     return None
+
+
+def _zero_leaves_x(rw: Rewriter, n: Node, pos: int, sign: float) -> bool:
+    """Whether the zero at argument ``pos`` (times ``sign``: alpha's sign, and -1 for a
+    subtrahend) is ``-0.0``, the addend that leaves every float ``x`` as it is; any zero does for
+    integer and bool results.  A constant whose zeros differ in sign is not taken."""
+    if not (n.types[0].dtype.is_floating_point or n.types[0].dtype.is_complex):
+        return True
+    a = n.args[pos]
+    if isinstance(a, In):
+        t = rw.constant(n.inputs[a.k])
+        if t is None:
+            return False
+        if t.is_floating_point() or t.is_complex():
+            signs = torch.signbit(t.reshape(-1).real)
+            if bool(signs.any()) and not bool(signs.all()):
+                return False
+            negative = bool(signs[0])
+        else:
+            negative = False  # an integer zero is +0.0 in a float op
+    else:
+        negative = isinstance(a, float) and math.copysign(1.0, a) < 0
+    return (negative and sign > 0) or (not negative and sign < 0)
 
 
 def square(rw: Rewriter, n: Node) -> Node | None:
@@ -353,17 +401,18 @@ RULES: tuple[Rule, ...] = (
         ("mul.Tensor", "mul.Scalar"),
         partial(drop_neutral, neutral=1, commutes=True, alpha_scales_other=False),
     ),
-    # x + 0 -> x,  0 + x -> x   (x + alpha*0 -> x for any alpha)
+    # x + (-0.0) -> x,  -0.0 + x -> x   (x + alpha*z -> x for finite alpha where alpha*z is -0.0;
+    # any zero for integers: -0.0 + 0.0 is +0.0, so a float x + 0.0 stays)
     Rule(
         "add_zero",
         ("add.Tensor", "add.Scalar"),
-        partial(drop_neutral, neutral=0, commutes=True, alpha_scales_other=True),
+        partial(drop_neutral, neutral=0, commutes=True, alpha_scales_other=True, zero_sign=1),
     ),
-    # x - 0 -> x   (x - alpha*0 -> x for any alpha)
+    # x - 0.0 -> x   (x - alpha*z -> x for finite alpha where alpha*z is +0.0; any zero for integers)
     Rule(
         "sub_zero",
         ("sub.Tensor", "sub.Scalar"),
-        partial(drop_neutral, neutral=0, commutes=False, alpha_scales_other=True),
+        partial(drop_neutral, neutral=0, commutes=False, alpha_scales_other=True, zero_sign=-1),
     ),
     # x / 1 -> x   (true division only: div with a rounding mode is a different op)
     Rule(

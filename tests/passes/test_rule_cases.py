@@ -40,7 +40,8 @@ def test_transposes_cancel_and_neutral_numbers_on_either_side_disappear(checks):
     e = call(b, "exp.default", [V(mixed)], f32(4, 3))
     one, zero = b.constant(torch.ones(())), b.constant(torch.zeros(()))  # one element each
     m = call(b, "mul.Tensor", [V(one), V(e)], f32(4, 3))  # 1 * e
-    a = call(b, "add.Tensor", [V(zero), V(m)], f32(4, 3))  # 0 + m
+    # -0.0 + m is m for every m (+0.0 + m is not: -0.0 + 0.0 is +0.0)
+    a = call(b, "add.Tensor", [V(b.constant(torch.tensor(-0.0))), V(m)], f32(4, 3))
     scaled = call(b, "add.Tensor", [V(zero), V(a)], f32(4, 3), alpha=2)  # 0 + 2a: stays
     m1 = call(b, "mul.Tensor", [V(scaled), V(one)], f32(4, 3))  # * 1
     dev = call(b, "_to_copy.default", [V(m1)], f32(4, 3), device=torch.device("cpu"))  # stays

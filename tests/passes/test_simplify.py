@@ -14,7 +14,7 @@ from kiln.passes.simplify import simplify
 
 
 def test_neutral_elements_disappear():
-    g = capture(lambda x: (((x * 1 + 0 - 0) / 1) ** 1).exp(), torch.randn(4))
+    g = capture(lambda x: (((x * 1 + -0.0 - 0) / 1) ** 1).exp(), torch.randn(4))
     check_pass(
         simplify,
         g,
@@ -24,6 +24,41 @@ def test_neutral_elements_disappear():
           return (%1)
         }""",
     )
+
+
+def test_a_float_plus_positive_zero_stays_an_integer_one_goes():
+    # -0.0 + 0.0 is +0.0: dropping the add returned -0.0 where eager returns 0.0
+    x = torch.tensor([-0.0, 0.0, 1.5, -2.0])
+    g = capture(lambda x: (x + 0).exp2(), x)
+    check_pass(
+        simplify,
+        g,
+        """
+        graph(%0: f32[4]) {
+          %1 = add.Tensor(%0, 0) : f32[4]
+          %2 = exp2.default(%1) : f32[4]
+          return (%2)
+        }""",
+    )
+    g = capture(lambda x: (x - (-0.0)).exp2(), x)  # x - (-0.0) is x + 0.0: stays
+    assert any(n.op == "sub.Tensor" for n in simplify(g).nodes)
+    g = capture(lambda x: (x + 0 - 0).neg(), torch.tensor([3, -1, 0]))
+    assert [n.op for n in simplify(g).nodes if n.op.endswith("Tensor")] == []
+
+
+def test_float_add_of_a_zero_keeps_eagers_signed_zeros_compiled():
+    torch._dynamo.reset()
+
+    def f(x):
+        return torch.stack(
+            [x + 0.0, 0.0 + x, x - 0.0, x + -0.0, x - -0.0, torch.add(x, 0.0, alpha=-1)]
+        )
+
+    x = torch.tensor([-0.0, 0.0, 1.0])
+    got = torch.compile(f, backend="kiln")(x)
+    torch._dynamo.reset()
+    want = f(x)
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
 
 
 def test_square_and_double_negation():
