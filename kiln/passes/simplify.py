@@ -145,7 +145,7 @@ def _zero_leaves_x(rw: Rewriter, n: Node, pos: int, sign: float) -> bool:
             negative = False  # an integer zero is +0.0 in a float op
     else:
         negative = isinstance(a, float) and math.copysign(1.0, a) < 0
-    return (negative and sign > 0) or (not negative and sign < 0)
+    return negative == (sign > 0)
 
 
 def square(rw: Rewriter, n: Node) -> Node | None:

@@ -13,9 +13,8 @@ Needs: a joint graph whose nodes carry ``meta["val"]`` (AOTAutograd's).
 Guarantees: a ``call_function`` node that computes what an earlier node computes -- the same op,
 the same arguments (earlier duplicates already replaced; numbers compared with their types and
 zeros with their signs), no in-place op between the two -- is replaced by the earlier node and
-erased.  Never merged: ops that
-mutate (their schema says so, or an ``out=`` argument; each one also ends the span in which nodes
-may merge), random ops (``nondeterministic_seeded``), ``empty`` and its kin (uninitialized
+erased.  Never merged: ops that mutate (their schema says so, or an ``out=`` argument; each one
+also ends the span in which nodes may merge), random ops (``nondeterministic_seeded``), ``empty`` and its kin (uninitialized
 memory), nodes whose storage a graph output shares (eager returns separate tensors for them),
 nodes whose value is an unbacked symbol, and calls that are neither an ATen op nor ``getitem``
 (higher-order ops and other callables: what they do is not read here).  Returns how many nodes
@@ -77,17 +76,15 @@ def _mergeable(node: torch.fx.Node) -> bool:
     return not (isinstance(val, torch.SymInt) and free_unbacked_symbols(val))
 
 
-def _key(node: torch.fx.Node, rep: dict[torch.fx.Node, torch.fx.Node]) -> Any:
-    """The node's op and arguments, each node argument by its representative; None when an
-    argument is not hashable."""
+def _key(node: torch.fx.Node) -> Any:
+    """The node's op and arguments (node arguments already re-pointed at the duplicates' first
+    occurrences); None when an argument is not hashable."""
     flat = []
     for part in (node.args, node.kwargs):
         leaves, spec = tree_flatten(part)
         vals = []
         for v in leaves:
-            if isinstance(v, torch.fx.Node):
-                v = rep.get(v, v)
-            elif isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                 v = v.node
             elif isinstance(v, float):
                 # 0.0 == -0.0, but x * 0.0 and x * -0.0 differ in the sign of their zeros
@@ -107,7 +104,6 @@ def joint_cse(graph: torch.fx.Graph) -> int:
     """Merge the joint graph's duplicate nodes in place (see the module docstring); how many."""
     output = next(iter(graph.find_nodes(op="output")))
     out_storages = {s for s in map(_storage, output.all_input_nodes) if s is not None}
-    rep: dict[torch.fx.Node, torch.fx.Node] = {}
     seen: dict[Any, torch.fx.Node] = {}
     erased = 0
     for node in list(graph.nodes):
@@ -118,15 +114,14 @@ def joint_cse(graph: torch.fx.Graph) -> int:
             continue
         if not _mergeable(node) or _storage(node) in out_storages:
             continue
-        key = _key(node, rep)
+        key = _key(node)
         if key is None:
             continue
         first = seen.get(key)
         if first is None:
             seen[key] = node
             continue
-        node.replace_all_uses_with(first)
-        rep[node] = first
+        node.replace_all_uses_with(first)  # later users now name the first occurrence
         graph.erase_node(node)
         erased += 1
     return erased
