@@ -7,6 +7,7 @@ import collections
 import copy
 import operator
 
+import pytest
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -232,3 +233,31 @@ def test_signed_zero_products_keep_their_signs_through_a_compiled_training_graph
     torch._dynamo.reset()
     assert torch.equal(got, want)
     assert want[1].tolist() == [float("-inf")] * 3
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 8, 32), (0, 8, 32), (8, 128, 32)],  # tiny, zero-size batch, a real sequence length
+    ids=["tiny", "zero_size", "seq128"],
+)
+def test_training_graph_with_duplicates_matches_eager_forward_and_gradients(shape):
+    # the causal mask and the weights' transposes are computed by both blocks / both passes:
+    # merged by the CSE before the partition; the input is a transposed (non-contiguous) view
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(), _Block())
+    ref = copy.deepcopy(model)
+    base = torch.randn(shape[1], shape[0], shape[2])
+    x = base.transpose(0, 1).requires_grad_()
+    x_ref = base.transpose(0, 1).requires_grad_()
+    assert x.numel() == 0 or not x.is_contiguous()  # an empty tensor counts as contiguous
+
+    out = torch.compile(lambda t: model(t).square().mean(), backend="kiln")(x)
+    want = ref(x_ref).square().mean()
+    out.backward()
+    want.backward()
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, equal_nan=True)
