@@ -55,6 +55,7 @@ from kiln.frontends.compile.optimizer_trace import install as _quiet_optimizer_t
 from kiln.frontends.compile.options import compile_options
 from kiln.frontends.compile.partition import min_cut_keeping_mutated_reads
 from kiln.frontends.compile.short_attention import sdpa_to_chain
+from kiln.frontends.compile.trace_headers import install as _lazy_trace_headers
 from kiln.ir.graph import Graph
 from kiln.ir.ops import keep_whole_ops
 from kiln.lowering.decompositions import DECOMPOSITIONS
@@ -221,8 +222,9 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
     ``options`` are Kiln config keys in force for this graph's compiles, its ``mode`` is
     Inductor's (see :mod:`kiln.frontends.compile.options`).  The first call stops Dynamo's
     optimizer tracing from importing Inductor for CPU tensors
-    (:mod:`kiln.frontends.compile.optimizer_trace`)."""
-    _quiet_optimizer_trace()
+    (:mod:`kiln.frontends.compile.optimizer_trace`) and its tracer from tokenizing source files
+    for log headers no log prints (:mod:`kiln.frontends.compile.trace_headers`)."""
+    _install_trace_wrappers()
     options = compile_options(kwargs)
     if any(isinstance(x, torch.Tensor) and x.device.type == _LAZY_DEVICE for x in example_inputs):
         # a step on the kiln device (the model moved there): the device records what the graph
@@ -272,6 +274,12 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
             return _aot_backend(options)(gm, example_inputs, **kwargs)
 
 
+def _install_trace_wrappers() -> None:
+    """Dynamo-side wrappers that change no trace, only skip work whose result is unused."""
+    _quiet_optimizer_trace()
+    _lazy_trace_headers()
+
+
 def _register() -> None:
     from torch._dynamo.backends.registry import _BACKENDS, register_backend
 
@@ -283,5 +291,5 @@ def compile(model_or_fn: Any = None, **kwargs: Any) -> Any:
     """``kiln.compile(f)`` = ``torch.compile(f, backend="kiln")``; keyword arguments pass through."""
     if model_or_fn is None:
         return lambda f: compile(f, **kwargs)
-    _quiet_optimizer_trace()
+    _install_trace_wrappers()
     return torch.compile(model_or_fn, backend="kiln", **kwargs)
