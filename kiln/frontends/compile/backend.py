@@ -51,11 +51,11 @@ from kiln.frontends.compile.dropout import drop_zero_dropout
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.frontends.compile.gqa import sdpa_gqa
 from kiln.frontends.compile.inference import INFERENCE_FOLDER, Declined, Recorded, try_compile
+from kiln.frontends.compile.log_only import install as _skip_log_only_work
 from kiln.frontends.compile.optimizer_trace import install as _quiet_optimizer_trace
 from kiln.frontends.compile.options import compile_options
 from kiln.frontends.compile.partition import min_cut_keeping_mutated_reads
 from kiln.frontends.compile.short_attention import sdpa_to_chain
-from kiln.frontends.compile.trace_headers import install as _lazy_trace_headers
 from kiln.ir.graph import Graph
 from kiln.ir.ops import keep_whole_ops
 from kiln.lowering.decompositions import DECOMPOSITIONS
@@ -222,8 +222,8 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
     ``options`` are Kiln config keys in force for this graph's compiles, its ``mode`` is
     Inductor's (see :mod:`kiln.frontends.compile.options`).  The first call stops Dynamo's
     optimizer tracing from importing Inductor for CPU tensors
-    (:mod:`kiln.frontends.compile.optimizer_trace`) and its tracer from tokenizing source files
-    for log headers no log prints (:mod:`kiln.frontends.compile.trace_headers`)."""
+    (:mod:`kiln.frontends.compile.optimizer_trace`), and skips work Dynamo does only for logs
+    and metrics no one records (:mod:`kiln.frontends.compile.log_only`)."""
     _install_trace_wrappers()
     options = compile_options(kwargs)
     if any(isinstance(x, torch.Tensor) and x.device.type == _LAZY_DEVICE for x in example_inputs):
@@ -275,9 +275,9 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
 
 
 def _install_trace_wrappers() -> None:
-    """Dynamo-side wrappers that change no trace, only skip work whose result is unused."""
+    """Dynamo-side wrappers that change no trace, only skip work whose result goes unused."""
     _quiet_optimizer_trace()
-    _lazy_trace_headers()
+    _skip_log_only_work()
 
 
 def _register() -> None:
