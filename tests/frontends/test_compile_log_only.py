@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from _subprocess import run_json
 from torch._C._dynamo import guards as guards_c
@@ -42,8 +43,10 @@ SCRIPT = textwrap.dedent(
         o.zero_grad()
         return loss
 
-    if sys.argv[1] == "kiln":
+    if sys.argv[1] == "kiln.compile":
         compiled = kiln.compile(step)
+    elif sys.argv[1] == "kiln":
+        compiled = torch.compile(step, backend="kiln")
     else:  # torch's backend; with "aot_eager+wrapper" in a process where Kiln installed it
         if sys.argv[1].endswith("+wrapper"):
             kiln.compile(lambda: None)
@@ -65,8 +68,11 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_a_training_step_compiled_with_kiln_tokenizes_no_file_and_times_no_guards(tmp_path):
-    out = run_json(SCRIPT, "kiln", "quiet", KILN_CACHE_DIR=str(tmp_path / "cache"))
+@pytest.mark.parametrize("api", ["kiln.compile", "kiln"])
+def test_a_training_step_compiled_with_kiln_tokenizes_no_file_and_times_no_guards(tmp_path, api):
+    # kiln.compile(step), torch.compile(step, backend="kiln"): the wrappers are in before Dynamo
+    # traces the first frame
+    out = run_json(SCRIPT, api, "quiet", KILN_CACHE_DIR=str(tmp_path / "cache"))
     # torch tokenized torch/nn/modules/linear.py, activation.py, torch/optim/*.py ... and timed
     # each frame's guards after flushing the caches
     assert out["tokenized"] == []
@@ -163,3 +169,41 @@ def test_installed_once_and_only_over_torchs_functions(monkeypatch):
         monkeypatch.setattr(user, name, someone_elses)
     assert not log_only.install()
     assert all(getattr(user, name) is someone_elses for user, name, _ in names)
+
+
+LOOKUP = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from torch._dynamo import guards, symbolic_convert
+    from torch._dynamo.backends.registry import list_backends
+
+    def installed():
+        return [hasattr(f, "__kiln_wrapped__")
+                for f in (symbolic_convert.get_funcname, guards.profile_guard_manager)]
+
+    steps = {"imported": None, "compile_other": None, "named": None}
+    if sys.argv[1] != "entry_point":
+        import kiln
+    steps["imported"] = installed()
+    if sys.argv[1] == "after_scan":  # the registry scanned the installed entry points first
+        list_backends()
+        torch.compile(lambda x: x * 2, backend="eager")(torch.ones(1))
+    steps["compile_other"] = installed()
+    f = torch.compile(lambda x: x + 1, backend="kiln")
+    steps["named"] = installed()
+    steps["value"] = f(torch.ones(2)).tolist()
+    print(json.dumps(steps))
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["imported", "after_scan", "entry_point"])
+def test_installed_when_torch_compile_names_kiln_not_at_import(how):
+    # imported: import kiln, then torch.compile(backend="kiln"); after_scan: the registry read the
+    # package's entry point first; entry_point: no import kiln at all
+    out = run_json(LOOKUP, how)
+    assert out["imported"] == [False, False]
+    assert out["compile_other"] == [False, False]
+    assert out["named"] == [True, True]  # at torch.compile, before anything is traced
+    assert out["value"] == [2.0, 2.0]

@@ -280,11 +280,40 @@ def _install_trace_wrappers() -> None:
     _skip_log_only_work()
 
 
-def _register() -> None:
-    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+class _OnLookup:
+    """Kiln's name in Dynamo's backend registry until ``torch.compile(backend="kiln")`` first
+    looks it up.  The registry holds an entry point per name it has not loaded yet
+    (``torch._dynamo.backends.registry._BACKENDS``) and calls its ``load()`` at that lookup, which
+    ``torch.compile`` makes when it is called, before Dynamo traces anything.  Loading installs
+    the trace wrappers (:func:`_install_trace_wrappers`) and returns the backend, which the
+    registry then keeps.  So the frames Dynamo traces before Kiln's backend first runs (the
+    model's forward) get them too, and a process that imports Kiln but never names its backend
+    keeps torch as it is.  ``import kiln`` puts this object in the registry; the package's
+    entry point (``pyproject.toml``, for processes that did not import Kiln, and the one the
+    registry reads when it scans entry points) names its ``backend`` attribute, which loads the
+    same way."""
 
-    if "kiln" not in _BACKENDS:
-        register_backend(name="kiln")(kiln_backend)
+    name = "kiln"
+    group = "torch_dynamo_backends"
+    value = f"{__name__}:registry_entry.backend"
+
+    @property
+    def backend(self) -> Callable:
+        _install_trace_wrappers()
+        return kiln_backend
+
+    def load(self) -> Callable:
+        return self.backend
+
+
+registry_entry = _OnLookup()
+
+
+def _register() -> None:
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS
+
+    if "kiln" not in _BACKENDS and "kiln" not in _COMPILER_FNS:
+        _BACKENDS["kiln"] = registry_entry  # type: ignore[assignment]
 
 
 def compile(model_or_fn: Any = None, **kwargs: Any) -> Any:

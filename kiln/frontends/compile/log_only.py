@@ -27,9 +27,9 @@ value for a frame whose guards it does not time (``skip_guards_check``) -- so
 ``guard_latency_us`` in ``torch._dynamo.utils.get_compilation_metrics()`` reads 0 while Kiln's
 wrappers are installed and those logs are off.  The guards themselves are still built and checked
 as before.  Each wrapper goes in only over the function it was checked against (torch 2.13, the
-name still torch's own), when Kiln's backend first runs and when ``kiln.compile`` is called, not
-at ``import kiln``; with ``torch.compile(backend="kiln")`` the frames Dynamo traces before the
-backend's first call (the model's forward) still pay both.
+name still torch's own), when ``torch.compile`` looks up Kiln's backend by name (before Dynamo
+traces anything: see ``backend._OnLookup``), when ``kiln.compile`` is called, and at the latest
+when Kiln's backend first runs; not at ``import kiln``.
 """
 
 from __future__ import annotations

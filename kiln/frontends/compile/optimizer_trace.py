@@ -16,8 +16,10 @@ import is left to the code that uses it (Inductor imports its own modules when i
 It is installed only over the function it was checked against (the torch versions in
 ``_CHECKED``, the function still torch's own): on another torch it leaves torch as it is.
 
-Kiln installs it when its backend first runs and when ``kiln.compile`` is called, not at
-``import kiln``: a process that imports Kiln and never compiles with it keeps torch untouched.
+Kiln installs it when ``torch.compile`` looks up Kiln's backend by name (see
+``backend._OnLookup``), when ``kiln.compile`` is called, and at the latest when its backend first
+runs; not at ``import kiln``: a process that imports Kiln and never compiles with it keeps torch
+untouched.
 """
 
 from __future__ import annotations
