@@ -24,7 +24,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from kiln import metrics
 from kiln.config import config
-from kiln.frontends.lazy import accelerator_dtypes, packed_sequences, recipes, rnn_cells
+from kiln.frontends.lazy import (
+    accelerator_dtypes,
+    batch_norm,
+    packed_sequences,
+    recipes,
+    rnn_cells,
+)
 from kiln.frontends.lazy import device_module as _devmod
 from kiln.frontends.lazy import trace as T
 from kiln.frontends.lazy.foreach import record_split, split_of
@@ -47,6 +53,7 @@ _DECOMPS: dict[Any, Any] = dict(core_aten_decompositions().items())
 # Kiln's, looked up first
 _OWN_DECOMPS: dict[Any, Any] = {
     **rnn_cells.DECOMPOSITIONS,
+    **batch_norm.DECOMPOSITIONS,  # the running statistics native_batch_norm writes
     **accelerator_dtypes.DECOMPOSITIONS,
     **packed_sequences.DECOMPOSITIONS,
     # where torch's differ from ATen's kernels in bf16 / fp16; ops Kiln has a record for are
