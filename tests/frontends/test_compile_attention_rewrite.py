@@ -4,6 +4,7 @@ including eager's NaN for a row whose scores are all masked."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -107,24 +108,42 @@ def _mask_with_dead_row(l, s):
     return m
 
 
+def _min_bias_whole_rows(l, s):
+    """``transformers``' additive mask under left padding and a causal mask: where(keep, 0,
+    finfo.min), the first rows masking every key with a finite number."""
+    keep = torch.ones(l, s, dtype=torch.bool).tril()
+    keep[:, :2] = False  # two padded keys: rows 0 and 1 keep nothing
+    return torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+
+
 CASES = {
-    # name: (kwargs builder, q/k/v builder, rows of NaN expected)
-    "bool_mask_dead_row": (lambda: {"mask": _mask_with_dead_row(7, 5)}, _qkv, True),
+    # name: (kwargs builder, q/k/v builder, rows of NaN expected, rewritten to SDPA)
+    "bool_mask_dead_row": (lambda: {"mask": _mask_with_dead_row(7, 5)}, _qkv, True, True),
     "bool_mask_broadcast_batch": (
         lambda: {"mask": torch.rand(2, 1, 1, 5) > 0.7},
         lambda: _qkv(heads_last=False),
         False,
+        True,
     ),
-    "additive_bias": (lambda: {"bias": torch.randn(2, 1, 7, 5)}, _qkv, False),
+    # float biases are kept as written (attention.py: a whole row of large finite values)
+    "additive_bias": (lambda: {"bias": torch.randn(2, 1, 7, 5)}, _qkv, False, False),
     "additive_bias_minus_inf_row": (
         lambda: {"bias": torch.where(_mask_with_dead_row(7, 5), -math.inf, 0.0)},
         _qkv,
         True,
+        False,
+    ),
+    "finfo_min_bias_whole_rows": (
+        lambda: {"bias": _min_bias_whole_rows(7, 7)},
+        lambda: _qkv(s=7),
+        False,
+        False,
     ),
     "divided_no_mask_odd_sizes": (
         lambda: {"div": math.sqrt(3.0)},
         lambda: _qkv(b=1, h=1, l=1, s=9, e=3, ev=1),
         False,
+        True,
     ),
 }
 
@@ -132,7 +151,7 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_eager_forward_and_gradients(name):
     torch.manual_seed(0)
-    make_kw, make_qkv, nan_rows = CASES[name]
+    make_kw, make_qkv, nan_rows, rewritten = CASES[name]
     kw = make_kw()
     xs = list(make_qkv())
 
@@ -141,10 +160,12 @@ def test_matches_eager_forward_and_gradients(name):
 
     torch._dynamo.reset()
     before = kiln.metrics.get("attention_to_sdpa")
+    kept = kiln.metrics.get("attention_kept_float_bias")
     cot = torch.randn(fn(*xs).shape)
     eo, eg = _grads(fn, xs, cot)
     ko, kg = _grads(torch.compile(fn, backend="kiln"), xs, cot)
-    assert kiln.metrics.get("attention_to_sdpa") == before + 1
+    assert kiln.metrics.get("attention_to_sdpa") == before + rewritten
+    assert kiln.metrics.get("attention_kept_float_bias") == kept + (not rewritten)
     assert bool(eo.isnan().any()) == nan_rows
     torch.testing.assert_close(ko, eo, rtol=1e-5, atol=1e-6, equal_nan=True)
     for a, b in zip(kg, eg):
@@ -204,3 +225,39 @@ def test_symbolic_key_length_is_judged_by_its_hint():
         torch._dynamo.mark_dynamic(xs[2], 2)
         torch.compile(lambda q, k, v: attn(q, k, v), backend=backend)(*xs)
         assert seen["n"] == want, s
+
+
+@pytest.mark.parametrize("padding", ["left", "none"])
+def test_hf_llama_eager_attention_left_padded_step_matches_eager(padding):
+    """A new user's case: transformers' Llama with ``attn_implementation="eager"`` and a
+    left-padded batch: the padded rows of the causal mask keep no key (all ``finfo.min``).  The
+    chain was rewritten to SDPA, whose backward differs on such rows (value-projection gradient
+    1.78 off against a largest eager value of 0.0076 at 260 tokens); kept as written, one
+    training step's loss and gradients equal eager's (here at 24 tokens, the rewrite's key-length
+    threshold lowered to 1 as in the rest of this module)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager").train()
+    ids = torch.randint(3, 100, (2, 24))
+    am = torch.ones(2, 24, dtype=torch.long)
+    if padding == "left":
+        am[1, :6] = 0
+    labels = ids.masked_fill(am == 0, -100)
+
+    def step(m):
+        loss = m(input_ids=ids, attention_mask=am, labels=labels).loss
+        loss.backward()
+        return loss.detach()
+
+    em, km = copy.deepcopy(base), copy.deepcopy(base)
+    torch._dynamo.reset()
+    el = step(em)
+    kl = torch.compile(step, backend="kiln")(km)
+    torch.testing.assert_close(kl, el, rtol=1e-5, atol=1e-6)
+    for (name, a), b in zip(km.named_parameters(), em.parameters()):
+        scale = float(b.grad.abs().max())
+        assert float((a.grad - b.grad).abs().max()) <= 1e-4 * scale + 1e-7, name

@@ -16,22 +16,28 @@ The call becomes ``torch.ops.kiln.attention_chain`` (defined here), an op whose 
 chain's ATen ops, and AOTAutograd's cache accepts the op (the key holds this file's text)::
 
     s = (q @ k^T) * scale                       # scale: the call's, else 1/sqrt(E)
-    s = s.masked_fill(~causal | ~bool_mask, -inf)  # or s + float_mask
+    s = s.masked_fill(~causal | ~bool_mask, -inf)
     p = softmax(s, -1);  y = p @ v
 
 SDPA's semantics are kept where they differ from a naive chain: the causal mask is aligned top
 left (query i sees keys 0..i, as SDPA's ``is_causal``); under ``enable_gqa`` query head h reads
 k/v head ``h // n`` (each k/v head's n query heads are stacked into one taller query, so k and v
 are read without being repeated); a row whose every score is masked
-is 0 with zero gradients (SDPA's result; a plain softmax gives NaN): when a mask may mask a whole
-row, the scores of such rows are replaced by zeros before the softmax and the row of ``y`` is
-multiplied by 0 -- exact elsewhere (``* 1``).  A mask that is ``where`` of finite constants
-(``transformers``' additive masks) masks no row, and neither does ``is_causal``.
+is 0 with zero gradients (SDPA's result; a plain softmax gives NaN): with a mask, the scores of
+such rows are replaced by zeros before the softmax and the row of ``y`` is multiplied by 0 --
+exact elsewhere (``* 1``); ``is_causal`` masks no row.
+
+A float (additive) mask stays SDPA (``sdpa_kept:float mask``): a row whose every value is a large
+finite negative number (``transformers``' ``finfo.min`` masks under left padding and a causal
+mask) rounds every score of the row to that number; the chain's softmax is then uniform there, as
+a hand-written eager chain's is, and SDPA's kernel computes those rows' gradients otherwise (a
+16-key case with four such rows: the forward the same, q's gradient 11.9 off where eager's
+largest was 12.7).  Whether a row is masked whole depends on the data, so no float mask is taken.
 
 Matched: calls with float32 rank-4 q/k/v (no zero-size dim; k and v with the same heads, q with a
 whole multiple of them under ``enable_gqa``), ``dropout_p`` 0, a key length below ``MIN_KEYS``
-(a symbolic one judged by its hint), no mask or a bool / float32 mask of rank <= 4 that does not
-require grad, not both a mask and ``is_causal`` (SDPA refuses that), and outside autocast.  Left as
+(a symbolic one judged by its hint), no mask or a bool mask of rank <= 4, not both a mask and
+``is_causal`` (SDPA refuses that), and outside autocast.  Left as
 SDPA: everything else, counted as ``sdpa_kept`` with the reason; a call whose chain cannot be
 built on Dynamo's fake tensors stays SDPA too, counted as a fallback naming the error.
 
@@ -52,13 +58,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from kiln import metrics
-from kiln.frontends.compile.attention import (
-    _f32_4d,
-    _long_keys,
-    _provably_finite,
-    _val,
-    uses_autocast,
-)
+from kiln.frontends.compile.attention import _f32_4d, _long_keys, _val, uses_autocast
 from kiln.frontends.compile.rewrite_done import finish
 
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
@@ -96,14 +96,10 @@ def _attention_chain(
     elif mask is not None:
         if groups != 1:
             mask = _grouped_mask(mask, k.size(1), groups, length)
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, -math.inf)
-        else:
-            scores = scores + mask
+        scores = scores.masked_fill(~mask, -math.inf)  # a bool mask (float masks stay SDPA)
     dead = None
     if whole_rows and mask is not None:
-        masked = ~mask if mask.dtype == torch.bool else mask == -math.inf
-        dead = masked.all(dim=-1, keepdim=True)
+        dead = (~mask).all(dim=-1, keepdim=True)
         scores = torch.where(dead, 0.0, scores)  # no -inf row into the softmax: no NaN
     y = torch.matmul(torch.softmax(scores, dim=-1), v)
     if dead is not None:
@@ -165,7 +161,9 @@ def _why_kept(a: dict[str, Any]) -> str | None:
             return "mask and is_causal"
         if not isinstance(mask, torch.Tensor) or mask.dim() > 4 or mask.requires_grad:
             return "mask"
-        if mask.dtype not in (torch.bool, torch.float32):
+        if mask.dtype == torch.float32:
+            return "float mask"  # a row of large finite values: SDPA's own gradients (above)
+        if mask.dtype != torch.bool:
             return "mask dtype"
     return None
 
@@ -187,9 +185,7 @@ def sdpa_to_chain(gm: torch.fx.GraphModule) -> int:
         q = _val(a["query"])
         scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
         mask = a["attn_mask"]
-        whole_rows = mask is not None and not (
-            isinstance(mask, torch.fx.Node) and _provably_finite(mask)
-        )
+        whole_rows = mask is not None  # a bool mask may mask a whole row
         args = (a["query"], a["key"], a["value"], mask, a["is_causal"], float(scale), whole_rows)
         fake_mode = getattr(q, "fake_mode", None)
         ex = torch.fx.node.map_arg(args, _val)
