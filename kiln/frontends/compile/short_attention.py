@@ -67,8 +67,7 @@ _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": N
 
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define(
-    "attention_chain(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale, "
-    "bool whole_rows) -> Tensor"
+    "attention_chain(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale) -> Tensor"
 )
 
 
@@ -79,9 +78,8 @@ def _attention_chain(
     mask: torch.Tensor | None,
     causal: bool,
     scale: float,
-    whole_rows: bool,
 ) -> torch.Tensor:
-    """SDPA as the chain (module docstring); ``whole_rows``: the mask may mask a whole row."""
+    """SDPA as the chain (module docstring); ``mask`` a bool mask or None."""
     b, h, length, e = q.shape
     groups = h // k.size(1)
     if groups != 1:
@@ -98,7 +96,7 @@ def _attention_chain(
             mask = _grouped_mask(mask, k.size(1), groups, length)
         scores = scores.masked_fill(~mask, -math.inf)  # a bool mask (float masks stay SDPA)
     dead = None
-    if whole_rows and mask is not None:
+    if mask is not None:  # a bool mask may mask a whole row
         dead = (~mask).all(dim=-1, keepdim=True)
         scores = torch.where(dead, 0.0, scores)  # no -inf row into the softmax: no NaN
     y = torch.matmul(torch.softmax(scores, dim=-1), v)
@@ -185,8 +183,7 @@ def sdpa_to_chain(gm: torch.fx.GraphModule) -> int:
         q = _val(a["query"])
         scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
         mask = a["attn_mask"]
-        whole_rows = mask is not None  # a bool mask may mask a whole row
-        args = (a["query"], a["key"], a["value"], mask, a["is_causal"], float(scale), whole_rows)
+        args = (a["query"], a["key"], a["value"], mask, a["is_causal"], float(scale))
         fake_mode = getattr(q, "fake_mode", None)
         ex = torch.fx.node.map_arg(args, _val)
         try:
