@@ -52,6 +52,7 @@ from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.frontends.compile.gqa import sdpa_gqa
 from kiln.frontends.compile.inference import INFERENCE_FOLDER, Declined, Recorded, try_compile
 from kiln.frontends.compile.log_only import install as _skip_log_only_work
+from kiln.frontends.compile.logger_calls import install as _move_logging_calls
 from kiln.frontends.compile.optimizer_trace import install as _quiet_optimizer_trace
 from kiln.frontends.compile.options import compile_options
 from kiln.frontends.compile.partition import min_cut_keeping_mutated_reads
@@ -275,9 +276,28 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
 
 
 def _install_trace_wrappers() -> None:
-    """Dynamo-side wrappers that change no trace, only skip work whose result goes unused."""
+    """Dynamo-side wrappers: two skip work whose result goes unused and change no trace; one
+    makes a library's logging call after the graph instead of breaking it (Kiln's frames only,
+    ``logger_calls.py``)."""
     _quiet_optimizer_trace()
     _skip_log_only_work()
+    _move_logging_calls(_is_kiln_backend)
+
+
+def _is_kiln_backend(compiler_fn: Any) -> bool:
+    """Whether Dynamo's compiler for a frame is Kiln's backend, through the wrappers
+    ``torch.compile`` puts around it (``WrapBackendDebug``, ``_TorchCompileWrapper``)."""
+    for _ in range(8):
+        if compiler_fn is kiln_backend:
+            return True
+        compiler_fn = (
+            getattr(compiler_fn, "_torchdynamo_orig_backend", None)
+            or getattr(compiler_fn, "compiler_fn", None)
+            or getattr(compiler_fn, "__wrapped__", None)
+        )
+        if compiler_fn is None:
+            return False
+    return False
 
 
 class _OnLookup:

@@ -1,0 +1,120 @@
+"""A library's logging call inside a compiled frame made after the graph, not a graph break.
+
+In torch 2.13 Dynamo stops the graph at any ``logging.Logger`` method it meets while tracing
+(``LoggingLoggerVariable.call_method``: "logging.Logger method not supported for non-export
+cases"), unless the method is in ``torch._dynamo.config.ignore_logging_functions``, which drops
+the call altogether.  Libraries log on their default paths: ``transformers``' GPT-2 (its config
+names no ``loss_type``) calls ``logger.warning_once(...)`` in its ``loss_function`` property on
+every forward.  That one call split GPT-2's training step into two forward graphs, and since a
+graph break inside an inlined call makes Dynamo restart each enclosing frame's analysis from its
+start, its forward was traced about eight times in the first step.  Measured on the bench step
+(1 thread, empty caches, 2026-12-03): first step 4.67 -> 3.33 s, steady step 9.36 -> 8.76 ms,
+five Kiln graphs -> three.
+
+For frames compiled with Kiln's backend, :func:`install` makes such a call as Dynamo makes
+``print`` under ``config.reorderable_logging_functions``: recorded while tracing and made, with
+the same arguments, right after the graph runs (before the frame goes on), on the logger the
+frame holds then.  So the message is logged as in eager, with the logger's level and handlers
+and a ``*_once`` method's own memory of what it logged.  Two things differ from eager: its place
+among the frame's other side effects (the limit Dynamo documents for reordered prints), and the
+caller the record names (``funcName``/``lineno``: the compiled frame's, not the library
+function's).  It applies only where
+that is sound, else Dynamo's graph break stays:
+
+- the method is one that logs and returns None (:data:`_LOGGING_METHODS`), called with
+  positional arguments only, each a tensor, a constant or a string format Dynamo can rebuild
+  (``DebuggingVariable.can_reorder_logs``); a method in ``ignore_logging_functions`` is left to
+  Dynamo, which drops it as asked;
+- the logger was reached through a source the frame can load it from again;
+- the frame is compiled by Kiln's backend (``is_ours`` on the output graph's compiler):
+  ``backend="inductor"`` and every other backend keep torch's behaviour;
+- not under ``config.nested_graph_breaks`` (torch 2.13 does not emit these calls there) nor
+  export (where Dynamo drops logging calls itself).
+
+The calls are kept on the frame's root translator: a call recorded on an inlined function's
+translator is never made in torch 2.13 (its list is not the one the graph's epilogue reads).
+Installed with the other trace wrappers (``backend._install_trace_wrappers``), only over torch
+2.13's own ``call_method``; ``logging_calls_moved`` counts the calls moved.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kiln import metrics
+
+_CHECKED = ("2.13.",)
+
+# logging.Logger methods that log and return None; the *_once ones are transformers' own
+# (transformers.utils.logging sets them on logging.Logger)
+_LOGGING_METHODS = frozenset(
+    {
+        "debug",
+        "info",
+        "warning",
+        "warn",
+        "error",
+        "critical",
+        "log",
+        "warning_once",
+        "info_once",
+        "warning_advice",
+    }
+)
+
+
+def _movable(self: Any, tx: Any, name: str, args: list, kwargs: dict, is_ours: Any) -> bool:
+    from torch._dynamo import config
+    from torch._dynamo.variables.misc import DebuggingVariable
+
+    if kwargs or name not in _LOGGING_METHODS or self.source is None:
+        return False
+    if tx.export or config.nested_graph_breaks or not is_ours(tx.output.compiler_fn):
+        return False
+    method = getattr(self.value, name, None)
+    if not callable(method):
+        return False
+    ignored = config.ignore_logging_functions
+    if method in ignored or getattr(method, "__func__", None) in ignored:
+        return False  # Dynamo drops it, as its user asked
+    return DebuggingVariable.can_reorder_logs(method, args, kwargs)
+
+
+def _wrap(original: Callable[..., Any], is_ours: Callable[[Any], bool]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def call_method(self: Any, tx: Any, name: str, args: list, kwargs: dict) -> Any:
+        if not _movable(self, tx, name, args, kwargs, is_ours):
+            return original(self, tx, name, args, kwargs)
+        from torch._dynamo.source import AttrSource
+        from torch._dynamo.variables import ConstantVariable
+        from torch._dynamo.variables.misc import DebuggingVariable
+
+        fn = DebuggingVariable(getattr(self.value, name), source=AttrSource(self.source, name))
+        tx.output.root_tx.debug_locals.append((fn, list(args)))
+        metrics.incr("logging_calls_moved")
+        return ConstantVariable.create(None)
+
+    call_method.__kiln_wrapped__ = original  # type: ignore[attr-defined]
+    return call_method
+
+
+def install(is_ours: Callable[[Any], bool]) -> bool:
+    """Wrap ``LoggingLoggerVariable.call_method`` (once per process); whether it is in place."""
+    if not torch.__version__.startswith(_CHECKED):
+        return False
+    from torch._dynamo.variables import misc
+
+    cls = getattr(misc, "LoggingLoggerVariable", None)
+    current = getattr(cls, "__dict__", {}).get("call_method")
+    if current is None:
+        return False
+    if hasattr(current, "__kiln_wrapped__"):
+        return True
+    if getattr(current, "__module__", None) != misc.__name__:
+        return False  # someone else replaced it: leave theirs
+    cls.call_method = _wrap(current, is_ours)
+    return True

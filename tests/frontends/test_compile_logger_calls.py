@@ -1,0 +1,186 @@
+"""A library's logging call in a frame Kiln compiles is made after the graph instead of breaking
+it (kiln/frontends/compile/logger_calls.py): the same records as eager, in one graph; other
+backends, calls Dynamo cannot rebuild and methods the user told Dynamo to ignore keep torch's
+behaviour; transformers' GPT-2 with its default config trains in three Kiln graphs, as eager."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import kiln
+
+LOG = logging.getLogger("kiln_test.lib")
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(f"{record.levelname} {record.getMessage()}")
+
+
+@pytest.fixture
+def records():
+    handler = _Records()
+    LOG.addHandler(handler)
+    LOG.setLevel(logging.INFO)
+    LOG.propagate = False
+    torch._dynamo.reset()
+    counters.clear()
+    yield handler
+    LOG.removeHandler(handler)
+    torch._dynamo.reset()
+
+
+def _logging_breaks() -> int:
+    """Graph breaks at this module's logging calls (not those inside ``logging`` itself, where
+    Dynamo meets ``isEnabledFor`` when a call made outside the graph runs)."""
+    pattern = re.compile(rf"Logger {re.escape(LOG.name)} \(\w+\)>\.(warning|info),")
+    return sum(n for reason, n in counters["graph_break"].items() if pattern.search(reason))
+
+
+def _layer(x: torch.Tensor, scale: float) -> torch.Tensor:
+    LOG.warning("scale %s", scale)
+    y = (x * scale).relu()
+    LOG.info("sum %s", y.sum())
+    return y
+
+
+def _model(x: torch.Tensor) -> torch.Tensor:
+    return _layer(x, 2.0).sin() + 1
+
+
+def test_logging_calls_leave_one_graph_and_log_as_eager(records):
+    torch.manual_seed(1)
+    xs = [torch.randn(4, 8) for _ in range(3)]
+    moved = kiln.metrics.get("logging_calls_moved")
+    compiled = torch.compile(_model, backend="kiln")
+    records.messages.clear()
+    got = [compiled(x) for x in xs]
+    got_log = list(records.messages)
+    records.messages.clear()
+    want = [_model(x) for x in xs]
+    assert got_log == records.messages  # same records, same order, one per call each
+    assert len(got_log) == 6 and got_log[0] == "WARNING scale 2.0"
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert _logging_breaks() == 0
+    assert kiln.metrics.get("logging_calls_moved") - moved == 2
+
+
+def test_logger_state_is_read_when_the_call_is_made(records):
+    compiled = torch.compile(_model, backend="kiln")
+    compiled(torch.randn(4, 8))
+    LOG.setLevel(logging.ERROR)
+    records.messages.clear()
+    compiled(torch.randn(4, 8))
+    assert records.messages == []
+    LOG.setLevel(logging.INFO)
+    compiled(torch.randn(4, 8))
+    assert [m.split()[0] for m in records.messages] == ["WARNING", "INFO"]
+
+
+def test_other_backends_keep_torchs_graph_break(records):
+    kiln.compile(lambda: None)  # Kiln's wrappers are installed in this process
+    compiled = torch.compile(_model, backend="eager")
+    x = torch.randn(4, 8)
+    records.messages.clear()
+    out = compiled(x)
+    got_log = list(records.messages)
+    records.messages.clear()
+    torch.testing.assert_close(out, _model(x))
+    assert got_log == records.messages
+    assert _logging_breaks() > 0
+
+
+def _with_kwargs(x: torch.Tensor) -> torch.Tensor:
+    LOG.warning("kw %s", 1, stacklevel=1)
+    return x.cos()
+
+
+def _with_object(x: torch.Tensor) -> torch.Tensor:
+    LOG.warning("list %s", [1, 2])
+    return x.cos()
+
+
+@pytest.mark.parametrize("fn", [_with_kwargs, _with_object], ids=["kwargs", "list argument"])
+def test_calls_dynamo_cannot_rebuild_keep_the_graph_break(records, fn):
+    compiled = torch.compile(fn, backend="kiln")
+    x = torch.randn(3)
+    records.messages.clear()
+    torch.testing.assert_close(compiled(x), fn(x))
+    assert records.messages[0] == records.messages[1]
+    assert _logging_breaks() > 0
+
+
+def test_method_the_user_ignores_is_dropped(records):
+    with torch._dynamo.config.patch(ignore_logging_functions={logging.Logger.warning}):
+        compiled = torch.compile(_model, backend="kiln")
+        records.messages.clear()
+        compiled(torch.randn(4, 8))
+    assert records.messages == ["INFO sum " + records.messages[0].split(" ", 2)[2]]
+    assert _logging_breaks() == 0
+
+
+def test_gpt2_default_config_trains_in_three_graphs():
+    transformers = pytest.importorskip("transformers")
+    from transformers.utils import logging as hf_logging
+
+    torch._dynamo.reset()
+    counters.clear()
+    # dropout 0: compiled random masks are not eager's draws (as with Inductor)
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=97,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ref = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref)]
+
+    def step(m, opt, ids):
+        opt.zero_grad()
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        return loss
+
+    handler = _Records()
+    hf_log = logging.getLogger("transformers")
+    hf_log.addHandler(handler)
+    hf_logging.warning_once.cache_clear()
+    try:
+        compiled = torch.compile(step, backend="kiln")
+        before = kiln.metrics.get("graphs_compiled")
+        for _ in range(3):
+            ids = torch.randint(0, 97, (2, 16))
+            got = compiled(model, opts[0], ids)
+            want = step(ref, opts[1], ids)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+        compiled_graphs = kiln.metrics.get("graphs_compiled") - before
+    finally:
+        hf_log.removeHandler(handler)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        # AdamW divides by sqrt(v): a gradient near 0 moves its parameter by up to lr either way
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4)
+    # forward (with the loss), backward, optimizer: the warning no longer splits the forward
+    assert compiled_graphs == 3
+    assert not [r for r in counters["graph_break"] if "logging.Logger method" in r]
+    assert sum("loss_type=None" in m for m in handler.messages) == 1  # logged once, as eager
