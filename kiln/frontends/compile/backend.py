@@ -51,6 +51,7 @@ from kiln.frontends.compile.dropout import drop_zero_dropout
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.frontends.compile.gqa import sdpa_gqa
 from kiln.frontends.compile.inference import INFERENCE_FOLDER, Declined, Recorded, try_compile
+from kiln.frontends.compile.known_breaks import install as _compile_known_breaks_at_once
 from kiln.frontends.compile.log_only import install as _skip_log_only_work
 from kiln.frontends.compile.logger_calls import install as _move_logging_calls
 from kiln.frontends.compile.optimizer_trace import install as _quiet_optimizer_trace
@@ -282,6 +283,7 @@ def _install_trace_wrappers() -> None:
     _quiet_optimizer_trace()
     _skip_log_only_work()
     _move_logging_calls(_is_kiln_backend)
+    _compile_known_breaks_at_once(_is_kiln_backend)
 
 
 def _is_kiln_backend(compiler_fn: Any) -> bool:
