@@ -1,7 +1,8 @@
 """A library's logging call in a frame Kiln compiles is made after the graph instead of breaking
 it (kiln/frontends/compile/logger_calls.py): the same records as eager, in one graph; other
 backends, calls Dynamo cannot rebuild and methods the user told Dynamo to ignore keep torch's
-behaviour; transformers' GPT-2 with its default config trains in three Kiln graphs, as eager."""
+behaviour; transformers' GPT-2 with its default config trains in two Dynamo graphs, with eager's
+numbers."""
 
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ def test_method_the_user_ignores_is_dropped(records):
     assert _logging_breaks() == 0
 
 
-def test_gpt2_default_config_trains_in_three_graphs():
+def test_gpt2_default_config_trains_in_two_dynamo_graphs():
     transformers = pytest.importorskip("transformers")
     from transformers.utils import logging as hf_logging
 
@@ -166,7 +167,6 @@ def test_gpt2_default_config_trains_in_three_graphs():
     hf_logging.warning_once.cache_clear()
     try:
         compiled = torch.compile(step, backend="kiln")
-        before = kiln.metrics.get("graphs_compiled")
         for _ in range(3):
             ids = torch.randint(0, 97, (2, 16))
             got = compiled(model, opts[0], ids)
@@ -174,13 +174,13 @@ def test_gpt2_default_config_trains_in_three_graphs():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
             for p, q in zip(model.parameters(), ref.parameters()):
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
-        compiled_graphs = kiln.metrics.get("graphs_compiled") - before
     finally:
         hf_log.removeHandler(handler)
     for p, q in zip(model.parameters(), ref.parameters()):
         # AdamW divides by sqrt(v): a gradient near 0 moves its parameter by up to lr either way
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4)
-    # forward (with the loss), backward, optimizer: the warning no longer splits the forward
-    assert compiled_graphs == 3
+    # Dynamo graphs: the forward with the loss (Kiln's forward and backward), the optimizer's;
+    # the warning no longer splits the forward (it made five)
+    assert counters["stats"]["unique_graphs"] == 2
     assert not [r for r in counters["graph_break"] if "logging.Logger method" in r]
     assert sum("loss_type=None" in m for m in handler.messages) == 1  # logged once, as eager
