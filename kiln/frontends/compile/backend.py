@@ -48,6 +48,7 @@ from kiln.frontends.compile.aot_cache import (
 from kiln.frontends.compile.attention import attention_to_sdpa
 from kiln.frontends.compile.autograd_parts import detached_across_parts
 from kiln.frontends.compile.dropout import drop_zero_dropout
+from kiln.frontends.compile.frame_gc import install as _pause_gc_in_frame_compiles
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.frontends.compile.gqa import sdpa_gqa
 from kiln.frontends.compile.inference import INFERENCE_FOLDER, Declined, Recorded, try_compile
@@ -277,13 +278,16 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
 
 
 def _install_trace_wrappers() -> None:
-    """Dynamo-side wrappers: two skip work whose result goes unused and change no trace; one
-    makes a library's logging call after the graph instead of breaking it (Kiln's frames only,
-    ``logger_calls.py``)."""
+    """Dynamo-side wrappers: two skip work whose result goes unused and change no trace; for
+    Kiln's frames only, one makes a library's logging call after the graph instead of breaking it
+    (``logger_calls.py``), one compiles ``loss.backward()``'s graph break without re-tracing the
+    frame (``known_breaks.py``), one pauses the cyclic collector while a frame compiles
+    (``frame_gc.py``)."""
     _quiet_optimizer_trace()
     _skip_log_only_work()
     _move_logging_calls(_is_kiln_backend)
     _compile_known_breaks_at_once(_is_kiln_backend)
+    _pause_gc_in_frame_compiles(_is_kiln_backend)
 
 
 def _is_kiln_backend(compiler_fn: Any) -> bool:
