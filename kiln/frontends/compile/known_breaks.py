@@ -23,8 +23,9 @@ as before:
   ``CALL`` in the frame's own translator (``InstructionTranslator``'s dispatch table; inlined
   calls have their own translator class and table);
 - the failure was ``Tensor.backward()``'s, and its stack names only this frame;
-- the attempt left the graph's nodes, the guards, the graph inputs and the side effects as they
-  were (counted before and after).
+- the attempt left the graph's nodes, the guards, the graph inputs, the fake tensors tracked,
+  the registered modules, the shape guards and the side effects as they were (counted before and
+  after).
 
 The graph, its guards and the resume function are then built by Dynamo's own
 ``handle_graph_break``, as in the second pass.  Installed with the other trace wrappers
@@ -57,6 +58,9 @@ def _state(tx: Any) -> tuple[int, ...]:
         len(out.graph.nodes),
         len(out.guards),
         len(out.input_source_to_var),
+        len(out.tracked_fakes),
+        len(out.nn_modules),
+        len(out.shape_env.guards) if out.shape_env is not None else 0,
         len(se.id_to_variable),
         sum(len(v) for v in se.store_attr_mutations.values()),
         len(se.keepalive),
