@@ -49,9 +49,9 @@ def _logging_breaks() -> int:
 
 
 def _layer(x: torch.Tensor, scale: float) -> torch.Tensor:
-    LOG.warning("scale %s", scale)
+    LOG.warning("scale %s", scale)  # before any op: made before the graph
     y = (x * scale).relu()
-    LOG.info("sum %s", y.sum())
+    LOG.info("rows %d of %s", x.shape[0], "x")  # after ops: made after the graph
     return y
 
 
@@ -70,7 +70,7 @@ def test_logging_calls_leave_one_graph_and_log_as_eager(records):
     records.messages.clear()
     want = [_model(x) for x in xs]
     assert got_log == records.messages  # same records, same order, one per call each
-    assert len(got_log) == 6 and got_log[0] == "WARNING scale 2.0"
+    assert got_log[:2] == ["WARNING scale 2.0", "INFO rows 4 of x"] and len(got_log) == 6
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     assert counters["stats"]["unique_graphs"] == 1
@@ -128,7 +128,53 @@ def test_method_the_user_ignores_is_dropped(records):
         compiled = torch.compile(_model, backend="kiln")
         records.messages.clear()
         compiled(torch.randn(4, 8))
-    assert records.messages == ["INFO sum " + records.messages[0].split(" ", 2)[2]]
+    assert records.messages == ["INFO rows 4 of x"]
+    assert _logging_breaks() == 0
+
+
+def _log_then_mutate(x: torch.Tensor) -> torch.Tensor:
+    s = (x * 2).sum(0)
+    LOG.info("s %s", s)
+    s.mul_(0)  # a moved call would read the zeros
+    return s
+
+
+def _fstring_then_mutate(x: torch.Tensor) -> torch.Tensor:
+    s = (x * 2).sum(0)
+    LOG.info(f"s {s}")
+    s.add_(1)
+    return s
+
+
+@pytest.mark.parametrize("fn", [_log_then_mutate, _fstring_then_mutate], ids=["%s", "f-string"])
+def test_tensor_arguments_keep_the_graph_break(records, fn):
+    """A tensor's value may change before the end of the graph: such a call is not moved."""
+    x = torch.arange(6.0).reshape(2, 3)
+    moved = kiln.metrics.get("logging_calls_moved")
+    compiled = torch.compile(fn, backend="kiln")
+    records.messages.clear()
+    out = compiled(x)
+    got_log = list(records.messages)
+    records.messages.clear()
+    torch.testing.assert_close(out, fn(x))
+    assert got_log == records.messages and "6." in got_log[0]
+    assert kiln.metrics.get("logging_calls_moved") == moved
+
+
+def _warn_then_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    LOG.warning("loss over %d rows", logits.shape[0])
+    return torch.nn.functional.cross_entropy(logits, target)
+
+
+def test_call_before_the_graphs_ops_is_made_even_when_the_graph_raises(records):
+    """Made before the graph runs, as in eager: a target out of range raises in the graph."""
+    compiled = torch.compile(_warn_then_loss, backend="kiln")
+    logits = torch.randn(4, 5)
+    compiled(logits, torch.tensor([0, 1, 2, 3]))
+    records.messages.clear()
+    with pytest.raises(IndexError):
+        compiled(logits, torch.tensor([0, 7, 2, 1]))
+    assert records.messages == ["WARNING loss over 4 rows"]
     assert _logging_breaks() == 0
 
 

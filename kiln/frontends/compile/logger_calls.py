@@ -1,4 +1,4 @@
-"""A library's logging call inside a compiled frame made after the graph, not a graph break.
+"""A library's logging call inside a compiled frame made beside the graph, not a graph break.
 
 In torch 2.13 Dynamo stops the graph at any ``logging.Logger`` method it meets while tracing
 (``LoggingLoggerVariable.call_method``: "logging.Logger method not supported for non-export
@@ -11,28 +11,39 @@ start, its forward was traced about eight times in the first step.  Measured on 
 (1 thread, empty caches, 2026-12-03): first step 4.67 -> 3.33 s, steady step 9.36 -> 8.76 ms,
 five Kiln graphs -> three.
 
-For frames compiled with Kiln's backend, :func:`install` makes such a call as Dynamo makes
-``print`` under ``config.reorderable_logging_functions``: recorded while tracing and made, with
-the same arguments, right after the graph runs (before the frame goes on), on the logger the
-frame holds then.  So the message is logged as in eager, with the logger's level and handlers
-and a ``*_once`` method's own memory of what it logged.  Two things differ from eager: its place
-among the frame's other side effects (the limit Dynamo documents for reordered prints), and the
-caller the record names (``funcName``/``lineno``: the compiled frame's, not the library
-function's).  It applies only where
-that is sound, else Dynamo's graph break stays:
+For frames compiled with Kiln's backend, :func:`install` moves such a call out of the graph's
+way when its arguments hold no tensor (constants and string formats of them; a tensor could
+change before a moved call read it, so such a call keeps Dynamo's graph break).  Where it goes:
+
+- called before any of the graph's operations (only its inputs so far): into the code Dynamo runs
+  before the graph (``pregraph_bytecode``), so it is made before anything the graph computes, as
+  in eager -- also when an operation of the graph then raises (an index out of range);
+- called after some: made right after the graph runs, as Dynamo makes ``print`` under
+  ``config.reorderable_logging_functions``.  If an operation after the call raises at run time
+  (a data-dependent error), the graph raises before the call is made and the message is not
+  logged; eager would have logged it before raising.
+
+Either way it is made with the same arguments on the logger the frame holds then, so the level,
+the handlers and a ``*_once`` method's memory of what it logged act as in eager.  Also different
+from eager: its place among the frame's other side effects (the limit Dynamo documents for
+reordered prints), the caller the record names (``funcName``/``lineno``: the compiled frame's,
+not the library function's), and under ``fullgraph=True`` such a call no longer raises
+(``aot_eager`` raises: Dynamo counts it as a graph break).  It applies only where that is sound,
+else Dynamo's graph break stays:
 
 - the method is one that logs and returns None (:data:`_LOGGING_METHODS`), called with
-  positional arguments only, each a tensor, a constant or a string format Dynamo can rebuild
-  (``DebuggingVariable.can_reorder_logs``); a method in ``ignore_logging_functions`` is left to
-  Dynamo, which drops it as asked;
+  positional arguments only, each a constant or a string format Dynamo can rebuild
+  (``DebuggingVariable.can_reorder_logs``), no tensor among them; a method in
+  ``ignore_logging_functions`` is left to Dynamo, which drops it as asked;
 - the logger was reached through a source the frame can load it from again;
 - the frame is compiled by Kiln's backend (``is_ours`` on the output graph's compiler):
   ``backend="inductor"`` and every other backend keep torch's behaviour;
 - not under ``config.nested_graph_breaks`` (torch 2.13 does not emit these calls there) nor
   export (where Dynamo drops logging calls itself).
 
-The calls are kept on the frame's root translator: a call recorded on an inlined function's
-translator is never made in torch 2.13 (its list is not the one the graph's epilogue reads).
+The calls made after the graph are kept on the frame's root translator: a call recorded on an
+inlined function's translator is never made in torch 2.13 (its list is not the one the graph's
+epilogue reads).
 Installed with the other trace wrappers (``backend._install_trace_wrappers``), only over torch
 2.13's own ``call_method``; ``logging_calls_moved`` counts the calls moved.
 """
@@ -67,6 +78,19 @@ _LOGGING_METHODS = frozenset(
 )
 
 
+def _holds_tensor(vt: Any) -> bool:
+    """Whether a tensor is among the call's arguments, also inside a string format Dynamo builds
+    (an f-string over a tensor) -- its value could change before a moved call reads it."""
+    from torch._dynamo.variables import TensorVariable
+    from torch._dynamo.variables.misc import StringFormatVariable
+
+    if isinstance(vt, TensorVariable):
+        return True
+    if isinstance(vt, StringFormatVariable):
+        return any(_holds_tensor(a) for a in (*vt.sym_args, *vt.sym_kwargs.values()))
+    return False
+
+
 def _movable(self: Any, tx: Any, name: str, args: list, kwargs: dict, is_ours: Any) -> bool:
     from torch._dynamo import config
     from torch._dynamo.variables.misc import DebuggingVariable
@@ -81,7 +105,29 @@ def _movable(self: Any, tx: Any, name: str, args: list, kwargs: dict, is_ours: A
     ignored = config.ignore_logging_functions
     if method in ignored or getattr(method, "__func__", None) in ignored:
         return False  # Dynamo drops it, as its user asked
+    if any(_holds_tensor(a) for a in args):
+        return False
     return DebuggingVariable.can_reorder_logs(method, args, kwargs)
+
+
+def _before_any_op(tx: Any) -> bool:
+    """Whether the frame's graph has no operation yet (only its inputs): a call made before the
+    graph then comes before everything the graph computes, as in eager."""
+    return all(n.op in ("placeholder", "get_attr") for n in tx.output.graph.nodes)
+
+
+def _emit_before_graph(tx: Any, fn: Any, args: list) -> None:
+    from torch._dynamo.bytecode_transformation import create_call_function, create_instruction
+    from torch._dynamo.codegen import PyCodegen
+
+    root = tx.output.root_tx
+    cg = PyCodegen(root)
+    cg.add_push_null(lambda: cg(fn))
+    for arg in args:
+        cg(arg)
+    cg.extend_output(create_call_function(len(args), False))
+    cg.extend_output([create_instruction("POP_TOP")])
+    tx.output.pregraph_bytecode.extend(cg.get_instructions())
 
 
 def _wrap(original: Callable[..., Any], is_ours: Callable[[Any], bool]) -> Callable[..., Any]:
@@ -94,7 +140,10 @@ def _wrap(original: Callable[..., Any], is_ours: Callable[[Any], bool]) -> Calla
         from torch._dynamo.variables.misc import DebuggingVariable
 
         fn = DebuggingVariable(getattr(self.value, name), source=AttrSource(self.source, name))
-        tx.output.root_tx.debug_locals.append((fn, list(args)))
+        if _before_any_op(tx):
+            _emit_before_graph(tx, fn, list(args))
+        else:
+            tx.output.root_tx.debug_locals.append((fn, list(args)))
         metrics.incr("logging_calls_moved")
         return ConstantVariable.create(None)
 
