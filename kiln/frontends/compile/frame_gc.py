@@ -24,9 +24,8 @@ import gc
 from collections.abc import Callable
 from typing import Any
 
-import torch
+from kiln.frontends.compile.torch_wrap import defined_in, release_checked, wrap_once
 
-_CHECKED = ("2.13.",)
 _COMPILER_FN_POSITION = 5  # code, globals, locals, builtins, closure, compiler_fn, ...
 
 
@@ -46,25 +45,22 @@ def _wrap(original: Callable[..., Any], is_ours: Callable[[Any], bool]) -> Calla
         finally:
             gc.enable()
 
-    _compile.__kiln_wrapped__ = original  # type: ignore[attr-defined]
     return _compile
 
 
 def install(is_ours: Callable[[Any], bool]) -> bool:
     """Wrap ``convert_frame._compile`` (once per process); whether it is in place."""
-    if not torch.__version__.startswith(_CHECKED):
+    if not release_checked():
         return False
     from torch._dynamo import convert_frame
 
-    current = getattr(convert_frame, "_compile", None)
-    if current is None:
-        return False
-    if hasattr(current, "__kiln_wrapped__"):
-        return True
-    if getattr(current, "__module__", None) != convert_frame.__name__:
-        return False  # someone else replaced it: leave theirs
-    code = getattr(current, "__code__", None)
-    if code is None or code.co_varnames[_COMPILER_FN_POSITION] != "compiler_fn":
-        return False  # not the signature this was written against
-    convert_frame._compile = _wrap(current, is_ours)
-    return True
+    def torchs(fn: Any) -> bool:  # torch's own, with the signature this was written against
+        code = getattr(fn, "__code__", None)
+        return (
+            defined_in(convert_frame.__name__)(fn)
+            and code is not None
+            and code.co_varnames[_COMPILER_FN_POSITION : _COMPILER_FN_POSITION + 1]
+            == ("compiler_fn",)
+        )
+
+    return wrap_once(convert_frame, "_compile", lambda fn: _wrap(fn, is_ours), torchs)

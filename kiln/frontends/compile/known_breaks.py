@@ -40,11 +40,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from kiln import metrics
-
-_CHECKED = ("2.13.",)
+from kiln.frontends.compile.torch_wrap import release_checked
 
 # what Dynamo's Unsupported says first for the failures that change nothing before raising
 _KNOWN = ("Unsupported Tensor.backward() call",)
@@ -115,7 +112,7 @@ def _wrap(
 def install(is_ours: Callable[[Any], bool]) -> bool:
     """Put the wrapper in the frame translator's dispatch table for ``CALL`` (once per process;
     Dynamo looks opcodes up there, per class); whether it is in place."""
-    if not torch.__version__.startswith(_CHECKED):
+    if not release_checked():  # as torch_wrap.wrap_once, for a dispatch table's entry
         return False
     from torch._dynamo import symbolic_convert as sc
 

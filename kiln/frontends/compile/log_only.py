@@ -40,11 +40,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-import torch
+from kiln.frontends.compile.torch_wrap import release_checked, wrap_once
 
-# torch releases whose callers were read: get_funcname feeds only the trace_call / trace_source
+# in torch_wrap.CHECKED's releases, get_funcname feeds only the trace_call / trace_source
 # headers; profile_guard_manager only the guards log and the guard_latency_us metric
-_CHECKED = ("2.13.",)
 
 
 def _debug_on(log: logging.Logger) -> bool:
@@ -67,7 +66,6 @@ def _wrap(
             return original(*args)
         return otherwise
 
-    wrapper.__kiln_wrapped__ = original  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -75,20 +73,17 @@ def _install_one(
     user: ModuleType, name: str, owner: ModuleType, wanted: Callable[[], bool], otherwise: Any
 ) -> bool:
     """Wrap ``user.name`` (the name as ``user`` looks it up) if it is still ``owner``'s."""
-    current = getattr(user, name, None)
-    if current is None:
-        return False
-    if hasattr(current, "__kiln_wrapped__"):
-        return True
-    if current is not getattr(owner, name, None):
-        return False  # someone else replaced it: leave theirs
-    setattr(user, name, _wrap(current, wanted, otherwise))
-    return True
+    return wrap_once(
+        user,
+        name,
+        lambda fn: _wrap(fn, wanted, otherwise),
+        lambda fn: fn is getattr(owner, name, None),
+    )
 
 
 def install() -> bool:
     """Install both wrappers (once per process); whether both are in place."""
-    if not torch.__version__.startswith(_CHECKED):
+    if not release_checked():
         return False
     from torch._C._dynamo import guards as guards_c
     from torch._dynamo import funcname_cache, guards, symbolic_convert

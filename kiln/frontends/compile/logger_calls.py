@@ -54,11 +54,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from kiln import metrics
-
-_CHECKED = ("2.13.",)
+from kiln.frontends.compile.torch_wrap import defined_in, release_checked, wrap_once
 
 # logging.Logger methods that log and return None; the *_once ones are transformers' own
 # (transformers.utils.logging sets them on logging.Logger)
@@ -147,23 +144,16 @@ def _wrap(original: Callable[..., Any], is_ours: Callable[[Any], bool]) -> Calla
         metrics.incr("logging_calls_moved")
         return ConstantVariable.create(None)
 
-    call_method.__kiln_wrapped__ = original  # type: ignore[attr-defined]
     return call_method
 
 
 def install(is_ours: Callable[[Any], bool]) -> bool:
     """Wrap ``LoggingLoggerVariable.call_method`` (once per process); whether it is in place."""
-    if not torch.__version__.startswith(_CHECKED):
+    if not release_checked():
         return False
     from torch._dynamo.variables import misc
 
     cls = getattr(misc, "LoggingLoggerVariable", None)
-    current = getattr(cls, "__dict__", {}).get("call_method")
-    if current is None:
+    if cls is None:
         return False
-    if hasattr(current, "__kiln_wrapped__"):
-        return True
-    if getattr(current, "__module__", None) != misc.__name__:
-        return False  # someone else replaced it: leave theirs
-    cls.call_method = _wrap(current, is_ours)
-    return True
+    return wrap_once(cls, "call_method", lambda fn: _wrap(fn, is_ours), defined_in(misc.__name__))

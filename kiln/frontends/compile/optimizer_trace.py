@@ -14,7 +14,7 @@ without the import; a CUDA tensor goes to torch's function unchanged.  The answe
 for every tensor, so no trace changes, for Kiln or any other backend in the process; only the
 import is left to the code that uses it (Inductor imports its own modules when it compiles).
 It is installed only over the function it was checked against (the torch versions in
-``_CHECKED``, the function still torch's own): on another torch it leaves torch as it is.
+``torch_wrap.CHECKED``, the function still torch's own): on another torch it leaves torch as it is.
 
 Kiln installs it when ``torch.compile`` looks up Kiln's backend by name (see
 ``backend._OnLookup``), when ``kiln.compile`` is called, and at the latest when its backend first
@@ -29,9 +29,10 @@ from collections.abc import Callable
 
 import torch
 
-# torch releases whose ``_is_static_for_cudagraphs`` was read: True for a non-CUDA tensor, the
-# CUDA-graph manager consulted only for CUDA tensors
-_CHECKED = ("2.13.",)
+from kiln.frontends.compile.torch_wrap import defined_in, release_checked, wrap_once
+
+# read in torch_wrap.CHECKED's releases: True for a non-CUDA tensor, the CUDA-graph manager
+# consulted only for CUDA tensors
 _NAME = "_is_static_for_cudagraphs"
 
 
@@ -42,22 +43,13 @@ def _wrap(original: Callable[[torch.Tensor], bool]) -> Callable[[torch.Tensor], 
             return True  # torch's answer for such a tensor, without its import
         return original(x)
 
-    is_static_for_cudagraphs.__kiln_wrapped__ = original  # type: ignore[attr-defined]
     return is_static_for_cudagraphs
 
 
 def install() -> bool:
     """Install the wrapper (once per process); whether it is in place."""
-    if not torch.__version__.startswith(_CHECKED):
+    if not release_checked():
         return False
     from torch._dynamo.variables import optimizer
 
-    current = getattr(optimizer, _NAME, None)
-    if current is None:
-        return False
-    if hasattr(current, "__kiln_wrapped__"):
-        return True
-    if getattr(current, "__module__", None) != optimizer.__name__:
-        return False  # someone else replaced it: leave theirs
-    setattr(optimizer, _NAME, _wrap(current))
-    return True
+    return wrap_once(optimizer, _NAME, _wrap, defined_in(optimizer.__name__))
