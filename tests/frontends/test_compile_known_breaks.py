@@ -13,6 +13,7 @@ import functools
 
 import pytest
 import torch
+from _hf_models import tiny_gpt2_lm
 from torch._dynamo import symbolic_convert
 from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
 
@@ -198,19 +199,8 @@ def test_other_backends_restart_as_torch_does():
 def test_gpt2_step_graphs_unchanged():
     """A real model's step (transformers GPT-2, library defaults but dropout 0): the same Kiln
     graphs and guards as with Dynamo's second pass, the same losses and parameters."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        vocab_size=97,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
     torch.manual_seed(0)
-    base = transformers.GPT2LMHeadModel(cfg)
+    base = tiny_gpt2_lm()
     ids = [torch.randint(0, 97, (2, 16)) for _ in range(2)]
     runs = {}
     for first_pass in (False, True):

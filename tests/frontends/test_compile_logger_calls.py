@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from _hf_models import tiny_gpt2_lm
 from torch._dynamo.utils import counters
 
 import kiln
@@ -179,24 +180,13 @@ def test_call_before_the_graphs_ops_is_made_even_when_the_graph_raises(records):
 
 
 def test_gpt2_default_config_trains_in_two_dynamo_graphs():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.utils import logging as hf_logging
 
     torch._dynamo.reset()
     counters.clear()
-    # dropout 0: compiled random masks are not eager's draws (as with Inductor)
-    cfg = transformers.GPT2Config(
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        vocab_size=97,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg)
+    model = tiny_gpt2_lm()
     ref = copy.deepcopy(model)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref)]
 

@@ -18,9 +18,7 @@ A graph Kiln cannot take at all runs as the ATen graph Dynamo gave it, counted i
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,6 +46,7 @@ from kiln.frontends.compile.aot_cache import (
 from kiln.frontends.compile.attention import attention_to_sdpa
 from kiln.frontends.compile.autograd_parts import detached_across_parts
 from kiln.frontends.compile.dropout import drop_zero_dropout
+from kiln.frontends.compile.frame_gc import cyclic_gc_paused
 from kiln.frontends.compile.frame_gc import install as _pause_gc_in_frame_compiles
 from kiln.frontends.compile.fx import UnsupportedGraph, fx_to_kiln
 from kiln.frontends.compile.gqa import sdpa_gqa
@@ -170,28 +169,6 @@ def _aot_backend(options: dict[str, Any]) -> Callable:
     )
 
 
-@contextlib.contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """CPython's cyclic garbage collector off for the length of one backend call, back on after
-    it (if it was on: a program that turned it off keeps it off).
-
-    AOTAutograd's tracing and Kiln's compile allocate hundreds of thousands of objects that live
-    until the call returns; CPython's collector answers with full collections over every object
-    of the process (torch, transformers, the model: ~400-540k objects), ~0.25 s each on this
-    machine, two of them in the backend calls of GPT-2's and BERT's cold first step.  Paused, the
-    call runs none; when it is back on, the objects the call left behind go through one young
-    collection.  Nothing is freed differently: reference counting goes on as usual, and cyclic
-    garbage made meanwhile is collected by the next collection after the call."""
-    was_on = gc.isenabled()
-    if was_on:
-        gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
-            gc.enable()
-
-
 # Calls that only switch autocast state: Dynamo keeps a ``with torch.autocast(...)`` block as
 # these two, also in a graph where nothing else is left (a graph break inside the block).
 _AUTOCAST_SWITCHES = (
@@ -221,7 +198,7 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
     :mod:`kiln.frontends.compile.gqa`) -> AOTAutograd, with AOTAutograd's cache on for Kiln
     (see :mod:`kiln.frontends.compile.aot_cache`): a new process skips AOTAutograd and Kiln's
     passes.  The rewrites run first, so the cache key is that of the rewritten graph.  The cyclic
-    garbage collector pauses for the call (:func:`_cyclic_gc_paused`).  torch.compile's
+    garbage collector pauses for the call (:func:`frame_gc.cyclic_gc_paused`).  torch.compile's
     ``options`` are Kiln config keys in force for this graph's compiles, its ``mode`` is
     Inductor's (see :mod:`kiln.frontends.compile.options`).  The first call stops Dynamo's
     optimizer tracing from importing Inductor for CPU tensors
@@ -235,7 +212,9 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
         # the XLA device (AOTAutograd cannot trace them: its fake tensors do not take them)
         metrics.incr("lazy_device_graphs")
         return gm.forward
-    with _cyclic_gc_paused(), config.scoped(**options):
+    # paused already where Dynamo's frame compile is (frame_gc), not where a caller runs the
+    # backend itself
+    with cyclic_gc_paused(), config.scoped(**options):
         if "dropout" not in config.disabled_passes:
             drop_zero_dropout(gm)
         if "attention" not in config.disabled_passes:
