@@ -225,3 +225,40 @@ def test_gpt2_step_graphs_unchanged():
         torch.testing.assert_close(b, a, rtol=0, atol=0)
     for a, b in zip(runs[False][1], runs[True][1]):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def _sum_loss_step(model, opt, x, y):
+    loss = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize(
+    "make_x",
+    [lambda: torch.randn(12, 6).t(), lambda: torch.randn(0, 12)],
+    ids=["non-contiguous", "zero-size"],
+)
+def test_odd_batches_match_second_pass_and_eager(make_x):
+    """A transposed (non-contiguous) batch and an empty one (a summed loss: 0 and zero
+    gradients, as eager), SGD with momentum so that the parameters show every gradient."""
+    torch.manual_seed(2)
+    x = make_x()
+    y = torch.randint(0, 5, (x.shape[0],))
+    base = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+    results = {}
+    for mode in ("second pass", "first pass", "eager"):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if mode == "eager":
+            run, report = _sum_loss_step, None
+        else:
+            run, report = _compile(_sum_loss_step)
+        with _dynamo_restarts(mode == "second pass"):
+            losses = [run(model, opt, x, y) for _ in range(2)]
+        results[mode] = ((losses, list(model.parameters())), report and report())
+    for mode in ("second pass", "first pass"):
+        torch.testing.assert_close(results[mode][0], results["eager"][0])
+    assert results["first pass"][1][:2] == results["second pass"][1][:2]  # graphs, guards
+    assert results["first pass"][1][2] >= 1 and results["second pass"][1][2] == 0
