@@ -7,8 +7,10 @@ For each workload (bench/workloads.py) and mode, a few warm steps run, then ``--
 generated kernels, Inductor's generated kernels, ATen views, ATen copies, other ATen) and the top
 kernels of each mode by self time.  Inductor's kernels appear as ranges through its
 ``cpp.enable_kernel_profile`` switch; Kiln's as ``kiln::kernel <name>`` ranges (kiln.observe.ranges:
-while a profiler records, the graph runs on the Python executor, so launcher overhead is not
-what the native launcher pays; kernel times are).  Kernel sources: ``--cache-dir`` keeps both
+while a profiler records, the graph runs on the Python executor, whose per-call Python lands in
+those ranges: a SiLU kernel of 47 us read 159 us).  So Kiln mode then runs ``--steps`` more steps
+unprofiled, on its native launcher, timed node by node (kiln.observe.node_times): those are
+Kiln's real kernel, GEMM and ATen times.  Kernel sources: ``--cache-dir`` keeps both
 compilers' caches (Inductor's C++ under ``inductor/``, Kiln's ``kiln explain`` reports under
 ``explain/``).
 """
@@ -32,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import kiln  # noqa: E402
 from bench.run import Runner, use_cache_dir  # noqa: E402
 from bench.workloads import build  # noqa: E402
+from kiln.observe.node_times import node_times  # noqa: E402
 
 GEMM = (
     "aten::mm",
@@ -79,17 +82,23 @@ def category(name: str) -> str | None:
     return None
 
 
-def profile_mode(name: str, mode: str, steps: int, warmup: int) -> tuple[dict, list]:
+def profile_mode(name: str, mode: str, steps: int, warmup: int) -> tuple[dict, list, str]:
     torch._dynamo.reset()
-    wl = build(name, False, warmup + steps)
+    wl = build(name, False, warmup + 2 * steps)
     r = Runner(mode, wl, 300.0)
     for b in wl.batches[:warmup]:
         r.run(b)
     if r.error:
         raise RuntimeError(f"{name}/{mode}: {r.error}")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for b in wl.batches[warmup:]:
+        for b in wl.batches[warmup : warmup + steps]:
             r.run(b)
+    native = ""
+    if mode == "kiln":  # the same steps again, unprofiled, timed node by node on the launcher
+        with node_times() as nt:
+            for b in wl.batches[warmup + steps :]:
+                r.run(b)
+        native = nt.table(steps, 25) if nt.native else "(graphs not on the native launcher)"
     if r.error:
         raise RuntimeError(f"{name}/{mode}: {r.error}")
     cats: dict[str, float] = collections.defaultdict(float)
@@ -101,8 +110,8 @@ def profile_mode(name: str, mode: str, steps: int, warmup: int) -> tuple[dict, l
         ms = ev.self_cpu_time_total / 1e3 / steps
         cats[c] += ms
         per.append((ms, ev.count // steps, ev.key))
-    cats["step (median wall)"] = sorted(r.times[warmup:])[steps // 2] * 1e3
-    return cats, sorted(per, reverse=True)
+    cats["step (median wall)"] = sorted(r.times[warmup : warmup + steps])[steps // 2] * 1e3
+    return cats, sorted(per, reverse=True), native
 
 
 def main() -> None:
@@ -121,16 +130,19 @@ def main() -> None:
     kiln.config.update(explain_dir=os.path.join(cache, "explain"))
     for name in a.workloads.split(","):
         res = {m: profile_mode(name, m, a.steps, a.warmup) for m in a.modes.split(",")}
-        cats = sorted({c for cs, _ in res.values() for c in cs})
+        cats = sorted({c for cs, _, _ in res.values() for c in cs})
         print(f"\n## {name}: self CPU ms/step ({a.threads} thread(s), {a.steps} steps)")
         print("| category | " + " | ".join(res) + " |")
         print("|---|" + "---|" * len(res))
         for c in cats:
             print(f"| {c} | " + " | ".join(f"{res[m][0].get(c, 0.0):.2f}" for m in res) + " |")
-        for m, (_, per) in res.items():
+        for m, (_, per, native) in res.items():
             print(f"\n### {name} {m}: top {a.top} by self CPU ms/step (calls/step)")
             for ms, n, key in per[: a.top]:
                 print(f"  {ms:7.3f}  {n:4d}  {key[:110]}")
+            if native:
+                print(f"\n### {name} {m}: wall ms/step per graph node on the native launcher")
+                print(native)
     print(f"\ncaches: {cache}")
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -188,6 +189,7 @@ class Executor:
             return None
         prog, n_slots = build_program(self.graph, self.steps)
         native = mod.Launcher(len(self.graph.nodes), prog, list(self.graph.outputs), n_slots)
+        _NATIVE.add(self)
         metrics.incr("launcher_graphs")
         metrics.incr("launcher_python_nodes", native.python_nodes())
         return native
@@ -253,3 +255,31 @@ class Executor:
         self._namespace = ns
         self._fast = ns["run"]
         return ns["run"]
+
+
+# Executors whose graphs run on the native launcher: where per-node times are read from.
+_NATIVE: weakref.WeakSet[Executor] = weakref.WeakSet()
+_KINDS = {2: "kernel", 3: "aten", 5: "writeback", 6: "python"}
+
+
+def set_node_timing(on: bool) -> bool:
+    """Switch the native launcher's per-node wall-time recording on or off (every graph); False
+    where graphs do not run on the launcher (nothing is recorded then)."""
+    if not launcher.available():
+        return False
+    launcher.load().set_timing(on)
+    return True
+
+
+def take_node_times() -> list[tuple[str, str, str, float, int]]:
+    """(graph hash, kind, name, seconds, runs) per graph node timed since the last call, and
+    clears them.  ``name``: a generated kernel's name, else the node's op."""
+    out = []
+    for ex in list(_NATIVE):
+        for node, kind, secs, runs in ex.native.take_times():
+            if kind not in _KINDS:  # reading inputs and constants, taking tuple elements
+                continue
+            step = ex.steps[node][1]
+            name = getattr(step, "kiln_kernel", None) or ex.graph.nodes[node].op
+            out.append((ex.graph.hash, _KINDS[kind], name, secs, runs))
+    return out

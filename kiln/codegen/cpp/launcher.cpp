@@ -22,6 +22,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <unordered_set>
@@ -62,6 +63,11 @@ struct PyValue final : c10::ivalue::PyObjectHolder {
 };
 
 using KernelFn = void (*)(void**, const int64_t*, const double*);
+
+// Per-instruction wall time, on while kiln.observe.node_times records (set_timing): one branch
+// per instruction when off.  Native times, unlike a profiler's ranges: the graph runs as it
+// always does, on this launcher.
+bool g_timing = false;
 
 enum Kind : int { IN = 0, CONST = 1, KERNEL = 2, ATEN = 3, GETITEM = 4, WRITEBACK = 5, PYCALL = 6 };
 enum Mode : int { FULL = 0, ONE = 1, BCAST = 2, BCAST_INNER = 3 };
@@ -215,9 +221,13 @@ class Launcher {
     alloc_ = alloc.is_none() ? nullptr : &alloc;
     try {
       py::gil_scoped_release nogil;
-      for (auto& in : instrs_) {
-        step(in, ins, vals, copies);
-        for (int64_t j : in.frees) vals[j] = IValue();
+      if (g_timing) {
+        run_timed(ins, vals, copies);
+      } else {
+        for (auto& in : instrs_) {
+          step(in, ins, vals, copies);
+          for (int64_t j : in.frees) vals[j] = IValue();
+        }
       }
     } catch (python_error& e) {  // raised in Python under the dispatcher: re-raised as it was
       alloc_ = nullptr;
@@ -248,6 +258,17 @@ class Launcher {
     for (auto& t : slots_) t = at::Tensor();
   }
 
+  // (node, instruction kind, seconds, runs) per instruction timed since the last call; clears
+  py::list take_times() {
+    py::list out;
+    for (size_t i = 0; i < secs_.size(); ++i)
+      if (runs_[i] > 0)
+        out.append(py::make_tuple(instrs_[i].node, instrs_[i].kind, secs_[i], runs_[i]));
+    secs_.clear();
+    runs_.clear();
+    return out;
+  }
+
   int64_t python_nodes() const {
     int64_t n = 0;
     for (auto& in : instrs_) n += in.kind == PYCALL;
@@ -261,6 +282,24 @@ class Launcher {
   std::vector<Instr> instrs_;
   py::object* alloc_ = nullptr;
   bool steal_ = false;
+  std::vector<double> secs_;  // per instruction, while timing
+  std::vector<int64_t> runs_;
+
+  void run_timed(std::vector<IValue>& ins, std::vector<IValue>& vals, int64_t& copies) {
+    if (secs_.size() != instrs_.size()) {
+      secs_.assign(instrs_.size(), 0.0);
+      runs_.assign(instrs_.size(), 0);
+    }
+    using clock = std::chrono::steady_clock;
+    for (size_t i = 0; i < instrs_.size(); ++i) {
+      Instr& in = instrs_[i];
+      const auto t0 = clock::now();
+      step(in, ins, vals, copies);
+      for (int64_t j : in.frees) vals[j] = IValue();  // a freed buffer's release counts too
+      secs_[i] += std::chrono::duration<double>(clock::now() - t0).count();
+      ++runs_[i];
+    }
+  }
 
   Instr parse(py::tuple t) {
     Instr in;
@@ -661,5 +700,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Launcher>(m, "Launcher", py::module_local())
       .def(py::init<int64_t, py::list, py::list, int64_t>())
       .def("run", &Launcher::run, py::arg("inputs"), py::arg("alloc"), py::arg("steal") = false)
-      .def("python_nodes", &Launcher::python_nodes);
+      .def("python_nodes", &Launcher::python_nodes)
+      .def("take_times", &Launcher::take_times);
+  m.def("set_timing", [](bool on) { g_timing = on; });
 }
