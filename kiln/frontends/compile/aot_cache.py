@@ -39,6 +39,7 @@ from torch._inductor.output_code import OutputCode
 
 from kiln import metrics
 from kiln.config import config
+from kiln.frontends.compile.alias_check import first_run
 from kiln.ir.graph import Graph
 from kiln.runtime import steps
 from kiln.runtime.cache import code_fingerprint, kiln_version
@@ -215,11 +216,19 @@ def make_runner(exe: Executable, out_spec: OutSpec) -> Callable[[list], list]:
     kinds = [k for k, _ in out_spec]
     idx = [v for _, v in out_spec]
     runs: list = []  # identifies this graph's runs to kiln.runtime.steps
+    first: list = [True]  # AOTAutograd's first call may run under its aliasing check (alias_check)
+
+    def execute(args: list) -> list:
+        return exe(args, steal=True)  # AOTAutograd hands the list over (boxed convention)
 
     def run(args: list) -> list:
         steps.graph_run(runs)  # step boundaries and KILN_MAX_STEPS (kiln.runtime.steps)
         t0 = time.perf_counter()
-        outs = exe(args, steal=True)  # AOTAutograd hands the list over (boxed convention)
+        if first:
+            first.clear()
+            outs = first_run(exe.graph, execute, args)
+        else:
+            outs = execute(args)
         args.clear()
         metrics.executed(time.perf_counter() - t0)
         return [outs[v] if k == "out" else v for k, v in zip(kinds, idx)]
