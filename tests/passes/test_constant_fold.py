@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from _passes_testlib import V, call, check_pass, f32
 
+from kiln.codegen.interpreter import build
 from kiln.ir import GraphBuilder, TensorType, verify
 from kiln.passes.constant_fold import constant_fold
 from kiln.passes.dce import dce
@@ -97,3 +98,44 @@ def test_symbolic_shapes_and_failures_leave_nodes_alone():
     g = b.build([y, n])
     out = verify(constant_fold(g))
     assert str(out) == str(g)
+
+
+def test_an_output_with_users_folds_into_a_copy_of_the_constant():
+    # The shape of a training forward's causal mask: a cumsum of a constant that backward reads
+    # too (an output) and that the mask's chain reads here.  The output becomes a copy of the
+    # folded value (never the stored constant itself), the chain reads the constant and folds.
+    b = GraphBuilder()
+    x = b.input(TensorType((4, 4), torch.bool))
+    ones = b.constant(torch.ones(4, dtype=torch.int64))
+    pos = call(b, "cumsum.default", [V(ones), -1], TensorType((4,), torch.int64))  # an output
+    col = call(b, "unsqueeze.default", [V(pos), 1], TensorType((4, 1), torch.int64))
+    mask = call(b, "le.Tensor", [V(pos), V(col)], TensorType((4, 4), torch.bool))
+    y = call(b, "bitwise_and.Tensor", [V(x), V(mask)], TensorType((4, 4), torch.bool))
+    view = call(b, "view.default", [V(ones), [2, 2]], TensorType((2, 2), torch.int64))  # no user
+    g = b.build([y, pos, view])
+    out = check_pass(
+        constant_fold,
+        g,
+        """
+        graph(%0: b8[4,4]) {
+          %1 = constant[0] : i64[4]
+          %2 = constant[1] : i64[4]
+          %3 = clone.default(%2) : i64[4]
+          %4 = constant[2] : i64[4,1]
+          %5 = constant[3] : b8[4,4]
+          %6 = bitwise_and.Tensor(%0, %5) : b8[4,4]
+          %7 = view.default(%1, [2, 2]) : i64[2,2]
+          return (%6, %3, %7)
+        }""",
+    )
+    pos_want = torch.arange(1, 5)
+    torch.testing.assert_close(out.constants[1], pos_want)
+    torch.testing.assert_close(out.constants[3], pos_want <= pos_want.unsqueeze(1))
+    # the copy is a fresh tensor each run: mutating one run's output leaves the next run's alone
+    run, _ = build(out)
+    mask_in = torch.ones(4, 4, dtype=torch.bool)
+    first = run([mask_in])
+    first[1].mul_(0)
+    second = run([mask_in])
+    torch.testing.assert_close(second[1], pos_want)
+    torch.testing.assert_close(second[0], pos_want <= pos_want.unsqueeze(1))

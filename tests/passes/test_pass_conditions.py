@@ -8,7 +8,7 @@ from _passes_testlib import V, call, check_pass, f32
 
 from kiln.ir import GraphBuilder, TensorType
 from kiln.passes._util import static_numel
-from kiln.passes.constant_fold import MAX_ELEMENTS, constant_fold
+from kiln.passes.constant_fold import MAX_BYTES, constant_fold
 from kiln.passes.simplify import simplify
 
 
@@ -37,43 +37,68 @@ def test_random_ops_of_constants_are_not_folded():
 
 
 def test_a_result_over_the_size_limit_is_not_folded_even_from_small_constants():
-    # [128, 1] * [1, 64] -> 8192 elements (over the limit) from two small constants; the
-    # [32, 1] * [1, 64] product (2048) folds
-    assert MAX_ELEMENTS == 4096
+    # [512, 1] * [1, 256] -> 512 KiB of float32 (over the limit) from two small constants; the
+    # [32, 1] * [1, 256] product (32 KiB) folds
+    assert MAX_BYTES == 256 * 1024
     b = GraphBuilder()
-    x = b.input(f32(128, 64))
-    col, row = b.constant(torch.linspace(-1, 1, 128).reshape(128, 1)), b.constant(torch.ones(1, 64))
-    big = call(b, "mul.Tensor", [V(col), V(row)], f32(128, 64))
-    y = call(b, "add.Tensor", [V(x), V(big)], f32(128, 64))
+    x = b.input(f32(512, 256))
+    col, row = (
+        b.constant(torch.linspace(-1, 1, 512).reshape(512, 1)),
+        b.constant(torch.ones(1, 256)),
+    )
+    big = call(b, "mul.Tensor", [V(col), V(row)], f32(512, 256))
+    y = call(b, "add.Tensor", [V(x), V(big)], f32(512, 256))
     small_col = b.constant(torch.linspace(-1, 1, 32).reshape(32, 1))
-    small = call(b, "mul.Tensor", [V(small_col), V(row)], f32(32, 64))
-    z = b.input(f32(32, 64))
-    w = call(b, "add.Tensor", [V(z), V(small)], f32(32, 64))
+    small = call(b, "mul.Tensor", [V(small_col), V(row)], f32(32, 256))
+    z = b.input(f32(32, 256))
+    w = call(b, "add.Tensor", [V(z), V(small)], f32(32, 256))
     out = check_pass(
         constant_fold,
         b.build([y, w]),
         """
-        graph(%0: f32[128,64], %7: f32[32,64]) {
-          %1 = constant[0] : f32[128,1]
-          %2 = constant[1] : f32[1,64]
-          %3 = mul.Tensor(%1, %2) : f32[128,64]
-          %4 = add.Tensor(%0, %3) : f32[128,64]
+        graph(%0: f32[512,256], %7: f32[32,256]) {
+          %1 = constant[0] : f32[512,1]
+          %2 = constant[1] : f32[1,256]
+          %3 = mul.Tensor(%1, %2) : f32[512,256]
+          %4 = add.Tensor(%0, %3) : f32[512,256]
           %5 = constant[2] : f32[32,1]
-          %6 = constant[3] : f32[32,64]
-          %8 = add.Tensor(%7, %6) : f32[32,64]
+          %6 = constant[3] : f32[32,256]
+          %8 = add.Tensor(%7, %6) : f32[32,256]
           return (%4, %8)
         }""",
     )
     torch.testing.assert_close(
-        out.constants[3], torch.linspace(-1, 1, 32).reshape(32, 1) * torch.ones(1, 64)
+        out.constants[3], torch.linspace(-1, 1, 32).reshape(32, 1) * torch.ones(1, 256)
     )
 
 
+def test_the_limit_is_in_bytes():
+    # 65,536 booleans (64 KiB) fold; as many float32 elements (256 KiB) are at the limit and
+    # fold; twice as many float32 (512 KiB) do not
+    for dtype, n, folds in (
+        (torch.bool, 65536, True),
+        (torch.float32, 65536, True),
+        (torch.float32, 131072, False),
+    ):
+        b = GraphBuilder()
+        x = b.input(TensorType((n,), dtype))
+        c = b.constant(torch.zeros(n, dtype=dtype))
+        d = call(
+            b,
+            "logical_not.default" if dtype == torch.bool else "neg.default",
+            [V(c)],
+            TensorType((n,), dtype),
+        )
+        y = call(b, "eq.Tensor", [V(x), V(d)], TensorType((n,), torch.bool))
+        out = constant_fold(b.build([y]))
+        assert (len(out.constants) == 2) == folds, (dtype, n)
+
+
 def test_a_reduction_of_a_constant_over_the_size_limit_is_not_folded():
-    # a one-element result, but its input holds 4096 elements
+    # a one-element result, but its input holds 512 KiB
     b = GraphBuilder()
     x = b.input(f32())
-    c = b.constant(torch.ones(64, 64))
+    c = b.constant(torch.ones(256, 512))
     s = call(b, "sum.default", [V(c)], f32())
     y = call(b, "add.Tensor", [V(x), V(s)], f32())
     g = b.build([y])

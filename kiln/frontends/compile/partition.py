@@ -26,6 +26,7 @@ from functorch.compile import min_cut_rematerialization_partition
 from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 from torch.utils.checkpoint import CheckpointPolicy
 
+from kiln.frontends.compile.constant_recompute import mark_constant_values
 from kiln.frontends.compile.joint_cse import joint_cse
 
 
@@ -92,9 +93,11 @@ def min_cut_keeping_mutated_reads(
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """:func:`min_cut_rematerialization_partition` after :func:`keep_reads_of_mutated_inputs`,
     with Kiln's CSE of the joint graph in place of the partitioner's own (which imports
-    Inductor's lowering: :mod:`kiln.frontends.compile.joint_cse`)."""
+    Inductor's lowering: :mod:`kiln.frontends.compile.joint_cse`), values computed from no input
+    recomputed (:mod:`kiln.frontends.compile.constant_recompute`)."""
     keep_reads_of_mutated_inputs(joint.graph)
     if functorch_config.cse:
         joint_cse(joint.graph)
+    mark_constant_values(joint.graph)  # recomputed and folded in both graphs, never saved
     with functorch_config.patch(cse=False):
         return min_cut_rematerialization_partition(joint, joint_inputs, **kw)
