@@ -14,6 +14,7 @@
 #include <ATen/ExpandUtils.h>
 #include <ATen/ScalarOps.h>
 #include <ATen/TensorUtils.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/Dtype.h>
@@ -113,6 +114,7 @@ struct Instr {
   // ATEN: tensor arguments copied to a safe layout first (aten_call.py's ARG_LAYOUT):
   // 1 = a unit last stride, 2 = contiguous
   int arg_layout = 0;
+  bool below_autograd = false;  // ATEN: called with autograd's dispatch keys excluded
   std::vector<Arg> args;
   size_t n_returns = 1;
   py::object callable;  // PYCALL
@@ -332,6 +334,7 @@ class Launcher {
         break;
       }
       case ATEN: {
+        in.below_autograd = t.size() > 10 && t[10].cast<bool>();
         try {
           parse_aten(in, t);
         } catch (const std::exception&) {
@@ -415,7 +418,13 @@ class Launcher {
         vals[in.node] = kernel(in.kernel, vals);
         return;
       case ATEN:
-        vals[in.node] = aten(in, vals);
+        if (in.below_autograd) {
+          // program.py's below_autograd: no write to an input, no view the caller gets back
+          at::AutoDispatchBelowADInplaceOrView below;
+          vals[in.node] = aten(in, vals);
+        } else {
+          vals[in.node] = aten(in, vals);
+        }
         return;
       case GETITEM:
         vals[in.node] = getitem(vals[in.a], in.b);
