@@ -87,13 +87,22 @@ def test_graph_with_custom_op_is_still_checked(mode_calls):
     torch._dynamo.reset()
     x = torch.randn(6, requires_grad=True)  # a training graph: through AOTAutograd
     before = metrics.get("aot_alias_checks_skipped")
-    with warnings.catch_warnings(record=True) as caught:
+    # the check warns (error_on_custom_op_aliasing defaults to True where CI is set: raises)
+    with (
+        torch._functorch.config.patch(error_on_custom_op_aliasing=False),
+        warnings.catch_warnings(record=True) as caught,
+    ):
         warnings.simplefilter("always")
         got = torch.compile(_custom, backend="kiln")(x)
     assert any("must not also be an input" in str(w.message) for w in caught)
     assert metrics.get("aot_alias_checks_skipped") == before
     assert torch.ops.kilntest_alias.same.default in mode_calls
     torch.testing.assert_close(got, (x * 2 + 1).detach())
+    # where it is set to raise, the error reaches the caller from Kiln's first run as well
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(error_on_custom_op_aliasing=True):
+        with pytest.raises(RuntimeError, match="must not also be an input"):
+            torch.compile(_custom, backend="kiln")(x)
 
 
 class _Counting(TorchDispatchMode):

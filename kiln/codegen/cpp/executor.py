@@ -143,6 +143,7 @@ class Executor:
 
     def __init__(self, g: Graph, calls: dict[int, Callable], slots: dict | None = None) -> None:
         self.graph = g
+        _LIVE.add(self)
         self._slots = slots if slots is not None else {}  # the kernels' memory-plan buffers
         self.free = last_uses(g)
         self._lock = threading.Lock()
@@ -259,7 +260,22 @@ class Executor:
 
 # Executors whose graphs run on the native launcher: where per-node times are read from.
 _NATIVE: weakref.WeakSet[Executor] = weakref.WeakSet()
+# Every executor alive: what graph constants the process holds
+_LIVE: weakref.WeakSet[Executor] = weakref.WeakSet()
 _KINDS = {2: "kernel", 3: "aten", 5: "writeback", 6: "python"}
+
+
+def held_constant_bytes() -> int:
+    """Bytes of the constants (folded values, captured tensors) that live graphs hold, each
+    storage counted once: memory compiled graphs keep between runs where eager builds the value
+    again each step."""
+    seen: dict[int, int] = {}
+    for ex in list(_LIVE):
+        for c in ex.graph.constants:
+            if isinstance(c, torch.Tensor):
+                st = c.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 def set_node_timing(on: bool) -> bool:
