@@ -232,7 +232,8 @@ def test_explicit_steps_end_a_step_and_forced_syncs_do_not():
     kiln.mark_step()
     steps = metrics.get("steps")
     y = x * 3
-    assert y.sum().item() == pytest.approx(float((x.cpu() * 3).sum()), rel=1e-6)  # forced
+    want, tol = float((x.cpu() * 3).sum()), 3e-6 * float(x.cpu().abs().sum())  # summation order
+    assert y.sum().item() == pytest.approx(want, abs=tol)  # forced
     assert metrics.get("steps") == steps
     z = y + 1
     kiln.mark_step()

@@ -97,13 +97,15 @@ def test_a_read_of_a_value_that_is_not_pending_runs_no_graph():
     kiln.mark_step()
     pending = (lx * 3).sum()  # the trace is not empty
     metrics.reset()
-    assert lx.sum().item() == pytest.approx(float(x.sum()))  # lx.sum() pending: a partial read
+    # Kiln's sum adds in another order than ATen's: within float32 rounding of sum(|x|)
+    tol = 1e-6 * float(x.abs().sum())
+    assert lx.sum().item() == pytest.approx(float(x.sum()), abs=tol)  # lx.sum(): a partial read
     assert metrics.get("graphs_executed") == 1 and metrics.get("partial_syncs") == 1
     torch.testing.assert_close(lx.cpu(), x)  # lx itself is not pending: no graph, no sync
     assert metrics.get("graphs_executed") == 1 and metrics.get("forced_syncs") == 1
     assert native.trace_len() > 0
     kiln.mark_step()
-    assert pending.item() == pytest.approx(float(x.sum()) * 3, rel=1e-6)
+    assert pending.item() == pytest.approx(float(x.sum()) * 3, abs=3 * tol)
 
 
 def test_item_of_a_value_that_is_there_needs_no_python_call():
@@ -150,6 +152,9 @@ def test_a_read_of_a_graph_with_inputs_is_computed_every_time():
         kiln.mark_step()
         pending = lx * 1.5
         assert bool((pending > 0).all()) is bool(k % 2)
-        assert (pending.sum() + 1).item() == pytest.approx(float((x * 1.5).sum()) + 1, rel=1e-5)
+        want = float((x * 1.5).sum()) + 1
+        assert (pending.sum() + 1).item() == pytest.approx(
+            want, abs=2e-6 * float(x.abs().sum()) + 1e-6
+        )
         kiln.mark_step()
     assert metrics.get("partial_syncs") == 8 and metrics.get("partial_syncs_reused") == 0
