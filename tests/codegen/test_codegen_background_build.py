@@ -25,6 +25,7 @@ _SRC = 'extern "C" int kiln_bg_%s(int x) { return x * %d; }\n'
 
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
+    assert cbuild.wait_idle(600)  # earlier tests' background builds count in the same metrics
     monkeypatch.setattr(config, "cache_dir", str(tmp_path))
     cbuild.forget_loaded()
     torch._dynamo.reset()

@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from functools import lru_cache
 from pathlib import Path
 
@@ -187,6 +188,16 @@ _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
 
 
+_in_flight: set[Future] = set()  # builds submitted and not yet done (this process)
+
+
+def wait_idle(timeout: float | None = None) -> bool:
+    """Wait until no build thread of this process has a unit to build (background builds the
+    compile path started); False if some are still running after ``timeout`` seconds."""
+    _, not_done = wait_futures(list(_in_flight), timeout=timeout)
+    return not not_done
+
+
 def _workers() -> ThreadPoolExecutor:
     """The build threads of this process (a forked child makes its own: its parent's are not
     in it)."""
@@ -205,6 +216,8 @@ class PendingUnit:
         self._args = (source, key, d, index)
         self._pid = os.getpid()
         self._future: Future = _workers().submit(_build_unit, *self._args)
+        _in_flight.add(self._future)
+        self._future.add_done_callback(_in_flight.discard)
 
     @property
     def running(self) -> bool:
