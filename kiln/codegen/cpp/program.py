@@ -68,16 +68,22 @@ def _arg(v: Any, type_str: str, inp: Sequence[int]) -> tuple | None:
     return None
 
 
+def _overload(n: Node) -> torch._ops.OpOverload | None:
+    """The ATen overload a node calls; None where its op is not one."""
+    try:
+        op = resolve(n.op)
+    except (AttributeError, KeyError):
+        return None
+    return op if isinstance(op, torch._ops.OpOverload) else None
+
+
 def aten_instr(n: Node, inp: Sequence[int]) -> tuple | None:
     """``(schema name, overload, argument specs, fallback op)`` for an ATen node, or None."""
     if n.op.startswith("opaque."):
         # kept on the Python path: named profiler ranges, data-dependent results
         return None
-    try:
-        op = resolve(n.op)
-    except (AttributeError, KeyError):
-        return None
-    if not isinstance(op, torch._ops.OpOverload):
+    op = _overload(n)
+    if op is None:
         return None
     schema = op._schema
     params = schema.arguments
@@ -148,23 +154,15 @@ def _aliases(n: Node) -> bool:
         cat = None
     if cat is Category.VIEW:
         return True
-    try:
-        op = resolve(n.op)
-    except (AttributeError, KeyError):
-        return True
-    if not isinstance(op, torch._ops.OpOverload):
+    op = _overload(n)
+    if op is None:
         return True
     return op.is_view or any(r.alias_info is not None for r in op._schema.returns)
 
 
 def _mutates(n: Node) -> bool:
-    try:
-        op = resolve(n.op)
-    except (AttributeError, KeyError):
-        return True
-    if not isinstance(op, torch._ops.OpOverload):
-        return True
-    return op._schema.is_mutable
+    op = _overload(n)
+    return op is None or op._schema.is_mutable
 
 
 def _escaping(g: Graph) -> set[int]:
