@@ -61,6 +61,7 @@ from kiln.frontends.compile.short_attention import sdpa_to_chain
 from kiln.ir.graph import Graph
 from kiln.ir.ops import keep_whole_ops
 from kiln.lowering.decompositions import DECOMPOSITIONS
+from kiln.lowering.foreach import FOREACH_DECOMPOSITIONS
 from kiln.runtime.cache import DiskCache
 from kiln.runtime.compiler import compile_graph
 from kiln.runtime.steps import call_site, stack_trace_frames
@@ -137,9 +138,16 @@ _KEEP = tuple(
     for pkt in (getattr(torch.ops.aten, n) for n in keep_whole_ops())
     for o in pkt.overloads()
 )
-# torch's table, Kiln's own entries (kiln/lowering/decompositions.py) in place of some
+# torch's table, Kiln's own entries (kiln/lowering/decompositions.py) in place of some, and
+# foreach ops as their per-element ops (kiln/lowering/foreach.py)
 _DECOMPS = {
-    k: v for k, v in {**core_aten_decompositions(), **DECOMPOSITIONS}.items() if k not in _KEEP
+    k: v
+    for k, v in {
+        **core_aten_decompositions(),
+        **DECOMPOSITIONS,
+        **FOREACH_DECOMPOSITIONS,
+    }.items()
+    if k not in _KEEP
 }
 
 
