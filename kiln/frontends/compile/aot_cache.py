@@ -39,6 +39,7 @@ from torch._inductor.output_code import OutputCode
 
 from kiln import metrics
 from kiln.config import config
+from kiln.frontends.compile import torch_key
 from kiln.frontends.compile.alias_check import first_run
 from kiln.ir.graph import Graph
 from kiln.runtime import steps
@@ -159,7 +160,10 @@ def aot_cache_settings(cache: bool = True) -> Iterator[None]:
     code generators (:func:`_key_without_inductor_codegen`), and no entry saved for a graph whose
     outputs are rebuilt by view replay (:func:`_no_entries_with_view_replay`).  Inductor and
     other backends are untouched.  ``cache=False``: the cache off for this call
-    (:func:`takes_python_scalars`)."""
+    (:func:`takes_python_scalars`).  torch's source key, part of AOTAutograd's, comes from Kiln's
+    memo where torch's files are unchanged (:mod:`kiln.frontends.compile.torch_key`)."""
+    if cache:
+        torch_key.prime()
     # the partitioner is not part of AOTAutograd's key (entries hold partitioned graphs)
     tag = cache_key_tag() + ("|recompute" if config.recompute else "")
     user_tag = torch.compiler.config.cache_key_tag
