@@ -63,9 +63,9 @@ def builtin_only(g: Graph) -> bool:
 def first_run(g: Graph, run: Callable[[list], Any], args: list) -> Any:
     """``run(args)`` for the graph's first call: without the checking mode where it is the top
     mode and the graph runs only ops it never inspects; else as it is."""
-    if _CHECK_MODE is not None and isinstance(_get_current_dispatch_mode(), _CHECK_MODE):
-        if builtin_only(g):
-            metrics.incr("aot_alias_checks_skipped")
-            with _pop_mode_temporarily():
-                return run(args)
+    checking = _CHECK_MODE is not None and isinstance(_get_current_dispatch_mode(), _CHECK_MODE)
+    if checking and builtin_only(g):
+        metrics.incr("aot_alias_checks_skipped")
+        with _pop_mode_temporarily():
+            return run(args)
     return run(args)

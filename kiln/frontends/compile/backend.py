@@ -54,6 +54,7 @@ from kiln.frontends.compile.inference import INFERENCE_FOLDER, Declined, Recorde
 from kiln.frontends.compile.known_breaks import install as _compile_known_breaks_at_once
 from kiln.frontends.compile.log_only import install as _skip_log_only_work
 from kiln.frontends.compile.logger_calls import install as _move_logging_calls
+from kiln.frontends.compile.optimizer_forms import install as _optimizer_forms
 from kiln.frontends.compile.optimizer_trace import install as _quiet_optimizer_trace
 from kiln.frontends.compile.options import compile_options
 from kiln.frontends.compile.partition import min_cut_keeping_mutated_reads
@@ -269,12 +270,14 @@ def _install_trace_wrappers() -> None:
     Kiln's frames only, one makes a library's logging call after the graph instead of breaking it
     (``logger_calls.py``), one compiles ``loss.backward()``'s graph break without re-tracing the
     frame (``known_breaks.py``), one pauses the cyclic collector while a frame compiles
-    (``frame_gc.py``)."""
+    (``frame_gc.py``), one traces torch's per-tensor optimizer loops as list ops
+    (``optimizer_forms.py``)."""
     _quiet_optimizer_trace()
     _skip_log_only_work()
     _move_logging_calls(_is_kiln_backend)
     _compile_known_breaks_at_once(_is_kiln_backend)
     _pause_gc_in_frame_compiles(_is_kiln_backend)
+    _optimizer_forms(_is_kiln_backend)
 
 
 def _is_kiln_backend(compiler_fn: Any) -> bool:
