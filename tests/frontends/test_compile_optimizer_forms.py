@@ -186,3 +186,41 @@ def test_other_backends_trace_torchs_loop():
     torch._dynamo.reset()
     _run(make_opt, _kiln, steps=1)
     assert kiln.metrics.get("optimizer_forms_traced") == 1
+
+
+def test_a_scheduled_learning_rate_is_a_graph_input_not_a_recompile():
+    """After a scheduler changes ``lr``, Dynamo passes it to the graph as a tensor; the form's
+    uses of it are tensor ops, so later values reuse the graph (as torch's loop does), and the
+    numbers stay eager's."""
+    torch._dynamo.reset()
+    kiln.metrics.reset()
+
+    def run(compile_fn):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+        def step(x):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        f = step if compile_fn is None else compile_fn(step)
+        g = torch.Generator().manual_seed(3)
+        losses = []
+        for _ in range(8):
+            losses.append(f(torch.randn(8, 6, generator=g)).detach())
+            sched.step()
+        return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+
+    want_l, want_p = run(None)
+    got_l, got_p = run(_kiln)
+    # lr 1e-2 (compiled with it as a constant), then four more values through one graph
+    assert kiln.metrics.get("optimizer_forms_traced") == 2
+    assert kiln.metrics.get("optimizer_forms_declined") == 0
+    torch.testing.assert_close(got_l, want_l, rtol=1e-6, atol=0)
+    for got, want in zip(got_p, want_p):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)

@@ -71,12 +71,17 @@ def adam_form(
 ) -> None:
     """``torch.optim.adam._single_tensor_adam`` (Adam and AdamW) as list ops, with eager's
     numbers; only what :func:`_adam_takes` accepts reaches it."""
+    dtype = params[0].dtype
+    # lr as a float64 tensor: where Dynamo made it symbolic (a scheduler changed it), its uses
+    # below are tensor ops, which the graph takes as an input instead of specializing each value
+    lr_t = torch.ones((), dtype=torch.float64) * lr
     aten._foreach_add_.Scalar(state_steps, 1)  # step_t += 1
     if maximize:
         grads = aten._foreach_neg.default(grads)  # grad = -grads[i]
     if weight_decay != 0:
         if decoupled_weight_decay:
-            aten._foreach_mul_.Scalar(params, 1 - lr * weight_decay)  # param.mul_(1 - lr * wd)
+            # param.mul_(1 - lr * weight_decay): the factor in double, rounded as ATen rounds it
+            aten._foreach_mul_.Tensor(params, (1 - lr_t * weight_decay).to(dtype))
         else:
             grads = aten._foreach_add.List(grads, params, alpha=weight_decay)
     aten._foreach_lerp_.Scalar(exp_avgs, grads, 1 - beta1)  # exp_avg.lerp_(grad, 1 - beta1)
@@ -87,9 +92,8 @@ def adam_form(
     step = torch.stack(state_steps).to(torch.float64)
     bias_correction1 = 1 - torch.pow(beta1, step)
     bias_correction2 = 1 - torch.pow(beta2, step)
-    neg_step_size = torch.div(torch.full_like(bias_correction1, lr), bias_correction1).neg()
+    neg_step_size = torch.div(lr_t, bias_correction1).neg()
     bias_correction2_sqrt = bias_correction2.sqrt()
-    dtype = params[0].dtype
     second = exp_avg_sqs
     if amsgrad:
         # torch.maximum(max_exp_avg_sqs[i], exp_avg_sq, out=max_exp_avg_sqs[i])
@@ -126,26 +130,37 @@ def _tensors(vt: Any) -> list[Any] | None:
     return out
 
 
+_FLAGS = (
+    "grad_scale",
+    "found_inf",
+    "has_complex",
+    "differentiable",
+    "amsgrad",
+    "maximize",
+    "decoupled_weight_decay",
+)
+_NUMBERS = ("lr", "beta1", "beta2", "weight_decay", "eps")
+
+
+def _number(vt: Any) -> bool:
+    """A Python number: a constant, or a float Dynamo made symbolic after it changed between
+    calls (a learning rate a scheduler sets: the form's Python arithmetic on it is traced as
+    the loop's is, in double)."""
+    from torch._dynamo.variables import SymNodeVariable
+
+    known, value = _constant(vt)
+    if known:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(vt, SymNodeVariable) and vt.python_type() in (int, float)
+
+
 def _adam_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     """Whether a traced call of torch's Adam loop is one :func:`adam_form` computes exactly:
     the arguments as ``torch.optim.adam.adam`` passes them (six lists, the rest by keyword)."""
     if len(args) != 6:
         return False
     consts = {}
-    for name in (
-        "grad_scale",
-        "found_inf",
-        "has_complex",
-        "differentiable",
-        "amsgrad",
-        "maximize",
-        "decoupled_weight_decay",
-        "lr",
-        "beta1",
-        "beta2",
-        "weight_decay",
-        "eps",
-    ):
+    for name in _FLAGS:
         if name not in kwargs:
             return False
         known, value = _constant(kwargs[name])
@@ -156,8 +171,7 @@ def _adam_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
         return False
     if consts["has_complex"] or consts["differentiable"]:
         return False
-    numbers = [consts[n] for n in ("lr", "beta1", "beta2", "weight_decay", "eps")]
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+    if not all(name in kwargs and _number(kwargs[name]) for name in _NUMBERS):
         return False
     lists = [_tensors(a) for a in args]
     if any(t is None for t in lists):
