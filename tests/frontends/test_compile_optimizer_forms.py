@@ -224,3 +224,43 @@ def test_a_scheduled_learning_rate_is_a_graph_input_not_a_recompile():
     torch.testing.assert_close(got_l, want_l, rtol=1e-6, atol=0)
     for got, want in zip(got_p, want_p):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
+
+
+SGD_CASES = [
+    ("sgd", lambda ps: torch.optim.SGD(ps, lr=1e-2)),
+    ("sgd-wd-maximize", lambda ps: torch.optim.SGD(ps, lr=1e-2, weight_decay=0.1, maximize=True)),
+    ("sgd-momentum", lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)),
+    (
+        "sgd-nesterov",
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    ),
+    ("sgd-dampening", lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.5, dampening=0.3)),
+]
+
+
+@pytest.mark.parametrize("make_opt", [m for _, m in SGD_CASES], ids=[i for i, _ in SGD_CASES])
+def test_the_sgd_form_gives_eagers_bits(make_opt):
+    """SGD's update has no step-dependent factor and no sqrt: bit for bit eager's, the first
+    step (momentum buffers created) and the later ones (buffers updated)."""
+    torch._dynamo.reset()
+    kiln.metrics.reset()
+    want_p, want_s = _run(make_opt, None)
+    got_p, got_s = _run(make_opt, _kiln)
+    assert kiln.metrics.get("optimizer_forms_traced") >= 1
+    assert kiln.metrics.get("optimizer_forms_declined") == 0
+    for got, want in zip(got_p, want_p):
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for got, want in zip(got_s, want_s):
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+
+
+def test_a_training_step_with_the_sgd_form_matches_eager():
+    torch._dynamo.reset()
+    kiln.metrics.reset()
+    check_compiled_step_matches_eager(
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), kiln.compile
+    )
+    assert kiln.metrics.get("optimizer_forms_traced") >= 1

@@ -21,6 +21,10 @@ ATen's CPU kernel.  (Python's ``x ** 0.5`` and ``beta ** step`` call the C libra
 ATen's double ``sqrt`` is exact and its ``pow`` within 1 ulp, so a float64 intermediate can
 differ in its last bit; rounded to float32 that shows in about one value in 10^8.)
 
+SGD (``_single_tensor_sgd``) has the same form: the same ATen ops (``add`` with ``alpha``,
+``mul_``/``add_`` on the momentum buffers; on the first step the buffers are the gradients'
+clones, put in the list as the loop does), bit for bit eager's.
+
 Used when (else Dynamo traces torch's loop, as before): the frame is compiled by Kiln's backend,
 every tensor is on the CPU, parameters and gradients share one dtype, no complex parameters, not
 ``differentiable``, no grad scaler, ``lr`` and the betas Python numbers.  Counted as
@@ -36,6 +40,7 @@ from typing import Any
 
 import torch
 from torch.optim import adam as _torch_adam
+from torch.optim import sgd as _torch_sgd
 
 from kiln import metrics
 from kiln.frontends.compile.torch_wrap import defined_in, wrap_once
@@ -189,9 +194,92 @@ def _adam_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     return all(getattr(t.device, "type", None) == "cpu" for lst in lists for t in lst)
 
 
+def sgd_form(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    momentum_buffer_list: list[torch.Tensor | None],
+    grad_scale: None = None,
+    found_inf: None = None,
+    *,
+    weight_decay: float,
+    momentum: float,
+    lr: float,
+    dampening: float,
+    nesterov: bool,
+    maximize: bool,
+    **unused: Any,
+) -> None:
+    """``torch.optim.sgd._single_tensor_sgd`` as list ops, with eager's numbers; only what
+    :func:`_sgd_takes` accepts reaches it."""
+    if maximize:
+        grads = aten._foreach_neg.default(grads)  # grad = -grads[i]
+    if weight_decay != 0:
+        grads = aten._foreach_add.List(grads, params, alpha=weight_decay)
+    if momentum != 0:
+        if momentum_buffer_list[0] is None:
+            # the first step: buf = grad.detach().clone(), kept in the list for the state
+            for i, g in enumerate(grads):
+                momentum_buffer_list[i] = g.detach().clone()
+        else:
+            # buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+            aten._foreach_mul_.Scalar(momentum_buffer_list, momentum)
+            aten._foreach_add_.List(momentum_buffer_list, grads, alpha=1 - dampening)
+        if nesterov:
+            grads = aten._foreach_add.List(grads, momentum_buffer_list, alpha=momentum)
+        else:
+            grads = momentum_buffer_list
+    aten._foreach_add_.List(params, grads, alpha=-lr)  # param.add_(grad, alpha=-lr)
+
+
+def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a traced call of torch's SGD loop is one :func:`sgd_form` computes exactly: the
+    arguments as ``torch.optim.sgd.sgd`` passes them (three lists, the rest by keyword), the
+    momentum buffers all unset (the first step) or all tensors."""
+    if len(args) != 3:
+        return False
+    consts = {}
+    for name in ("grad_scale", "found_inf", "has_sparse_grad", "nesterov", "maximize"):
+        known, value = _constant(kwargs[name]) if name in kwargs else (False, None)
+        if not known:
+            return False
+        consts[name] = value
+    if consts["grad_scale"] is not None or consts["found_inf"] is not None:
+        return False
+    if consts["has_sparse_grad"]:
+        return False
+    for name in ("weight_decay", "momentum", "dampening"):  # the form branches on them
+        known, value = _constant(kwargs[name]) if name in kwargs else (False, None)
+        if not known or not isinstance(value, (int, float)) or isinstance(value, bool):
+            return False
+        consts[name] = value
+    if "lr" not in kwargs or not _number(kwargs["lr"]):
+        return False
+    params, grads = _tensors(args[0]), _tensors(args[1])
+    if not params or grads is None or len(params) != len(grads):
+        return False
+    buffers = getattr(args[2], "items", None)
+    if not isinstance(buffers, list):
+        return False
+    if consts["momentum"] == 0:  # no buffers: torch's step() lists none without momentum
+        buffers = []
+    elif len(buffers) != len(params):
+        return False
+    unset = [_constant(b) == (True, None) for b in buffers]
+    if any(unset) and not all(unset):
+        return False
+    state = [] if all(unset) else _tensors(args[2])
+    if state is None:
+        return False
+    dtype = params[0].dtype
+    if any(t.dtype != dtype for t in params + grads + state):
+        return False
+    return all(getattr(t.device, "type", None) == "cpu" for t in params + grads + state)
+
+
 # torch's loop -> Kiln's form
 FORMS: dict[Callable[..., Any], tuple[Callable[..., bool], Callable[..., Any]]] = {
     _torch_adam._single_tensor_adam: (_adam_takes, adam_form),
+    _torch_sgd._single_tensor_sgd: (_sgd_takes, sgd_form),
 }
 
 
