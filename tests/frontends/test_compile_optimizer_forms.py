@@ -57,6 +57,28 @@ def _max_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(((x - y).abs().max().item() if x.numel() else 0.0) for x, y in zip(a, b))
 
 
+def _form_against_eager(
+    make_opt: Callable, rtol: float, atol: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Optimizer steps through Kiln (the form taken, never declined) against eager: parameters
+    within ``rtol``/``atol`` with eager's strides, optimizer state bit for bit; the compiled and
+    eager parameters."""
+    torch._dynamo.reset()
+    kiln.metrics.reset()
+    want_p, want_s = _run(make_opt, None)
+    got_p, got_s = _run(make_opt, _kiln)
+    assert kiln.metrics.get("optimizer_forms_traced") >= 1
+    assert kiln.metrics.get("optimizer_forms_declined") == 0
+    for got, want in zip(got_p, want_p):
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    for got, want in zip(got_s, want_s):
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+    return got_p, want_p
+
+
 CASES = [
     ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
     ("adamw-wd", lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.3, betas=(0.8, 0.95))),
@@ -70,19 +92,8 @@ CASES = [
 
 @pytest.mark.parametrize("make_opt", [m for _, m in CASES], ids=[i for i, _ in CASES])
 def test_the_form_gives_eagers_numbers(make_opt, monkeypatch):
-    torch._dynamo.reset()
-    kiln.metrics.reset()
-    want_p, want_s = _run(make_opt, None)
-    got_p, got_s = _run(make_opt, _kiln)
-    assert kiln.metrics.get("optimizer_forms_traced") >= 1
-    assert kiln.metrics.get("optimizer_forms_declined") == 0
-    for got, want in zip(got_p, want_p):
-        assert got.stride() == want.stride()
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
-    for got, want in zip(got_s, want_s):
-        for k in want:
-            # the moments and steps take the same ATen ops with the same arguments
-            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+    # the moments and steps take the same ATen ops with the same arguments: bit for bit
+    got_p, want_p = _form_against_eager(make_opt, rtol=1e-6, atol=1e-8)
     # and at least as close as Dynamo's trace of torch's loop, which Kiln compiled before
     torch._dynamo.reset()
     monkeypatch.setattr(optimizer_forms, "FORMS", {})
@@ -118,18 +129,40 @@ def test_what_the_form_does_not_cover_traces_torchs_loop(make_opt):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_mixed_dtypes_trace_torchs_loop():
+DECLINED_PARAMS = [
+    (
+        "mixed-dtypes",
+        lambda: [
+            torch.nn.Parameter(torch.randn(4, 3)),
+            torch.nn.Parameter(torch.randn(5).double()),
+        ],
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    ),
+    (
+        "complex",
+        lambda: [torch.nn.Parameter(torch.randn(4, 3, dtype=torch.complex64))],
+        lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "make_params,make_opt",
+    [(p, o) for _, p, o in DECLINED_PARAMS],
+    ids=[i for i, _, _ in DECLINED_PARAMS],
+)
+def test_parameters_the_form_does_not_cover_trace_torchs_loop(make_params, make_opt):
     torch._dynamo.reset()
     kiln.metrics.reset()
 
     def run(compile_fn):
         torch.manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5).double())]
-        opt = torch.optim.AdamW(ps, lr=1e-2)
+        ps = make_params()
+        opt = make_opt(ps)
         f = opt.step if compile_fn is None else compile_fn(lambda: opt.step())
-        for _ in range(3):
+        for k in range(3):
             for p in ps:
-                p.grad = torch.ones_like(p)
+                p.grad = torch.full_like(p, 0.5 - 0.25 * k)
             f()
         return [p.detach().clone() for p in ps]
 
@@ -138,25 +171,6 @@ def test_mixed_dtypes_trace_torchs_loop():
     assert kiln.metrics.get("optimizer_forms_traced") == 0
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
-
-
-def test_complex_parameters_trace_torchs_loop():
-    torch._dynamo.reset()
-    kiln.metrics.reset()
-
-    def run(compile_fn):
-        torch.manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(4, 3, dtype=torch.complex64))]
-        opt = torch.optim.Adam(ps, lr=1e-2)
-        f = opt.step if compile_fn is None else compile_fn(lambda: opt.step())
-        for _ in range(3):
-            ps[0].grad = torch.full_like(ps[0], 0.5 - 0.25j)
-            f()
-        return ps[0].detach().clone()
-
-    want, got = run(None), run(_kiln)
-    assert kiln.metrics.get("optimizer_forms_traced") == 0
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_other_backends_trace_torchs_loop():
@@ -242,19 +256,7 @@ SGD_CASES = [
 def test_the_sgd_form_gives_eagers_bits(make_opt):
     """SGD's update has no step-dependent factor and no sqrt: bit for bit eager's, the first
     step (momentum buffers created) and the later ones (buffers updated)."""
-    torch._dynamo.reset()
-    kiln.metrics.reset()
-    want_p, want_s = _run(make_opt, None)
-    got_p, got_s = _run(make_opt, _kiln)
-    assert kiln.metrics.get("optimizer_forms_traced") >= 1
-    assert kiln.metrics.get("optimizer_forms_declined") == 0
-    for got, want in zip(got_p, want_p):
-        assert got.stride() == want.stride()
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    for got, want in zip(got_s, want_s):
-        assert got.keys() == want.keys()
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+    _form_against_eager(make_opt, rtol=0, atol=0)
 
 
 def test_a_training_step_with_the_sgd_form_matches_eager():
