@@ -135,6 +135,25 @@ def _tensors(vt: Any) -> list[Any] | None:
     return out
 
 
+def _constants(kwargs: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any] | None:
+    """The Python values of keyword arguments ``names``, or None where one is missing or is not
+    a constant to Dynamo."""
+    out = {}
+    for name in names:
+        if name not in kwargs:
+            return None
+        known, value = _constant(kwargs[name])
+        if not known:
+            return None
+        out[name] = value
+    return out
+
+
+def _cpu_one_dtype(tensors: list[Any], dtype: torch.dtype) -> bool:
+    """Every tensor variable of ``tensors`` on the CPU with ``dtype``."""
+    return all(t.dtype == dtype and getattr(t.device, "type", None) == "cpu" for t in tensors)
+
+
 _FLAGS = (
     "grad_scale",
     "found_inf",
@@ -164,14 +183,9 @@ def _adam_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     the arguments as ``torch.optim.adam.adam`` passes them (six lists, the rest by keyword)."""
     if len(args) != 6:
         return False
-    consts = {}
-    for name in _FLAGS:
-        if name not in kwargs:
-            return False
-        known, value = _constant(kwargs[name])
-        if not known:
-            return False
-        consts[name] = value
+    consts = _constants(kwargs, _FLAGS)
+    if consts is None:
+        return False
     if consts["grad_scale"] is not None or consts["found_inf"] is not None:
         return False
     if consts["has_complex"] or consts["differentiable"]:
@@ -186,12 +200,11 @@ def _adam_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
         return False
     if consts["amsgrad"] and len(max_exp_avg_sqs) != len(params):
         return False
-    dtype = params[0].dtype
-    if any(t.dtype != dtype for t in params + grads + exp_avgs + exp_avg_sqs + max_exp_avg_sqs):
+    if not _cpu_one_dtype(
+        params + grads + exp_avgs + exp_avg_sqs + max_exp_avg_sqs, params[0].dtype
+    ):
         return False
-    if len({t.dtype for t in steps}) != 1:
-        return False
-    return all(getattr(t.device, "type", None) == "cpu" for lst in lists for t in lst)
+    return _cpu_one_dtype(steps, steps[0].dtype)
 
 
 def sgd_form(
@@ -237,21 +250,21 @@ def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     momentum buffers all unset (the first step) or all tensors."""
     if len(args) != 3:
         return False
-    consts = {}
-    for name in ("grad_scale", "found_inf", "has_sparse_grad", "nesterov", "maximize"):
-        known, value = _constant(kwargs[name]) if name in kwargs else (False, None)
-        if not known:
-            return False
-        consts[name] = value
+    # the form branches on weight_decay, momentum and dampening: constants, numbers
+    numbers = ("weight_decay", "momentum", "dampening")
+    consts = _constants(
+        kwargs, ("grad_scale", "found_inf", "has_sparse_grad", "nesterov", "maximize") + numbers
+    )
+    if consts is None:
+        return False
     if consts["grad_scale"] is not None or consts["found_inf"] is not None:
         return False
     if consts["has_sparse_grad"]:
         return False
-    for name in ("weight_decay", "momentum", "dampening"):  # the form branches on them
-        known, value = _constant(kwargs[name]) if name in kwargs else (False, None)
-        if not known or not isinstance(value, (int, float)) or isinstance(value, bool):
-            return False
-        consts[name] = value
+    if not all(
+        isinstance(consts[n], (int, float)) and not isinstance(consts[n], bool) for n in numbers
+    ):
+        return False
     if "lr" not in kwargs or not _number(kwargs["lr"]):
         return False
     params, grads = _tensors(args[0]), _tensors(args[1])
@@ -270,10 +283,7 @@ def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     state = [] if all(unset) else _tensors(args[2])
     if state is None:
         return False
-    dtype = params[0].dtype
-    if any(t.dtype != dtype for t in params + grads + state):
-        return False
-    return all(getattr(t.device, "type", None) == "cpu" for t in params + grads + state)
+    return _cpu_one_dtype(params + grads + state, params[0].dtype)
 
 
 # torch's loop -> Kiln's form

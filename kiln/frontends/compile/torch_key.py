@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch
 import torch._inductor.codecache as _codecache
 
 from kiln import metrics
+from kiln.codegen.cpp.build import _write_atomic
 from kiln.config import config
 
 _MEMO_NAME = "torch_key.json"
@@ -80,14 +80,7 @@ def _read_memo(path: Path) -> dict | None:
 
 def _write_memo(path: Path, fp: str, key: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".torch_key.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"fingerprint": fp, "key": key.hex()}, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _write_atomic(path, json.dumps({"fingerprint": fp, "key": key.hex()}).encode())
 
 
 def _torch_root() -> str:
