@@ -216,6 +216,36 @@ def test_other_backends_trace_torchs_loop():
     assert kiln.metrics.get("optimizer_forms_traced") == 1
 
 
+def _scheduled_training(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    loss_fn: Callable,
+    batches: list[torch.Tensor],
+    compile_fn: Callable | None,
+    clip: float | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Train on ``batches`` (forward, backward, optional ``clip_grad_norm_``, step, zero_grad;
+    the whole step compiled by ``compile_fn`` if given), the scheduler stepped after each: the
+    losses and the final parameters."""
+
+    def step(batch):
+        loss = loss_fn(batch)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    f = step if compile_fn is None else compile_fn(step)
+    losses = []
+    for batch in batches:
+        losses.append(f(batch).detach())
+        sched.step()
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+
+
 def test_a_scheduled_learning_rate_is_a_graph_input_not_a_recompile():
     """After a scheduler changes ``lr``, Dynamo passes it to the graph as a tensor; the form's
     uses of it are tensor ops, so later values reuse the graph (as torch's loop does), and the
@@ -229,20 +259,11 @@ def test_a_scheduled_learning_rate_is_a_graph_input_not_a_recompile():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
-        def step(x):
-            loss = model(x).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        f = step if compile_fn is None else compile_fn(step)
         g = torch.Generator().manual_seed(3)
-        losses = []
-        for _ in range(8):
-            losses.append(f(torch.randn(8, 6, generator=g)).detach())
-            sched.step()
-        return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+        batches = [torch.randn(8, 6, generator=g) for _ in range(8)]
+        return _scheduled_training(
+            model, opt, sched, lambda x: model(x).pow(2).mean(), batches, compile_fn
+        )
 
     want_l, want_p = run(None)
     got_l, got_p = run(_kiln)
@@ -315,21 +336,12 @@ def test_a_warmup_from_zero_two_parameter_groups_and_clipping_match_eager():
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 3))
 
-        def step(ids):
-            loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            return loss
+        def loss_fn(ids):
+            return torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
 
-        f = step if compile_fn is None else compile_fn(step)
         g = torch.Generator().manual_seed(2)
-        losses = []
-        for _ in range(6):
-            losses.append(f(torch.randint(0, 20, (4, 9), generator=g)).detach())
-            sched.step()
-        return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+        batches = [torch.randint(0, 20, (4, 9), generator=g) for _ in range(6)]
+        return _scheduled_training(model, opt, sched, loss_fn, batches, compile_fn, clip=1.0)
 
     kiln.metrics.reset()
     want_l, want_p = run(None)
