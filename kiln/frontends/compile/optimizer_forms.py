@@ -1,4 +1,5 @@
-"""Eager-exact list forms of torch.optim's per-tensor update loops, traced in Kiln's frames.
+"""Eager-exact list forms of torch.optim's per-tensor update loops, traced in Kiln's frames:
+Adam and AdamW, SGD, RMSprop and Adagrad.
 
 Why: on CPU, torch's default optimizer path is the per-tensor loop (``_single_tensor_adam``;
 torch offers its foreach kernels only for accelerators), and Dynamo interprets that loop once per
@@ -21,9 +22,17 @@ ATen's CPU kernel.  (Python's ``x ** 0.5`` and ``beta ** step`` call the C libra
 ATen's double ``sqrt`` is exact and its ``pow`` within 1 ulp, so a float64 intermediate can
 differ in its last bit; rounded to float32 that shows in about one value in 10^8.)
 
-SGD (``_single_tensor_sgd``) has the same form: the same ATen ops (``add`` with ``alpha``,
-``mul_``/``add_`` on the momentum buffers; on the first step the buffers are the gradients'
-clones, put in the list as the loop does), bit for bit eager's.
+SGD (``_single_tensor_sgd``) has the same form: the same ATen ops (``mul_``/``add_`` on the
+momentum buffers; on the first step the buffers are the gradients' clones, put in the list as
+the loop does), bit for bit eager's.  Its ``param.add_(grad, alpha=-lr)`` is one fused
+multiply-add per element with ``-lr`` rounded to the parameters' dtype, as ATen's kernel computes
+it, with ``-lr`` a tensor (``optimizer_form_args.added_scaled``): Dynamo's trace of the loop
+passes it as a Python number, so a scheduler that changes ``lr`` every step had the optimizer
+step compiled again at every step (until Dynamo's recompile limit); the form compiles it twice.
+
+RMSprop and Adagrad have forms of their own, in
+:mod:`kiln.frontends.compile.optimizer_forms_adaptive` (Adagrad's decayed learning rate in
+float64, as eager computes it).
 
 Used when (else Dynamo traces torch's loop, as before): the frame is compiled by Kiln's backend,
 every tensor is on the CPU, parameters and gradients share one dtype, no complex parameters, not
@@ -39,19 +48,30 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.optim import adagrad as _torch_adagrad
 from torch.optim import adam as _torch_adam
+from torch.optim import rmsprop as _torch_rmsprop
 from torch.optim import sgd as _torch_sgd
 
 from kiln import metrics
+from kiln.frontends.compile.optimizer_form_args import (
+    added_scaled,
+    constant,
+    constants,
+    cpu_one_dtype,
+    number,
+    one_each,
+    tensors,
+)
+from kiln.frontends.compile.optimizer_forms_adaptive import (
+    adagrad_form,
+    adagrad_takes,
+    rmsprop_form,
+    rmsprop_takes,
+)
 from kiln.frontends.compile.torch_wrap import defined_in, wrap_once
 
 aten = torch.ops.aten
-
-
-def _one_each(values: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
-    """A float64 vector of per-parameter numbers as 0-dim tensors of ``dtype``, each rounded as
-    ATen rounds a Python float argument of an op on ``dtype`` tensors."""
-    return list(values.to(dtype).unbind(0))
 
 
 def adam_form(
@@ -106,52 +126,12 @@ def adam_form(
         second = max_exp_avg_sqs
     # denom = (second.sqrt() / bias_correction2_sqrt).add_(eps)
     denom = aten._foreach_sqrt.default(second)
-    denom = aten._foreach_div.List(denom, _one_each(bias_correction2_sqrt, dtype))
+    denom = aten._foreach_div.List(denom, one_each(bias_correction2_sqrt, dtype))
     denom = aten._foreach_add.Scalar(denom, eps)
     # param.addcdiv_(exp_avg, denom, value=-step_size): param + (-step_size * exp_avg) / denom
-    update = aten._foreach_mul.List(exp_avgs, _one_each(neg_step_size, dtype))
+    update = aten._foreach_mul.List(exp_avgs, one_each(neg_step_size, dtype))
     update = aten._foreach_div.List(update, denom)
     aten._foreach_add_.List(params, update)
-
-
-def _constant(vt: Any) -> tuple[bool, Any]:
-    """``(True, value)`` for a variable Dynamo knows as a Python constant, else ``(False, None)``."""
-    if vt.is_python_constant():
-        return True, vt.as_python_constant()
-    return False, None
-
-
-def _tensors(vt: Any) -> list[Any] | None:
-    """The tensor variables of a list variable, or None where it is not one."""
-    items = getattr(vt, "items", None)
-    if not isinstance(items, list):
-        return None
-    out = []
-    for item in items:
-        item = item.realize() if hasattr(item, "realize") else item
-        if not hasattr(item, "dtype") or not hasattr(item, "device"):
-            return None
-        out.append(item)
-    return out
-
-
-def _constants(kwargs: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any] | None:
-    """The Python values of keyword arguments ``names``, or None where one is missing or is not
-    a constant to Dynamo."""
-    out = {}
-    for name in names:
-        if name not in kwargs:
-            return None
-        known, value = _constant(kwargs[name])
-        if not known:
-            return None
-        out[name] = value
-    return out
-
-
-def _cpu_one_dtype(tensors: list[Any], dtype: torch.dtype) -> bool:
-    """Every tensor variable of ``tensors`` on the CPU with ``dtype``."""
-    return all(t.dtype == dtype and getattr(t.device, "type", None) == "cpu" for t in tensors)
 
 
 _FLAGS = (
@@ -166,33 +146,21 @@ _FLAGS = (
 _NUMBERS = ("lr", "beta1", "beta2", "weight_decay", "eps")
 
 
-def _number(vt: Any) -> bool:
-    """A Python number: a constant, or a float Dynamo made symbolic after it changed between
-    calls (a learning rate a scheduler sets: the form's Python arithmetic on it is traced as
-    the loop's is, in double)."""
-    from torch._dynamo.variables import SymNodeVariable
-
-    known, value = _constant(vt)
-    if known:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(vt, SymNodeVariable) and vt.python_type() in (int, float)
-
-
 def _adam_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     """Whether a traced call of torch's Adam loop is one :func:`adam_form` computes exactly:
     the arguments as ``torch.optim.adam.adam`` passes them (six lists, the rest by keyword)."""
     if len(args) != 6:
         return False
-    consts = _constants(kwargs, _FLAGS)
+    consts = constants(kwargs, _FLAGS)
     if consts is None:
         return False
     if consts["grad_scale"] is not None or consts["found_inf"] is not None:
         return False
     if consts["has_complex"] or consts["differentiable"]:
         return False
-    if not all(name in kwargs and _number(kwargs[name]) for name in _NUMBERS):
+    if not all(name in kwargs and number(kwargs[name]) for name in _NUMBERS):
         return False
-    lists = [_tensors(a) for a in args]
+    lists = [tensors(a) for a in args]
     if any(t is None for t in lists):
         return False
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = lists
@@ -200,11 +168,11 @@ def _adam_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
         return False
     if consts["amsgrad"] and len(max_exp_avg_sqs) != len(params):
         return False
-    if not _cpu_one_dtype(
+    if not cpu_one_dtype(
         params + grads + exp_avgs + exp_avg_sqs + max_exp_avg_sqs, params[0].dtype
     ):
         return False
-    return _cpu_one_dtype(steps, steps[0].dtype)
+    return cpu_one_dtype(steps, steps[0].dtype)
 
 
 def sgd_form(
@@ -241,7 +209,10 @@ def sgd_form(
             grads = aten._foreach_add.List(grads, momentum_buffer_list, alpha=momentum)
         else:
             grads = momentum_buffer_list
-    aten._foreach_add_.List(params, grads, alpha=-lr)  # param.add_(grad, alpha=-lr)
+    # param.add_(grad, alpha=-lr), -lr a tensor: a scheduled lr is a graph input (Dynamo's trace
+    # of torch's loop, alpha a Python number, recompiled the step for every new value)
+    neg_lr = (torch.ones(len(params), dtype=torch.float64) * lr).neg()
+    added_scaled(params, grads, neg_lr, params[0].dtype)
 
 
 def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
@@ -252,7 +223,7 @@ def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
         return False
     # the form branches on weight_decay, momentum and dampening: constants, numbers
     numbers = ("weight_decay", "momentum", "dampening")
-    consts = _constants(
+    consts = constants(
         kwargs, ("grad_scale", "found_inf", "has_sparse_grad", "nesterov", "maximize") + numbers
     )
     if consts is None:
@@ -265,9 +236,9 @@ def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
         isinstance(consts[n], (int, float)) and not isinstance(consts[n], bool) for n in numbers
     ):
         return False
-    if "lr" not in kwargs or not _number(kwargs["lr"]):
+    if "lr" not in kwargs or not number(kwargs["lr"]):
         return False
-    params, grads = _tensors(args[0]), _tensors(args[1])
+    params, grads = tensors(args[0]), tensors(args[1])
     if not params or grads is None or len(params) != len(grads):
         return False
     buffers = getattr(args[2], "items", None)
@@ -277,19 +248,21 @@ def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
         buffers = []
     elif len(buffers) != len(params):
         return False
-    unset = [_constant(b) == (True, None) for b in buffers]
+    unset = [constant(b) == (True, None) for b in buffers]
     if any(unset) and not all(unset):
         return False
-    state = [] if all(unset) else _tensors(args[2])
+    state = [] if all(unset) else tensors(args[2])
     if state is None:
         return False
-    return _cpu_one_dtype(params + grads + state, params[0].dtype)
+    return cpu_one_dtype(params + grads + state, params[0].dtype)
 
 
 # torch's loop -> Kiln's form
 FORMS: dict[Callable[..., Any], tuple[Callable[..., bool], Callable[..., Any]]] = {
     _torch_adam._single_tensor_adam: (_adam_takes, adam_form),
     _torch_sgd._single_tensor_sgd: (_sgd_takes, sgd_form),
+    _torch_rmsprop._single_tensor_rmsprop: (rmsprop_takes, rmsprop_form),
+    _torch_adagrad._single_tensor_adagrad: (adagrad_takes, adagrad_form),
 }
 
 

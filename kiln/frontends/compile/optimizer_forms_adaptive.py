@@ -1,0 +1,208 @@
+"""List forms of torch.optim's per-tensor RMSprop and Adagrad loops, with eager's numbers.
+
+What a form is, why Kiln traces one and where (Kiln's frames only, CPU tensors of one dtype):
+:mod:`kiln.frontends.compile.optimizer_forms`, which holds the table these two join.
+
+RMSprop (``_single_tensor_rmsprop``) has no step-dependent factor: the form runs the loop's
+ATen ops with the loop's Python-number arguments (``mul_``/``addcmul_`` on the square averages,
+``lerp_`` and ``addcmul`` for the centered variance, ``sqrt``, ``add_(eps)``, the momentum
+buffers' ``mul_``/``addcdiv_``).  ``addcdiv_(g, avg, value=-lr)`` is spelled
+``p + (g * -lr) / avg``, the order of ATen's CPU kernel, with ``-lr`` a float64 tensor rounded to
+the parameters' dtype as ATen rounds a Python float: a learning rate a scheduler changes is then
+a graph input, not a value the graph is specialized on.
+
+Adagrad (``_single_tensor_adagrad``, dense gradients) divides the learning rate by
+``1 + (step - 1) * lr_decay`` with ``step`` a Python float in eager (``step_t.item()``); Dynamo's
+trace of the loop computes it in float32 tensor math.  The form computes it in float64, as eager
+does, then rounds ``-clr`` to the parameters' dtype for the ``addcdiv_``.
+
+Taken only where the form is exact: the loop's arguments as ``torch.optim`` passes them, numbers
+Dynamo knows as constants (``lr`` may also be a symbolic float), no complex parameters, not
+``differentiable``, no sparse gradients or grad scaler (Adagrad); else Dynamo traces torch's loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kiln.frontends.compile.optimizer_form_args import (
+    added_scaled,
+    constants,
+    cpu_one_dtype,
+    number,
+    one_each,
+    tensors,
+)
+
+aten = torch.ops.aten
+
+
+def _scaled_quotient_added(
+    params: list[torch.Tensor],
+    nums: list[torch.Tensor],
+    dens: list[torch.Tensor],
+    values: torch.Tensor,
+    dtype: torch.dtype,
+) -> None:
+    """``params[i].addcdiv_(nums[i], dens[i], value=values[i])`` as ATen's CPU kernel computes
+    it, ``p + (n * v) / d``, each float64 ``values[i]`` rounded to ``dtype`` as a Python float
+    argument is."""
+    update = aten._foreach_mul.List(nums, one_each(values, dtype))
+    update = aten._foreach_div.List(update, dens)
+    aten._foreach_add_.List(params, update)
+
+
+def rmsprop_form(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    square_avgs: list[torch.Tensor],
+    grad_avgs: list[torch.Tensor],
+    momentum_buffer_list: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    *,
+    lr: float,
+    alpha: float,
+    eps: float,
+    weight_decay: float,
+    momentum: float,
+    centered: bool,
+    maximize: bool,
+    **unused: Any,
+) -> None:
+    """``torch.optim.rmsprop._single_tensor_rmsprop`` as list ops, with eager's numbers; only
+    what :func:`rmsprop_takes` accepts reaches it."""
+    dtype = params[0].dtype
+    # -lr per parameter as a float64 vector (a symbolic lr stays a graph input, see the docstring)
+    neg_lr = (torch.ones(len(params), dtype=torch.float64) * lr).neg()
+    aten._foreach_add_.Scalar(state_steps, 1)  # step += 1
+    if maximize:
+        grads = aten._foreach_neg.default(grads)  # grad = -grad
+    if weight_decay != 0:
+        grads = aten._foreach_add.List(grads, params, alpha=weight_decay)
+    # square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
+    aten._foreach_mul_.Scalar(square_avgs, alpha)
+    aten._foreach_addcmul_.Scalar(square_avgs, grads, grads, 1 - alpha)
+    if centered:
+        aten._foreach_lerp_.Scalar(grad_avgs, grads, 1 - alpha)  # grad_avg.lerp_(grad, 1 - alpha)
+        # avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_()
+        avg = aten._foreach_addcmul.Scalar(square_avgs, grad_avgs, grad_avgs, -1)
+        avg = aten._foreach_sqrt.default(avg)
+    else:
+        avg = aten._foreach_sqrt.default(square_avgs)  # avg = square_avg.sqrt()
+    avg = aten._foreach_add.Scalar(avg, eps)  # avg.add_(eps)
+    if momentum > 0:
+        # buf.mul_(momentum).addcdiv_(grad, avg): value 1, so p + g / avg
+        aten._foreach_mul_.Scalar(momentum_buffer_list, momentum)
+        aten._foreach_add_.List(momentum_buffer_list, aten._foreach_div.List(grads, avg))
+        added_scaled(params, momentum_buffer_list, neg_lr, dtype)  # param.add_(buf, alpha=-lr)
+    else:
+        # param.addcdiv_(grad, avg, value=-lr)
+        _scaled_quotient_added(params, grads, avg, neg_lr, dtype)
+
+
+def rmsprop_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a traced call of torch's RMSprop loop is one :func:`rmsprop_form` computes
+    exactly: six lists as ``torch.optim.rmsprop.rmsprop`` passes them, the rest by keyword."""
+    if len(args) != 6:
+        return False
+    consts = constants(
+        kwargs,
+        ("alpha", "eps", "weight_decay", "momentum", "centered", "maximize", "differentiable")
+        + ("has_complex",),
+    )
+    if consts is None or consts["differentiable"] or consts["has_complex"]:
+        return False
+    if not all(
+        isinstance(consts[n], (int, float)) and not isinstance(consts[n], bool)
+        for n in ("alpha", "eps", "weight_decay", "momentum")
+    ):
+        return False
+    if "lr" not in kwargs or not number(kwargs["lr"]):
+        return False
+    lists = [tensors(a) for a in args]
+    if any(t is None for t in lists):
+        return False
+    params, grads, square_avgs, grad_avgs, buffers, steps = lists
+    n = len(params)
+    if not n or len(grads) != n or len(square_avgs) != n or len(steps) != n:
+        return False
+    if len(grad_avgs) != (n if consts["centered"] else 0):
+        return False
+    if len(buffers) != (n if consts["momentum"] > 0 else 0):
+        return False
+    if not cpu_one_dtype(params + grads + square_avgs + grad_avgs + buffers, params[0].dtype):
+        return False
+    return cpu_one_dtype(steps, steps[0].dtype)
+
+
+def adagrad_form(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    state_sums: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    grad_scale: None = None,
+    found_inf: None = None,
+    *,
+    lr: float,
+    weight_decay: float,
+    lr_decay: float,
+    eps: float,
+    maximize: bool,
+    **unused: Any,
+) -> None:
+    """``torch.optim.adagrad._single_tensor_adagrad`` (dense gradients) as list ops, with
+    eager's numbers; only what :func:`adagrad_takes` accepts reaches it."""
+    dtype = params[0].dtype
+    lr_t = torch.ones((), dtype=torch.float64) * lr
+    aten._foreach_add_.Scalar(state_steps, 1)  # step_t += 1
+    if maximize:
+        grads = aten._foreach_neg.default(grads)  # grad = -grad
+    if weight_decay != 0:
+        grads = aten._foreach_add.List(grads, params, alpha=weight_decay)
+    # step = step_t.item(); clr = lr / (1 + (step - 1) * lr_decay): Python floats, float64
+    step = torch.stack(state_steps).to(torch.float64)
+    neg_clr = (lr_t / (1 + (step - 1) * lr_decay)).neg()
+    aten._foreach_addcmul_.Scalar(state_sums, grads, grads, 1)  # state_sum.addcmul_(grad, grad)
+    std = aten._foreach_sqrt.default(state_sums)  # std = state_sum.sqrt().add_(eps)
+    std = aten._foreach_add.Scalar(std, eps)
+    _scaled_quotient_added(
+        params, grads, std, neg_clr, dtype
+    )  # param.addcdiv_(grad, std, value=-clr)
+
+
+def adagrad_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a traced call of torch's Adagrad loop is one :func:`adagrad_form` computes
+    exactly: four lists as ``torch.optim.adagrad.adagrad`` passes them, the rest by keyword,
+    dense gradients, no grad scaler."""
+    if len(args) != 4:
+        return False
+    names = ("weight_decay", "lr_decay", "eps")
+    consts = constants(
+        kwargs,
+        names
+        + ("maximize", "differentiable", "has_complex", "has_sparse_grad")
+        + ("grad_scale", "found_inf"),
+    )
+    if consts is None or consts["differentiable"] or consts["has_complex"]:
+        return False
+    if consts["has_sparse_grad"] or consts["grad_scale"] is not None:
+        return False
+    if consts["found_inf"] is not None:
+        return False
+    if not all(
+        isinstance(consts[n], (int, float)) and not isinstance(consts[n], bool) for n in names
+    ):
+        return False
+    if "lr" not in kwargs or not number(kwargs["lr"]):
+        return False
+    lists = [tensors(a) for a in args]
+    if any(t is None for t in lists):
+        return False
+    params, grads, state_sums, steps = lists
+    if not params or len({len(params), len(grads), len(state_sums), len(steps)}) != 1:
+        return False
+    if not cpu_one_dtype(params + grads + state_sums, params[0].dtype):
+        return False
+    return cpu_one_dtype(steps, steps[0].dtype)
