@@ -17,15 +17,34 @@ def one_each(values: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
     return list(values.to(dtype).unbind(0))
 
 
+def negated_lr(lr: Any, n: int, lr_input: bool) -> Any:
+    """``-lr`` for ``n`` parameters: the Python number where ``lr`` is a constant of the graph,
+    a float64 vector where it is a graph input (``lr_input``: a scheduler changed it and Dynamo
+    made it symbolic), so the graph takes its value instead of being specialized on it."""
+    if not lr_input:
+        return -lr
+    return (torch.ones(n, dtype=torch.float64) * lr).neg()
+
+
+def scaled(tensors: list[torch.Tensor], factor: Any, dtype: torch.dtype) -> list[torch.Tensor]:
+    """``t * factor`` for each tensor, ``factor`` a Python number or a float64 vector (one value
+    per tensor), rounded to ``dtype`` as ATen rounds a Python float argument."""
+    if isinstance(factor, torch.Tensor):
+        return torch.ops.aten._foreach_mul.List(tensors, one_each(factor, dtype))
+    return torch.ops.aten._foreach_mul.Scalar(tensors, factor)
+
+
 def added_scaled(
-    params: list[torch.Tensor], others: list[torch.Tensor], values: torch.Tensor, dtype: torch.dtype
+    params: list[torch.Tensor], others: list[torch.Tensor], alpha: Any, dtype: torch.dtype
 ) -> None:
-    """``params[i].add_(others[i], alpha=values[i])`` with the float64 ``values[i]`` rounded to
-    ``dtype`` as ATen rounds a Python float ``alpha``, and one fused multiply-add per element as
-    ATen's CPU kernel computes it (``vec::fmadd``): spelled ``addcmul_(p, o, alpha_i, value=1)``,
-    ``fma(1 * o, alpha_i, p)``.  ``values`` a tensor (not a Python number): a learning rate a
-    scheduler changes is a graph input instead of a value the graph is specialized on."""
-    torch.ops.aten._foreach_addcmul_.Scalar(params, others, one_each(values, dtype), 1)
+    """``params[i].add_(others[i], alpha=alpha)``, one fused multiply-add per element as ATen's
+    CPU kernel computes it (``vec::fmadd``).  ``alpha`` a Python number: ATen's own ``add``; a
+    float64 vector (one value per parameter, rounded to ``dtype`` as ATen rounds a Python
+    float): spelled ``addcmul_(p, o, alpha_i, value=1)``, i.e. ``fma(1 * o, alpha_i, p)``."""
+    if isinstance(alpha, torch.Tensor):
+        torch.ops.aten._foreach_addcmul_.Scalar(params, others, one_each(alpha, dtype), 1)
+    else:
+        torch.ops.aten._foreach_add_.List(params, others, alpha=alpha)
 
 
 def constant(vt: Any) -> tuple[bool, Any]:

@@ -24,11 +24,15 @@ differ in its last bit; rounded to float32 that shows in about one value in 10^8
 
 SGD (``_single_tensor_sgd``) has the same form: the same ATen ops (``mul_``/``add_`` on the
 momentum buffers; on the first step the buffers are the gradients' clones, put in the list as
-the loop does), bit for bit eager's.  Its ``param.add_(grad, alpha=-lr)`` is one fused
-multiply-add per element with ``-lr`` rounded to the parameters' dtype, as ATen's kernel computes
-it, with ``-lr`` a tensor (``optimizer_form_args.added_scaled``): Dynamo's trace of the loop
-passes it as a Python number, so a scheduler that changes ``lr`` every step had the optimizer
-step compiled again at every step (until Dynamo's recompile limit); the form compiles it twice.
+the loop does), bit for bit eager's.  Once a scheduler has changed ``lr`` (Dynamo then makes it
+symbolic), the form for an ``lr`` that is a graph input is traced (``sgd_form_lr_input``):
+``param.add_(grad, alpha=-lr)`` as one fused multiply-add per element with ``-lr`` a float64
+tensor rounded to the parameters' dtype, as ATen's kernel computes it
+(``optimizer_form_args.added_scaled``).  Dynamo's trace of the loop passes ``-lr`` as a Python
+number, so a scheduler that changes ``lr`` every step had the optimizer step compiled again at
+every step (until Dynamo's recompile limit); with the form it is compiled twice.  While ``lr``
+is a constant, it stays a Python number in the graph (the per-parameter updates then fuse into
+one lane kernel, ``kiln/codegen/cpp/lanes.py``, which takes no broadcast inputs).
 
 RMSprop and Adagrad have forms of their own, in
 :mod:`kiln.frontends.compile.optimizer_forms_adaptive` (Adagrad's decayed learning rate in
@@ -59,14 +63,17 @@ from kiln.frontends.compile.optimizer_form_args import (
     constant,
     constants,
     cpu_one_dtype,
+    negated_lr,
     number,
     one_each,
     tensors,
 )
 from kiln.frontends.compile.optimizer_forms_adaptive import (
     adagrad_form,
+    adagrad_form_lr_input,
     adagrad_takes,
     rmsprop_form,
+    rmsprop_form_lr_input,
     rmsprop_takes,
 )
 from kiln.frontends.compile.torch_wrap import defined_in, wrap_once
@@ -188,10 +195,11 @@ def sgd_form(
     dampening: float,
     nesterov: bool,
     maximize: bool,
+    lr_input: bool = False,
     **unused: Any,
 ) -> None:
     """``torch.optim.sgd._single_tensor_sgd`` as list ops, with eager's numbers; only what
-    :func:`_sgd_takes` accepts reaches it."""
+    :func:`_sgd_takes` accepts reaches it (``lr_input``: see ``negated_lr``)."""
     if maximize:
         grads = aten._foreach_neg.default(grads)  # grad = -grads[i]
     if weight_decay != 0:
@@ -209,10 +217,14 @@ def sgd_form(
             grads = aten._foreach_add.List(grads, momentum_buffer_list, alpha=momentum)
         else:
             grads = momentum_buffer_list
-    # param.add_(grad, alpha=-lr), -lr a tensor: a scheduled lr is a graph input (Dynamo's trace
-    # of torch's loop, alpha a Python number, recompiled the step for every new value)
-    neg_lr = (torch.ones(len(params), dtype=torch.float64) * lr).neg()
-    added_scaled(params, grads, neg_lr, params[0].dtype)
+    # param.add_(grad, alpha=-lr); a scheduled lr a graph input (negated_lr): Dynamo's trace of
+    # torch's loop passes it as a Python number and compiled the step again for every value
+    added_scaled(params, grads, negated_lr(lr, len(params), lr_input), params[0].dtype)
+
+
+def sgd_form_lr_input(*args: Any, **kwargs: Any) -> None:
+    """:func:`sgd_form` with ``lr`` a graph input."""
+    sgd_form(*args, lr_input=True, **kwargs)
 
 
 def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
@@ -257,12 +269,15 @@ def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     return cpu_one_dtype(params + grads + state, params[0].dtype)
 
 
-# torch's loop -> Kiln's form
-FORMS: dict[Callable[..., Any], tuple[Callable[..., bool], Callable[..., Any]]] = {
-    _torch_adam._single_tensor_adam: (_adam_takes, adam_form),
-    _torch_sgd._single_tensor_sgd: (_sgd_takes, sgd_form),
-    _torch_rmsprop._single_tensor_rmsprop: (rmsprop_takes, rmsprop_form),
-    _torch_adagrad._single_tensor_adagrad: (adagrad_takes, adagrad_form),
+# torch's loop -> (whether the form takes the call, the form for a constant lr, the form for an
+# lr that is a graph input; Adam's form takes lr as a tensor either way)
+FORMS: dict[
+    Callable[..., Any], tuple[Callable[..., bool], Callable[..., Any], Callable[..., Any]]
+] = {
+    _torch_adam._single_tensor_adam: (_adam_takes, adam_form, adam_form),
+    _torch_sgd._single_tensor_sgd: (_sgd_takes, sgd_form, sgd_form_lr_input),
+    _torch_rmsprop._single_tensor_rmsprop: (rmsprop_takes, rmsprop_form, rmsprop_form_lr_input),
+    _torch_adagrad._single_tensor_adagrad: (adagrad_takes, adagrad_form, adagrad_form_lr_input),
 }
 
 
@@ -275,10 +290,11 @@ def _wrap(original: Callable[..., Any], is_ours: Callable[[Any], bool]) -> Calla
     ) -> Any:
         entry = FORMS.get(getattr(fn, "fn", None)) if type(fn) is UserFunctionVariable else None
         if entry is not None and is_ours(getattr(self.output, "compiler_fn", None)):
-            takes, form = entry
+            takes, form, form_lr_input = entry
             if takes(args, kwargs):
                 metrics.incr("optimizer_forms_traced")
-                fn = UserFunctionVariable(form)
+                lr_input = not constant(kwargs["lr"])[0]
+                fn = UserFunctionVariable(form_lr_input if lr_input else form)
             else:
                 metrics.incr("optimizer_forms_declined")
         return original(self, fn, args, kwargs, *rest, **kw)

@@ -31,8 +31,9 @@ from kiln.frontends.compile.optimizer_form_args import (
     added_scaled,
     constants,
     cpu_one_dtype,
+    negated_lr,
     number,
-    one_each,
+    scaled,
     tensors,
 )
 
@@ -43,14 +44,12 @@ def _scaled_quotient_added(
     params: list[torch.Tensor],
     nums: list[torch.Tensor],
     dens: list[torch.Tensor],
-    values: torch.Tensor,
+    value: Any,
     dtype: torch.dtype,
 ) -> None:
-    """``params[i].addcdiv_(nums[i], dens[i], value=values[i])`` as ATen's CPU kernel computes
-    it, ``p + (n * v) / d``, each float64 ``values[i]`` rounded to ``dtype`` as a Python float
-    argument is."""
-    update = aten._foreach_mul.List(nums, one_each(values, dtype))
-    update = aten._foreach_div.List(update, dens)
+    """``params[i].addcdiv_(nums[i], dens[i], value=value)`` as ATen's CPU kernel computes it,
+    ``p + (n * v) / d``; ``value`` a Python number or a float64 vector (``scaled``)."""
+    update = aten._foreach_div.List(scaled(nums, value, dtype), dens)
     aten._foreach_add_.List(params, update)
 
 
@@ -69,13 +68,13 @@ def rmsprop_form(
     momentum: float,
     centered: bool,
     maximize: bool,
+    lr_input: bool = False,
     **unused: Any,
 ) -> None:
     """``torch.optim.rmsprop._single_tensor_rmsprop`` as list ops, with eager's numbers; only
-    what :func:`rmsprop_takes` accepts reaches it."""
+    what :func:`rmsprop_takes` accepts reaches it (``lr_input``: see ``negated_lr``)."""
     dtype = params[0].dtype
-    # -lr per parameter as a float64 vector (a symbolic lr stays a graph input, see the docstring)
-    neg_lr = (torch.ones(len(params), dtype=torch.float64) * lr).neg()
+    neg_lr = negated_lr(lr, len(params), lr_input)
     aten._foreach_add_.Scalar(state_steps, 1)  # step += 1
     if maximize:
         grads = aten._foreach_neg.default(grads)  # grad = -grad
@@ -150,20 +149,25 @@ def adagrad_form(
     lr_decay: float,
     eps: float,
     maximize: bool,
+    lr_input: bool = False,
     **unused: Any,
 ) -> None:
     """``torch.optim.adagrad._single_tensor_adagrad`` (dense gradients) as list ops, with
-    eager's numbers; only what :func:`adagrad_takes` accepts reaches it."""
+    eager's numbers; only what :func:`adagrad_takes` accepts reaches it (``lr_input``: see
+    ``negated_lr``)."""
     dtype = params[0].dtype
-    lr_t = torch.ones((), dtype=torch.float64) * lr
     aten._foreach_add_.Scalar(state_steps, 1)  # step_t += 1
     if maximize:
         grads = aten._foreach_neg.default(grads)  # grad = -grad
     if weight_decay != 0:
         grads = aten._foreach_add.List(grads, params, alpha=weight_decay)
-    # step = step_t.item(); clr = lr / (1 + (step - 1) * lr_decay): Python floats, float64
-    step = torch.stack(state_steps).to(torch.float64)
-    neg_clr = (lr_t / (1 + (step - 1) * lr_decay)).neg()
+    if lr_decay == 0 and not lr_input:
+        neg_clr = -lr  # lr / (1 + (step - 1) * 0) is lr itself
+    else:
+        # step = step_t.item(); clr = lr / (1 + (step - 1) * lr_decay): Python floats, float64
+        step = torch.stack(state_steps).to(torch.float64)
+        lr_t = torch.ones((), dtype=torch.float64) * lr
+        neg_clr = (lr_t / (1 + (step - 1) * lr_decay)).neg()
     aten._foreach_addcmul_.Scalar(state_sums, grads, grads, 1)  # state_sum.addcmul_(grad, grad)
     std = aten._foreach_sqrt.default(state_sums)  # std = state_sum.sqrt().add_(eps)
     std = aten._foreach_add.Scalar(std, eps)
@@ -206,3 +210,13 @@ def adagrad_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     if not cpu_one_dtype(params + grads + state_sums, params[0].dtype):
         return False
     return cpu_one_dtype(steps, steps[0].dtype)
+
+
+def rmsprop_form_lr_input(*args: Any, **kwargs: Any) -> None:
+    """:func:`rmsprop_form` with ``lr`` a graph input."""
+    rmsprop_form(*args, lr_input=True, **kwargs)
+
+
+def adagrad_form_lr_input(*args: Any, **kwargs: Any) -> None:
+    """:func:`adagrad_form` with ``lr`` a graph input."""
+    adagrad_form(*args, lr_input=True, **kwargs)
