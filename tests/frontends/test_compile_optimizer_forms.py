@@ -467,20 +467,38 @@ def test_the_adaptive_forms_at_real_sizes():
 
 PER_STEP_SCHEDULED = [
     ("sgd-momentum", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+    ("sgd-nesterov", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True)),
     ("rmsprop", lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9)),
     ("adagrad", lambda ps: torch.optim.Adagrad(ps, lr=1e-2, lr_decay=0.01)),
     ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
 ]
+SCHEDULERS = [
+    ("exponential-lr", lambda opt, steps: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.7)),
+    # changes lr and the momentum (SGD, RMSprop) or beta1 (AdamW) every step
+    (
+        "one-cycle",
+        lambda opt, steps: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=steps),
+    ),
+]
 
 
 @pytest.mark.parametrize(
-    "make_opt", [m for _, m in PER_STEP_SCHEDULED], ids=[i for i, _ in PER_STEP_SCHEDULED]
+    "make_opt,make_sched",
+    [
+        pytest.param(o, sc, id=f"{oi}-{si}")
+        for oi, o in PER_STEP_SCHEDULED
+        for si, sc in SCHEDULERS
+        # OneCycleLR cycles a momentum or the betas: Adagrad has neither
+        if not (oi == "adagrad" and si == "one-cycle")
+    ],
 )
-def test_a_learning_rate_changed_every_step_compiles_the_step_twice(make_opt):
-    """A scheduler that changes ``lr`` every step (an exponential decay): the optimizer's frame
-    is traced twice (``lr`` a constant, then a graph input), not once per value.  Dynamo's
-    trace of torch's SGD and RMSprop loops passes ``-lr`` as a Python number (``alpha=``,
-    ``value=``) and was compiled again at every step, up to Dynamo's recompile limit."""
+def test_hyperparameters_changed_every_step_compile_the_step_twice(make_opt, make_sched):
+    """A scheduler that changes ``lr`` (and with ``OneCycleLR`` the momentum or ``beta1``) every
+    step: the optimizer's frame is traced twice (the numbers constants, then graph inputs), not
+    once per value.  Dynamo's trace of torch's loops passes them as Python numbers (``alpha=``,
+    ``value=``, ``lerp_``'s weight) and was compiled again at every step, up to Dynamo's
+    recompile limit."""
+    steps = 10
     torch._dynamo.reset()
     kiln.metrics.reset()
 
@@ -488,9 +506,9 @@ def test_a_learning_rate_changed_every_step_compiles_the_step_twice(make_opt):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
         opt = make_opt(model.parameters())
-        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.7)
+        sched = make_sched(opt, steps)
         g = torch.Generator().manual_seed(3)
-        batches = [torch.randn(8, 6, generator=g) for _ in range(8)]
+        batches = [torch.randn(8, 6, generator=g) for _ in range(steps)]
         return _scheduled_training(
             model, opt, sched, lambda x: model(x).pow(2).mean(), batches, compile_fn
         )
@@ -500,8 +518,52 @@ def test_a_learning_rate_changed_every_step_compiles_the_step_twice(make_opt):
     assert kiln.metrics.get("optimizer_forms_traced") == 2
     assert kiln.metrics.get("optimizer_forms_declined") == 0
     # RMSprop divides by sqrt(square_avg): last-bit differences (the forward's, and ATen's
-    # float32 sqrt here, not always correctly rounded) grow to ~1e-6 over eight steps, with the
-    # form as with Dynamo's trace of torch's loop (9.1e-7 both, measured)
-    torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=0)
+    # float32 sqrt here, not always correctly rounded) grow over the steps, with the form as
+    # with Dynamo's trace of torch's loop (measured: 9.1e-7 after eight ExponentialLR steps,
+    # 3.5e-5 after twelve OneCycleLR steps at max_lr 0.05, both the same with the loop)
+    rms = isinstance(make_opt([torch.nn.Parameter(torch.zeros(1))]), torch.optim.RMSprop)
+    rtol, atol = (1e-4, 1e-4) if rms else (1e-5, 1e-7)
+    torch.testing.assert_close(got_l, want_l, rtol=rtol, atol=0)
     for got, want in zip(got_p, want_p):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+INPUT_CASES = [
+    (
+        "sgd-nesterov",
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    ),
+    ("rmsprop-centered", lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True)),
+    ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+]
+
+
+@pytest.mark.parametrize("make_opt", [m for _, m in INPUT_CASES], ids=[i for i, _ in INPUT_CASES])
+def test_the_forms_with_hyperparameter_inputs_give_eagers_bits_in_double(make_opt):
+    """The variants with the scheduled numbers as graph inputs compute what the constant
+    variants compute: in float64, through a OneCycleLR schedule, the optimizer steps alone give
+    eager's parameters bit for bit."""
+    torch._dynamo.reset()
+    kiln.metrics.reset()
+
+    def run(compile_fn):
+        ps = _params(dtype=torch.float64)
+        opt = make_opt(ps)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=6)
+
+        def step() -> None:
+            opt.step()
+
+        f = step if compile_fn is None else compile_fn(step)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+            f()
+            sched.step()
+        return [p.detach().clone() for p in ps]
+
+    want, got = run(None), run(_kiln)
+    assert kiln.metrics.get("optimizer_forms_traced") == 2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

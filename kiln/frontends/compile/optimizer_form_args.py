@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+aten = torch.ops.aten
+
 
 def one_each(values: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
     """A float64 vector of per-parameter numbers as 0-dim tensors of ``dtype``, each rounded as
@@ -17,21 +19,56 @@ def one_each(values: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
     return list(values.to(dtype).unbind(0))
 
 
-def negated_lr(lr: Any, n: int, lr_input: bool) -> Any:
-    """``-lr`` for ``n`` parameters: the Python number where ``lr`` is a constant of the graph,
-    a float64 vector where it is a graph input (``lr_input``: a scheduler changed it and Dynamo
-    made it symbolic), so the graph takes its value instead of being specialized on it."""
-    if not lr_input:
-        return -lr
-    return (torch.ones(n, dtype=torch.float64) * lr).neg()
+def factor(value: Any, n: int, inputs: bool) -> Any:
+    """A hyperparameter for ``n`` parameters: the Python number itself, or with ``inputs`` a
+    float64 vector of ``n`` copies.  ``inputs``: a scheduler changed ``lr``, a beta or the
+    momentum and Dynamo made it symbolic; as tensor math the graph takes its value as an input
+    instead of being specialized on it (compiled again for every value), and each use rounds it
+    to the parameters' dtype as ATen rounds a Python float argument (:func:`one_each`)."""
+    return torch.ones(n, dtype=torch.float64) * value if inputs else value
 
 
-def scaled(tensors: list[torch.Tensor], factor: Any, dtype: torch.dtype) -> list[torch.Tensor]:
-    """``t * factor`` for each tensor, ``factor`` a Python number or a float64 vector (one value
-    per tensor), rounded to ``dtype`` as ATen rounds a Python float argument."""
-    if isinstance(factor, torch.Tensor):
-        return torch.ops.aten._foreach_mul.List(tensors, one_each(factor, dtype))
-    return torch.ops.aten._foreach_mul.Scalar(tensors, factor)
+def negated_lr(lr: Any, n: int, inputs: bool) -> Any:
+    """``-lr`` as :func:`factor` gives it."""
+    f = factor(lr, n, inputs)
+    return f.neg() if isinstance(f, torch.Tensor) else -f
+
+
+def scaled(tensors: list[torch.Tensor], f: Any, dtype: torch.dtype) -> list[torch.Tensor]:
+    """``t * f`` for each tensor, ``f`` a Python number or a :func:`factor` vector."""
+    if isinstance(f, torch.Tensor):
+        return aten._foreach_mul.List(tensors, one_each(f, dtype))
+    return aten._foreach_mul.Scalar(tensors, f)
+
+
+def multiplied_(tensors: list[torch.Tensor], f: Any, dtype: torch.dtype) -> None:
+    """``t.mul_(f)`` for each tensor (a number or a :func:`factor` vector)."""
+    if isinstance(f, torch.Tensor):
+        aten._foreach_mul_.List(tensors, one_each(f, dtype))
+    else:
+        aten._foreach_mul_.Scalar(tensors, f)
+
+
+def lerped_(
+    tensors: list[torch.Tensor], ends: list[torch.Tensor], weight: Any, dtype: torch.dtype
+) -> None:
+    """``t.lerp_(end, weight)`` for each tensor (a number or a :func:`factor` vector)."""
+    if isinstance(weight, torch.Tensor):
+        aten._foreach_lerp_.List(tensors, ends, one_each(weight, dtype))
+    else:
+        aten._foreach_lerp_.Scalar(tensors, ends, weight)
+
+
+def squares_added_(
+    tensors: list[torch.Tensor], grads: list[torch.Tensor], value: Any, dtype: torch.dtype
+) -> None:
+    """``t.addcmul_(g, g, value=value)`` for each tensor, ``fma(value * g, g, t)`` as ATen's CPU
+    kernel computes it; with a :func:`factor` vector, ``value * g`` is its own op (rounded to
+    ``dtype`` as ATen's product is) and ``addcmul_`` takes it with ``value=1``."""
+    if isinstance(value, torch.Tensor):
+        aten._foreach_addcmul_.Scalar(tensors, scaled(grads, value, dtype), grads, 1)
+    else:
+        aten._foreach_addcmul_.Scalar(tensors, grads, grads, value)
 
 
 def added_scaled(
@@ -39,12 +76,21 @@ def added_scaled(
 ) -> None:
     """``params[i].add_(others[i], alpha=alpha)``, one fused multiply-add per element as ATen's
     CPU kernel computes it (``vec::fmadd``).  ``alpha`` a Python number: ATen's own ``add``; a
-    float64 vector (one value per parameter, rounded to ``dtype`` as ATen rounds a Python
-    float): spelled ``addcmul_(p, o, alpha_i, value=1)``, i.e. ``fma(1 * o, alpha_i, p)``."""
+    :func:`factor` vector: spelled ``addcmul_(p, o, alpha_i, value=1)``, i.e.
+    ``fma(1 * o, alpha_i, p)``."""
     if isinstance(alpha, torch.Tensor):
-        torch.ops.aten._foreach_addcmul_.Scalar(params, others, one_each(alpha, dtype), 1)
+        aten._foreach_addcmul_.Scalar(params, others, one_each(alpha, dtype), 1)
     else:
-        torch.ops.aten._foreach_add_.List(params, others, alpha=alpha)
+        aten._foreach_add_.List(params, others, alpha=alpha)
+
+
+def plus_scaled(
+    xs: list[torch.Tensor], others: list[torch.Tensor], alpha: Any, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """``xs[i].add(others[i], alpha=alpha)``, out of place, as :func:`added_scaled`."""
+    if isinstance(alpha, torch.Tensor):
+        return aten._foreach_addcmul.Scalar(xs, others, one_each(alpha, dtype), 1)
+    return aten._foreach_add.List(xs, others, alpha=alpha)
 
 
 def constant(vt: Any) -> tuple[bool, Any]:

@@ -24,15 +24,19 @@ differ in its last bit; rounded to float32 that shows in about one value in 10^8
 
 SGD (``_single_tensor_sgd``) has the same form: the same ATen ops (``mul_``/``add_`` on the
 momentum buffers; on the first step the buffers are the gradients' clones, put in the list as
-the loop does), bit for bit eager's.  Once a scheduler has changed ``lr`` (Dynamo then makes it
-symbolic), the form for an ``lr`` that is a graph input is traced (``sgd_form_lr_input``):
-``param.add_(grad, alpha=-lr)`` as one fused multiply-add per element with ``-lr`` a float64
-tensor rounded to the parameters' dtype, as ATen's kernel computes it
-(``optimizer_form_args.added_scaled``).  Dynamo's trace of the loop passes ``-lr`` as a Python
-number, so a scheduler that changes ``lr`` every step had the optimizer step compiled again at
-every step (until Dynamo's recompile limit); with the form it is compiled twice.  While ``lr``
-is a constant, it stays a Python number in the graph (the per-parameter updates then fuse into
-one lane kernel, ``kiln/codegen/cpp/lanes.py``, which takes no broadcast inputs).
+the loop does), bit for bit eager's.
+
+Scheduled hyperparameters: once a scheduler has changed ``lr`` (any ``LRScheduler``), or the
+momentum or ``beta1`` (``OneCycleLR``, ``CyclicLR``), Dynamo makes the number symbolic, and the
+form's variant with those numbers as graph inputs is traced (``*_form_inputs``,
+``optimizer_form_args.factor``): float64 tensors, each use rounded to the parameters' dtype as
+ATen rounds a Python float argument, ``add_(.., alpha=a)`` as one fused multiply-add as ATen's
+kernel computes it.  Dynamo's trace of torch's loops passes them to ATen as Python numbers
+(``alpha=``, ``value=``, ``lerp_``'s weight), so a scheduler that changes one every step had the
+optimizer step compiled again at every step, up to Dynamo's recompile limit (and then run
+uncompiled); with the forms it is compiled twice.  While the numbers are constants they stay
+Python numbers in the graph (the per-parameter updates then fuse into one lane kernel,
+``kiln/codegen/cpp/lanes.py``, which takes no broadcast inputs).
 
 RMSprop and Adagrad have forms of their own, in
 :mod:`kiln.frontends.compile.optimizer_forms_adaptive` (Adagrad's decayed learning rate in
@@ -63,17 +67,22 @@ from kiln.frontends.compile.optimizer_form_args import (
     constant,
     constants,
     cpu_one_dtype,
+    factor,
+    lerped_,
+    multiplied_,
     negated_lr,
     number,
     one_each,
+    plus_scaled,
+    squares_added_,
     tensors,
 )
 from kiln.frontends.compile.optimizer_forms_adaptive import (
     adagrad_form,
-    adagrad_form_lr_input,
+    adagrad_form_inputs,
     adagrad_takes,
     rmsprop_form,
-    rmsprop_form_lr_input,
+    rmsprop_form_inputs,
     rmsprop_takes,
 )
 from kiln.frontends.compile.torch_wrap import defined_in, wrap_once
@@ -99,11 +108,14 @@ def adam_form(
     eps: float,
     maximize: bool,
     decoupled_weight_decay: bool,
+    inputs: bool = False,
     **unused: Any,
 ) -> None:
     """``torch.optim.adam._single_tensor_adam`` (Adam and AdamW) as list ops, with eager's
-    numbers; only what :func:`_adam_takes` accepts reaches it."""
+    numbers; only what :func:`_adam_takes` accepts reaches it (``inputs``: the betas as
+    ``factor`` vectors)."""
     dtype = params[0].dtype
+    b1, b2 = factor(beta1, len(params), inputs), factor(beta2, len(params), inputs)
     # lr as a float64 tensor: where Dynamo made it symbolic (a scheduler changed it), its uses
     # below are tensor ops, which the graph takes as an input instead of specializing each value
     lr_t = torch.ones((), dtype=torch.float64) * lr
@@ -116,14 +128,14 @@ def adam_form(
             aten._foreach_mul_.Tensor(params, (1 - lr_t * weight_decay).to(dtype))
         else:
             grads = aten._foreach_add.List(grads, params, alpha=weight_decay)
-    aten._foreach_lerp_.Scalar(exp_avgs, grads, 1 - beta1)  # exp_avg.lerp_(grad, 1 - beta1)
+    lerped_(exp_avgs, grads, 1 - b1, dtype)  # exp_avg.lerp_(grad, 1 - beta1)
     # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    aten._foreach_mul_.Scalar(exp_avg_sqs, beta2)
-    aten._foreach_addcmul_.Scalar(exp_avg_sqs, grads, grads, 1 - beta2)
+    multiplied_(exp_avg_sqs, b2, dtype)
+    squares_added_(exp_avg_sqs, grads, 1 - b2, dtype)
     # step = step_t.item(); the bias corrections as Python floats: float64
     step = torch.stack(state_steps).to(torch.float64)
-    bias_correction1 = 1 - torch.pow(beta1, step)
-    bias_correction2 = 1 - torch.pow(beta2, step)
+    bias_correction1 = 1 - torch.pow(b1, step)
+    bias_correction2 = 1 - torch.pow(b2, step)
     neg_step_size = torch.div(lr_t, bias_correction1).neg()
     bias_correction2_sqrt = bias_correction2.sqrt()
     second = exp_avg_sqs
@@ -195,36 +207,43 @@ def sgd_form(
     dampening: float,
     nesterov: bool,
     maximize: bool,
-    lr_input: bool = False,
+    inputs: bool = False,
     **unused: Any,
 ) -> None:
     """``torch.optim.sgd._single_tensor_sgd`` as list ops, with eager's numbers; only what
-    :func:`_sgd_takes` accepts reaches it (``lr_input``: see ``negated_lr``)."""
+    :func:`_sgd_takes` accepts reaches it (``inputs``: ``lr`` and the momentum as ``factor``
+    vectors)."""
+    dtype = params[0].dtype
     if maximize:
         grads = aten._foreach_neg.default(grads)  # grad = -grads[i]
     if weight_decay != 0:
         grads = aten._foreach_add.List(grads, params, alpha=weight_decay)
-    if momentum != 0:
+    if momentum_buffer_list:  # momentum != 0: torch.optim lists the buffers only then
+        m = factor(momentum, len(params), inputs)
         if momentum_buffer_list[0] is None:
             # the first step: buf = grad.detach().clone(), kept in the list for the state
             for i, g in enumerate(grads):
                 momentum_buffer_list[i] = g.detach().clone()
         else:
             # buf.mul_(momentum).add_(grad, alpha=1 - dampening)
-            aten._foreach_mul_.Scalar(momentum_buffer_list, momentum)
+            multiplied_(momentum_buffer_list, m, dtype)
             aten._foreach_add_.List(momentum_buffer_list, grads, alpha=1 - dampening)
         if nesterov:
-            grads = aten._foreach_add.List(grads, momentum_buffer_list, alpha=momentum)
+            grads = plus_scaled(grads, momentum_buffer_list, m, dtype)
         else:
             grads = momentum_buffer_list
-    # param.add_(grad, alpha=-lr); a scheduled lr a graph input (negated_lr): Dynamo's trace of
-    # torch's loop passes it as a Python number and compiled the step again for every value
-    added_scaled(params, grads, negated_lr(lr, len(params), lr_input), params[0].dtype)
+    # param.add_(grad, alpha=-lr)
+    added_scaled(params, grads, negated_lr(lr, len(params), inputs), dtype)
 
 
-def sgd_form_lr_input(*args: Any, **kwargs: Any) -> None:
-    """:func:`sgd_form` with ``lr`` a graph input."""
-    sgd_form(*args, lr_input=True, **kwargs)
+def sgd_form_inputs(*args: Any, **kwargs: Any) -> None:
+    """:func:`sgd_form` with the scheduled hyperparameters graph inputs."""
+    sgd_form(*args, inputs=True, **kwargs)
+
+
+def adam_form_inputs(*args: Any, **kwargs: Any) -> None:
+    """:func:`adam_form` with the scheduled hyperparameters graph inputs."""
+    adam_form(*args, inputs=True, **kwargs)
 
 
 def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
@@ -233,8 +252,9 @@ def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     momentum buffers all unset (the first step) or all tensors."""
     if len(args) != 3:
         return False
-    # the form branches on weight_decay, momentum and dampening: constants, numbers
-    numbers = ("weight_decay", "momentum", "dampening")
+    # the form branches on weight_decay and dampening: constants, numbers; the momentum a number
+    # (a scheduler may change it: symbolic)
+    numbers = ("weight_decay", "dampening")
     consts = constants(
         kwargs, ("grad_scale", "found_inf", "has_sparse_grad", "nesterov", "maximize") + numbers
     )
@@ -248,7 +268,7 @@ def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
         isinstance(consts[n], (int, float)) and not isinstance(consts[n], bool) for n in numbers
     ):
         return False
-    if "lr" not in kwargs or not number(kwargs["lr"]):
+    if not all(name in kwargs and number(kwargs[name]) for name in ("lr", "momentum")):
         return False
     params, grads = tensors(args[0]), tensors(args[1])
     if not params or grads is None or len(params) != len(grads):
@@ -256,8 +276,9 @@ def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     buffers = getattr(args[2], "items", None)
     if not isinstance(buffers, list):
         return False
-    if consts["momentum"] == 0:  # no buffers: torch's step() lists none without momentum
-        buffers = []
+    known, momentum = constant(kwargs["momentum"])
+    if known and momentum == 0:
+        buffers = []  # no buffers: torch's step() lists none without momentum
     elif len(buffers) != len(params):
         return False
     unset = [constant(b) == (True, None) for b in buffers]
@@ -269,16 +290,20 @@ def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     return cpu_one_dtype(params + grads + state, params[0].dtype)
 
 
-# torch's loop -> (whether the form takes the call, the form for a constant lr, the form for an
-# lr that is a graph input; Adam's form takes lr as a tensor either way)
+# torch's loop -> (whether the form takes the call, the form, the form with the hyperparameters
+# a scheduler changes as graph inputs: used where Dynamo made one of them symbolic)
 FORMS: dict[
     Callable[..., Any], tuple[Callable[..., bool], Callable[..., Any], Callable[..., Any]]
 ] = {
-    _torch_adam._single_tensor_adam: (_adam_takes, adam_form, adam_form),
-    _torch_sgd._single_tensor_sgd: (_sgd_takes, sgd_form, sgd_form_lr_input),
-    _torch_rmsprop._single_tensor_rmsprop: (rmsprop_takes, rmsprop_form, rmsprop_form_lr_input),
-    _torch_adagrad._single_tensor_adagrad: (adagrad_takes, adagrad_form, adagrad_form_lr_input),
+    _torch_adam._single_tensor_adam: (_adam_takes, adam_form, adam_form_inputs),
+    _torch_sgd._single_tensor_sgd: (_sgd_takes, sgd_form, sgd_form_inputs),
+    _torch_rmsprop._single_tensor_rmsprop: (rmsprop_takes, rmsprop_form, rmsprop_form_inputs),
+    _torch_adagrad._single_tensor_adagrad: (adagrad_takes, adagrad_form, adagrad_form_inputs),
 }
+
+
+# what schedulers change (``LRScheduler``: lr; ``OneCycleLR``/``CyclicLR``: the momentum or beta1)
+_SCHEDULED = ("lr", "beta1", "beta2", "momentum")
 
 
 def _wrap(original: Callable[..., Any], is_ours: Callable[[Any], bool]) -> Callable[..., Any]:
@@ -290,11 +315,11 @@ def _wrap(original: Callable[..., Any], is_ours: Callable[[Any], bool]) -> Calla
     ) -> Any:
         entry = FORMS.get(getattr(fn, "fn", None)) if type(fn) is UserFunctionVariable else None
         if entry is not None and is_ours(getattr(self.output, "compiler_fn", None)):
-            takes, form, form_lr_input = entry
+            takes, form, form_inputs = entry
             if takes(args, kwargs):
                 metrics.incr("optimizer_forms_traced")
-                lr_input = not constant(kwargs["lr"])[0]
-                fn = UserFunctionVariable(form_lr_input if lr_input else form)
+                inputs = any(n in kwargs and not constant(kwargs[n])[0] for n in _SCHEDULED)
+                fn = UserFunctionVariable(form_inputs if inputs else form)
             else:
                 metrics.incr("optimizer_forms_declined")
         return original(self, fn, args, kwargs, *rest, **kw)

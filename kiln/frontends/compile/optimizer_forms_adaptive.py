@@ -29,8 +29,11 @@ import torch
 
 from kiln.frontends.compile.optimizer_form_args import (
     added_scaled,
+    constant,
     constants,
     cpu_one_dtype,
+    factor,
+    multiplied_,
     negated_lr,
     number,
     scaled,
@@ -68,13 +71,14 @@ def rmsprop_form(
     momentum: float,
     centered: bool,
     maximize: bool,
-    lr_input: bool = False,
+    inputs: bool = False,
     **unused: Any,
 ) -> None:
     """``torch.optim.rmsprop._single_tensor_rmsprop`` as list ops, with eager's numbers; only
-    what :func:`rmsprop_takes` accepts reaches it (``lr_input``: see ``negated_lr``)."""
+    what :func:`rmsprop_takes` accepts reaches it (``inputs``: ``lr`` and the momentum as
+    ``factor`` vectors)."""
     dtype = params[0].dtype
-    neg_lr = negated_lr(lr, len(params), lr_input)
+    neg_lr = negated_lr(lr, len(params), inputs)
     aten._foreach_add_.Scalar(state_steps, 1)  # step += 1
     if maximize:
         grads = aten._foreach_neg.default(grads)  # grad = -grad
@@ -91,9 +95,9 @@ def rmsprop_form(
     else:
         avg = aten._foreach_sqrt.default(square_avgs)  # avg = square_avg.sqrt()
     avg = aten._foreach_add.Scalar(avg, eps)  # avg.add_(eps)
-    if momentum > 0:
+    if momentum_buffer_list:  # momentum > 0: torch.optim lists the buffers only then
         # buf.mul_(momentum).addcdiv_(grad, avg): value 1, so p + g / avg
-        aten._foreach_mul_.Scalar(momentum_buffer_list, momentum)
+        multiplied_(momentum_buffer_list, factor(momentum, len(params), inputs), dtype)
         aten._foreach_add_.List(momentum_buffer_list, aten._foreach_div.List(grads, avg))
         added_scaled(params, momentum_buffer_list, neg_lr, dtype)  # param.add_(buf, alpha=-lr)
     else:
@@ -106,20 +110,19 @@ def rmsprop_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     exactly: six lists as ``torch.optim.rmsprop.rmsprop`` passes them, the rest by keyword."""
     if len(args) != 6:
         return False
-    consts = constants(
-        kwargs,
-        ("alpha", "eps", "weight_decay", "momentum", "centered", "maximize", "differentiable")
-        + ("has_complex",),
-    )
+    numbers = ("alpha", "eps", "weight_decay")
+    consts = constants(kwargs, numbers + ("centered", "maximize", "differentiable", "has_complex"))
     if consts is None or consts["differentiable"] or consts["has_complex"]:
         return False
     if not all(
-        isinstance(consts[n], (int, float)) and not isinstance(consts[n], bool)
-        for n in ("alpha", "eps", "weight_decay", "momentum")
+        isinstance(consts[n], (int, float)) and not isinstance(consts[n], bool) for n in numbers
     ):
         return False
-    if "lr" not in kwargs or not number(kwargs["lr"]):
+    # lr and the momentum numbers (a scheduler may change them: symbolic)
+    if not all(name in kwargs and number(kwargs[name]) for name in ("lr", "momentum")):
         return False
+    known, momentum = constant(kwargs["momentum"])
+    with_momentum = not known or momentum > 0
     lists = [tensors(a) for a in args]
     if any(t is None for t in lists):
         return False
@@ -129,7 +132,7 @@ def rmsprop_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
         return False
     if len(grad_avgs) != (n if consts["centered"] else 0):
         return False
-    if len(buffers) != (n if consts["momentum"] > 0 else 0):
+    if len(buffers) != (n if with_momentum else 0):
         return False
     if not cpu_one_dtype(params + grads + square_avgs + grad_avgs + buffers, params[0].dtype):
         return False
@@ -149,19 +152,19 @@ def adagrad_form(
     lr_decay: float,
     eps: float,
     maximize: bool,
-    lr_input: bool = False,
+    inputs: bool = False,
     **unused: Any,
 ) -> None:
     """``torch.optim.adagrad._single_tensor_adagrad`` (dense gradients) as list ops, with
-    eager's numbers; only what :func:`adagrad_takes` accepts reaches it (``lr_input``: see
-    ``negated_lr``)."""
+    eager's numbers; only what :func:`adagrad_takes` accepts reaches it (``inputs``: ``lr`` as
+    a ``factor`` vector)."""
     dtype = params[0].dtype
     aten._foreach_add_.Scalar(state_steps, 1)  # step_t += 1
     if maximize:
         grads = aten._foreach_neg.default(grads)  # grad = -grad
     if weight_decay != 0:
         grads = aten._foreach_add.List(grads, params, alpha=weight_decay)
-    if lr_decay == 0 and not lr_input:
+    if lr_decay == 0 and not inputs:
         neg_clr = -lr  # lr / (1 + (step - 1) * 0) is lr itself
     else:
         # step = step_t.item(); clr = lr / (1 + (step - 1) * lr_decay): Python floats, float64
@@ -212,11 +215,11 @@ def adagrad_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     return cpu_one_dtype(steps, steps[0].dtype)
 
 
-def rmsprop_form_lr_input(*args: Any, **kwargs: Any) -> None:
-    """:func:`rmsprop_form` with ``lr`` a graph input."""
-    rmsprop_form(*args, lr_input=True, **kwargs)
+def rmsprop_form_inputs(*args: Any, **kwargs: Any) -> None:
+    """:func:`rmsprop_form` with the scheduled hyperparameters graph inputs."""
+    rmsprop_form(*args, inputs=True, **kwargs)
 
 
-def adagrad_form_lr_input(*args: Any, **kwargs: Any) -> None:
-    """:func:`adagrad_form` with ``lr`` a graph input."""
-    adagrad_form(*args, lr_input=True, **kwargs)
+def adagrad_form_inputs(*args: Any, **kwargs: Any) -> None:
+    """:func:`adagrad_form` with the scheduled hyperparameters graph inputs."""
+    adagrad_form(*args, inputs=True, **kwargs)
