@@ -34,6 +34,18 @@ def negated_lr(lr: Any, n: int, inputs: bool) -> Any:
     return f.neg() if isinstance(f, torch.Tensor) else -f
 
 
+def l2_grads(
+    grads: list[torch.Tensor], params: list[torch.Tensor], maximize: bool, weight_decay: float
+) -> list[torch.Tensor]:
+    """The loops' gradient before the update: ``grad = -grad`` if ``maximize``, then
+    ``grad = grad.add(param, alpha=weight_decay)`` (L2 weight decay) unless it is 0."""
+    if maximize:
+        grads = aten._foreach_neg.default(grads)
+    if weight_decay != 0:
+        grads = aten._foreach_add.List(grads, params, alpha=weight_decay)
+    return grads
+
+
 def scaled(tensors: list[torch.Tensor], f: Any, dtype: torch.dtype) -> list[torch.Tensor]:
     """``t * f`` for each tensor, ``f`` a Python number or a :func:`factor` vector."""
     if isinstance(f, torch.Tensor):

@@ -68,6 +68,7 @@ from kiln.frontends.compile.optimizer_form_args import (
     constants,
     cpu_one_dtype,
     factor,
+    l2_grads,
     lerped_,
     multiplied_,
     negated_lr,
@@ -214,10 +215,7 @@ def sgd_form(
     :func:`_sgd_takes` accepts reaches it (``inputs``: ``lr`` and the momentum as ``factor``
     vectors)."""
     dtype = params[0].dtype
-    if maximize:
-        grads = aten._foreach_neg.default(grads)  # grad = -grads[i]
-    if weight_decay != 0:
-        grads = aten._foreach_add.List(grads, params, alpha=weight_decay)
+    grads = l2_grads(grads, params, maximize, weight_decay)
     if momentum_buffer_list:  # momentum != 0: torch.optim lists the buffers only then
         m = factor(momentum, len(params), inputs)
         if momentum_buffer_list[0] is None:

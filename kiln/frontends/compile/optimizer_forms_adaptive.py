@@ -33,6 +33,7 @@ from kiln.frontends.compile.optimizer_form_args import (
     constants,
     cpu_one_dtype,
     factor,
+    l2_grads,
     multiplied_,
     negated_lr,
     number,
@@ -80,10 +81,7 @@ def rmsprop_form(
     dtype = params[0].dtype
     neg_lr = negated_lr(lr, len(params), inputs)
     aten._foreach_add_.Scalar(state_steps, 1)  # step += 1
-    if maximize:
-        grads = aten._foreach_neg.default(grads)  # grad = -grad
-    if weight_decay != 0:
-        grads = aten._foreach_add.List(grads, params, alpha=weight_decay)
+    grads = l2_grads(grads, params, maximize, weight_decay)
     # square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
     aten._foreach_mul_.Scalar(square_avgs, alpha)
     aten._foreach_addcmul_.Scalar(square_avgs, grads, grads, 1 - alpha)
@@ -160,10 +158,7 @@ def adagrad_form(
     a ``factor`` vector)."""
     dtype = params[0].dtype
     aten._foreach_add_.Scalar(state_steps, 1)  # step_t += 1
-    if maximize:
-        grads = aten._foreach_neg.default(grads)  # grad = -grad
-    if weight_decay != 0:
-        grads = aten._foreach_add.List(grads, params, alpha=weight_decay)
+    grads = l2_grads(grads, params, maximize, weight_decay)
     if lr_decay == 0 and not inputs:
         neg_clr = -lr  # lr / (1 + (step - 1) * 0) is lr itself
     else:
