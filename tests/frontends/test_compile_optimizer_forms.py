@@ -367,16 +367,24 @@ ADAPTIVE_CASES = [
             ps, lr=0.1, lr_decay=0.3, weight_decay=0.1, initial_accumulator_value=0.1, maximize=True
         ),
     ),
+    ("adamax", lambda ps: torch.optim.Adamax(ps, lr=1e-2)),
+    (
+        "adamax-wd-maximize",
+        lambda ps: torch.optim.Adamax(
+            ps, lr=2e-2, betas=(0.8, 0.95), weight_decay=0.1, eps=1e-4, maximize=True
+        ),
+    ),
 ]
 
 
 @pytest.mark.parametrize(
     "make_opt", [m for _, m in ADAPTIVE_CASES], ids=[i for i, _ in ADAPTIVE_CASES]
 )
-def test_the_rmsprop_and_adagrad_forms_give_eagers_bits_in_double(make_opt, monkeypatch):
+def test_the_rmsprop_adagrad_and_adamax_forms_give_eagers_bits_in_double(make_opt, monkeypatch):
     """In float64 (ATen's and Kiln's ``sqrt`` both correctly rounded there) the forms give
     eager's bits: parameters and every state tensor.  Dynamo's trace of Adagrad's loop computes
-    ``lr / (1 + (step - 1) * lr_decay)`` in the step tensor's float32 and is off."""
+    ``lr / (1 + (step - 1) * lr_decay)`` in the step tensor's float32, of Adamax's loop
+    ``1 - beta1 ** step`` likewise, and is off."""
     got_p, want_p = _form_against_eager(make_opt, rtol=0, atol=0, dtype=torch.float64)
     torch._dynamo.reset()
     monkeypatch.setattr(optimizer_forms, "FORMS", {})
@@ -387,7 +395,7 @@ def test_the_rmsprop_and_adagrad_forms_give_eagers_bits_in_double(make_opt, monk
 @pytest.mark.parametrize(
     "make_opt", [m for _, m in ADAPTIVE_CASES], ids=[i for i, _ in ADAPTIVE_CASES]
 )
-def test_the_rmsprop_and_adagrad_forms_in_float32(make_opt):
+def test_the_rmsprop_adagrad_and_adamax_forms_in_float32(make_opt):
     """In float32, within two ulps of eager's parameters: ATen's float32 ``sqrt`` here is not
     always correctly rounded (Kiln's is), and the state downstream of it (momentum buffers, and
     every tensor after the first step) inherits those last bits, so it is compared to the same
@@ -439,6 +447,7 @@ PER_STEP_SCHEDULED = [
     ("rmsprop", lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9)),
     ("adagrad", lambda ps: torch.optim.Adagrad(ps, lr=1e-2, lr_decay=0.01)),
     ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.05)),
+    ("adamax", lambda ps: torch.optim.Adamax(ps, lr=1e-2)),
 ]
 SCHEDULERS = [
     ("step-lr", lambda opt, steps: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)),
@@ -507,6 +516,7 @@ INPUT_CASES = [
     ),
     ("rmsprop-centered", lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True)),
     ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+    ("adamax", lambda ps: torch.optim.Adamax(ps, lr=1e-2, weight_decay=0.1)),
 ]
 
 
@@ -539,3 +549,26 @@ def test_the_forms_with_hyperparameter_inputs_give_eagers_bits_in_double(make_op
     assert kiln.metrics.get("optimizer_forms_traced") == 2
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_adamax_with_gradients_near_the_float32_maximum_matches_eager():
+    """Dynamo's trace of Adamax's loop (its ``capturable`` branch) divides by
+    ``exp_inf * (beta1 ** step - 1) / lr``, which overflows for gradients near 3.4e38: the
+    parameter was left unchanged where eager updates it.  The form computes eager's values."""
+
+    def run(compile_fn):
+        torch._dynamo.reset()
+        p = torch.nn.Parameter(torch.tensor([1.0, 2.0, -3.0, 0.5]))
+        opt = torch.optim.Adamax([p], lr=1e-2)
+        f = opt.step if compile_fn is None else compile_fn(lambda: opt.step())
+        for g in ([3.0e38, 1.0, -3.3e38, 0.0], [1.0, 3.4e38, 2.0, -1.0]):
+            p.grad = torch.tensor(g)
+            f()
+        return p.detach().clone()
+
+    kiln.metrics.reset()
+    want = run(None)
+    got = run(_kiln)
+    assert kiln.metrics.get("optimizer_forms_traced") == 1
+    assert not torch.equal(want, torch.tensor([1.0, 2.0, -3.0, 0.5]))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

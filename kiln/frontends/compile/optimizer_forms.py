@@ -1,5 +1,5 @@
 """Eager-exact list forms of torch.optim's per-tensor update loops, traced in Kiln's frames:
-Adam and AdamW, SGD, RMSprop and Adagrad.
+Adam and AdamW, SGD, RMSprop, Adagrad and Adamax.
 
 Why: on CPU, torch's default optimizer path is the per-tensor loop (``_single_tensor_adam``;
 torch offers its foreach kernels only for accelerators), and Dynamo interprets that loop once per
@@ -38,9 +38,9 @@ uncompiled); with the forms it is compiled twice.  While the numbers are constan
 Python numbers in the graph (the per-parameter updates then fuse into one lane kernel,
 ``kiln/codegen/cpp/lanes.py``, which takes no broadcast inputs).
 
-RMSprop and Adagrad have forms of their own, in
-:mod:`kiln.frontends.compile.optimizer_forms_adaptive` (Adagrad's decayed learning rate in
-float64, as eager computes it).
+RMSprop, Adagrad and Adamax have forms of their own, in
+:mod:`kiln.frontends.compile.optimizer_forms_adaptive` (Adagrad's decayed learning rate and
+Adamax's bias correction in float64, as eager computes them).
 
 Used when (else Dynamo traces torch's loop, as before): the frame is compiled by Kiln's backend,
 every tensor is on the CPU, parameters and gradients share one dtype, no complex parameters, not
@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch.optim import adagrad as _torch_adagrad
 from torch.optim import adam as _torch_adam
+from torch.optim import adamax as _torch_adamax
 from torch.optim import rmsprop as _torch_rmsprop
 from torch.optim import sgd as _torch_sgd
 
@@ -82,6 +83,9 @@ from kiln.frontends.compile.optimizer_forms_adaptive import (
     adagrad_form,
     adagrad_form_inputs,
     adagrad_takes,
+    adamax_form,
+    adamax_form_inputs,
+    adamax_takes,
     rmsprop_form,
     rmsprop_form_inputs,
     rmsprop_takes,
@@ -297,6 +301,7 @@ FORMS: dict[
     _torch_sgd._single_tensor_sgd: (_sgd_takes, sgd_form, sgd_form_inputs),
     _torch_rmsprop._single_tensor_rmsprop: (rmsprop_takes, rmsprop_form, rmsprop_form_inputs),
     _torch_adagrad._single_tensor_adagrad: (adagrad_takes, adagrad_form, adagrad_form_inputs),
+    _torch_adamax._single_tensor_adamax: (adamax_takes, adamax_form, adamax_form_inputs),
 }
 
 

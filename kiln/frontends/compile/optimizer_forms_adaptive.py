@@ -1,4 +1,4 @@
-"""List forms of torch.optim's per-tensor RMSprop and Adagrad loops, with eager's numbers.
+"""List forms of torch.optim's per-tensor RMSprop, Adagrad and Adamax loops, with eager's numbers.
 
 What a form is, why Kiln traces one and where (Kiln's frames only, CPU tensors of one dtype):
 :mod:`kiln.frontends.compile.optimizer_forms`, which holds the table these two join.
@@ -15,6 +15,11 @@ Adagrad (``_single_tensor_adagrad``, dense gradients) divides the learning rate 
 ``1 + (step - 1) * lr_decay`` with ``step`` a Python float in eager (``step_t.item()``); Dynamo's
 trace of the loop computes it in float32 tensor math.  The form computes it in float64, as eager
 does, then rounds ``-clr`` to the parameters' dtype for the ``addcdiv_``.
+
+Adamax (``_single_tensor_adamax``) divides by ``1 - beta1 ** step`` with ``step`` a Python
+float in eager; Dynamo traces the loop's ``capturable`` branch, float32 tensor math.  The form
+computes it in float64, as eager does, and runs the loop's ``lerp_``, ``mul_``, ``abs``,
+``add_(eps)``, ``maximum`` and ``addcdiv_`` (in ATen's CPU order).
 
 Taken only where the form is exact: the loop's arguments as ``torch.optim`` passes them, numbers
 Dynamo knows as constants (``lr`` may also be a symbolic float), no complex parameters, not
@@ -34,6 +39,7 @@ from kiln.frontends.compile.optimizer_form_args import (
     cpu_one_dtype,
     factor,
     l2_grads,
+    lerped_,
     multiplied_,
     negated_lr,
     number,
@@ -208,6 +214,74 @@ def adagrad_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     if not cpu_one_dtype(params + grads + state_sums, params[0].dtype):
         return False
     return cpu_one_dtype(steps, steps[0].dtype)
+
+
+def adamax_form(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_infs: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    *,
+    eps: float,
+    beta1: float,
+    beta2: float,
+    lr: float,
+    weight_decay: float,
+    maximize: bool,
+    inputs: bool = False,
+    **unused: Any,
+) -> None:
+    """``torch.optim.adamax._single_tensor_adamax`` as list ops, with eager's numbers; only what
+    :func:`adamax_takes` accepts reaches it (``inputs``: ``lr`` and the betas as ``factor``
+    vectors)."""
+    dtype = params[0].dtype
+    n = len(params)
+    b1, b2 = factor(beta1, n, inputs), factor(beta2, n, inputs)
+    aten._foreach_add_.Scalar(state_steps, 1)  # step_t += 1
+    grads = l2_grads(grads, params, maximize, weight_decay)
+    lerped_(exp_avgs, grads, 1 - b1, dtype)  # exp_avg.lerp_(grad, 1 - beta1)
+    # torch.maximum(exp_inf.mul_(beta2), grad.abs().add_(eps), out=exp_inf)
+    multiplied_(exp_infs, b2, dtype)
+    norms = aten._foreach_add.Scalar(aten._foreach_abs.default(grads), eps)
+    aten._foreach_maximum_.List(exp_infs, norms)
+    # bias_correction = 1 - beta1 ** step.item(); clr = lr / bias_correction: float64
+    step = torch.stack(state_steps).to(torch.float64)
+    lr_t = torch.ones((), dtype=torch.float64) * lr
+    neg_clr = (lr_t / (1 - torch.pow(b1, step))).neg()
+    # param.addcdiv_(exp_avg, exp_inf, value=-clr)
+    _scaled_quotient_added(params, exp_avgs, exp_infs, neg_clr, dtype)
+
+
+def adamax_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a traced call of torch's Adamax loop is one :func:`adamax_form` computes exactly:
+    five lists as ``torch.optim.adamax.adamax`` passes them, the rest by keyword."""
+    if len(args) != 5:
+        return False
+    numbers = ("eps", "weight_decay")
+    consts = constants(kwargs, numbers + ("maximize", "differentiable", "has_complex"))
+    if consts is None or consts["differentiable"] or consts["has_complex"]:
+        return False
+    if not all(
+        isinstance(consts[n], (int, float)) and not isinstance(consts[n], bool) for n in numbers
+    ):
+        return False
+    if not all(name in kwargs and number(kwargs[name]) for name in ("lr", "beta1", "beta2")):
+        return False
+    lists = [tensors(a) for a in args]
+    if any(t is None for t in lists):
+        return False
+    params, grads, exp_avgs, exp_infs, steps = lists
+    if not params or len({len(params), len(grads), len(exp_avgs), len(exp_infs), len(steps)}) != 1:
+        return False
+    if not cpu_one_dtype(params + grads + exp_avgs + exp_infs, params[0].dtype):
+        return False
+    return cpu_one_dtype(steps, steps[0].dtype)
+
+
+def adamax_form_inputs(*args: Any, **kwargs: Any) -> None:
+    """:func:`adamax_form` with the scheduled hyperparameters graph inputs."""
+    adamax_form(*args, inputs=True, **kwargs)
 
 
 def rmsprop_form_inputs(*args: Any, **kwargs: Any) -> None:
