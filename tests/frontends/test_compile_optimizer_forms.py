@@ -449,6 +449,14 @@ PER_STEP_SCHEDULED = [
     ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.05)),
     ("adamax", lambda ps: torch.optim.Adamax(ps, lr=1e-2)),
 ]
+_SCHEDULE_FOR = {
+    "sgd-momentum": "one-cycle",
+    "sgd-nesterov": "one-cycle",
+    "rmsprop": "one-cycle",
+    "adagrad": "exponential-lr",
+    "adamw": "one-cycle",
+    "adamax": "one-cycle",
+}
 SCHEDULERS = [
     ("step-lr", lambda opt, steps: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)),
     ("exponential-lr", lambda opt, steps: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.7)),
@@ -466,16 +474,18 @@ SCHEDULERS = [
         pytest.param(o, sc, id=f"{oi}-{si}")
         for oi, o in PER_STEP_SCHEDULED
         for si, sc in SCHEDULERS
-        # OneCycleLR cycles a momentum or the betas: Adagrad has neither
-        if not (oi == "adagrad" and si == "one-cycle")
+        # OneCycleLR (lr with the momentum or beta1) for those that have one, ExponentialLR (lr
+        # every step) for Adagrad and SGD, StepLR (lr every other step) for AdamW
+        if si == _SCHEDULE_FOR[oi]
+        or (oi, si) in (("sgd-momentum", "exponential-lr"), ("adamw", "step-lr"))
     ],
 )
 def test_hyperparameters_changed_every_step_compile_the_step_twice(make_opt, make_sched):
     """A scheduler that changes ``lr`` (and with ``OneCycleLR`` the momentum or ``beta1``) every
-    step or every other step: the optimizer's frame is traced twice (the numbers constants, then graph inputs), not
-    once per value.  Dynamo's trace of torch's loops passes them as Python numbers (``alpha=``,
-    ``value=``, ``lerp_``'s weight) and was compiled again at every step, up to Dynamo's
-    recompile limit."""
+    step or every other step: the optimizer's frame is traced twice (the numbers constants,
+    then graph inputs), not once per value.  Dynamo's trace of torch's loops passes them as
+    Python numbers (``alpha=``, ``value=``, ``lerp_``'s weight) and was compiled again at every
+    step, up to Dynamo's recompile limit."""
     steps = 10
     torch._dynamo.reset()
     kiln.metrics.reset()
