@@ -44,7 +44,8 @@ Adamax's bias correction in float64, as eager computes them).
 
 Used when (else Dynamo traces torch's loop, as before): the frame is compiled by Kiln's backend,
 every tensor is on the CPU, parameters and gradients share one dtype, no complex parameters, not
-``differentiable``, no grad scaler, ``lr`` and the betas Python numbers.  Counted as
+``differentiable``, no grad scaler, ``lr``, the momentum and the betas Python numbers (constants,
+or floats Dynamo made symbolic).  Counted as
 ``optimizer_forms_traced`` (the form taken) and ``optimizer_forms_declined`` (the loop traced).
 :func:`install` wraps Dynamo's ``inline_user_function_return`` (torch 2.13's own, once).
 """

@@ -1,15 +1,15 @@
 """List forms of torch.optim's per-tensor RMSprop, Adagrad and Adamax loops, with eager's numbers.
 
 What a form is, why Kiln traces one and where (Kiln's frames only, CPU tensors of one dtype):
-:mod:`kiln.frontends.compile.optimizer_forms`, which holds the table these two join.
+:mod:`kiln.frontends.compile.optimizer_forms`, which holds the table these three join, and how
+a hyperparameter a scheduler changes becomes a graph input (the ``*_form_inputs`` variants).
 
 RMSprop (``_single_tensor_rmsprop``) has no step-dependent factor: the form runs the loop's
 ATen ops with the loop's Python-number arguments (``mul_``/``addcmul_`` on the square averages,
 ``lerp_`` and ``addcmul`` for the centered variance, ``sqrt``, ``add_(eps)``, the momentum
 buffers' ``mul_``/``addcdiv_``).  ``addcdiv_(g, avg, value=-lr)`` is spelled
-``p + (g * -lr) / avg``, the order of ATen's CPU kernel, with ``-lr`` a float64 tensor rounded to
-the parameters' dtype as ATen rounds a Python float: a learning rate a scheduler changes is then
-a graph input, not a value the graph is specialized on.
+``p + (g * -lr) / avg``, the order of ATen's CPU kernel (torch's decomposition of ``addcdiv``
+divides first).
 
 Adagrad (``_single_tensor_adagrad``, dense gradients) divides the learning rate by
 ``1 + (step - 1) * lr_decay`` with ``step`` a Python float in eager (``step_t.item()``); Dynamo's
@@ -22,8 +22,9 @@ computes it in float64, as eager does, and runs the loop's ``lerp_``, ``mul_``, 
 ``add_(eps)``, ``maximum`` and ``addcdiv_`` (in ATen's CPU order).
 
 Taken only where the form is exact: the loop's arguments as ``torch.optim`` passes them, numbers
-Dynamo knows as constants (``lr`` may also be a symbolic float), no complex parameters, not
-``differentiable``, no sparse gradients or grad scaler (Adagrad); else Dynamo traces torch's loop.
+Dynamo knows as constants (``lr``, the momentum and the betas may also be symbolic floats), no
+complex parameters, not ``differentiable``, no sparse gradients or grad scaler (Adagrad); else
+Dynamo traces torch's loop.
 """
 
 from __future__ import annotations
