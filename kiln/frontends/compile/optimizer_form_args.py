@@ -146,6 +146,19 @@ def cpu_one_dtype(tensor_vars: list[Any], dtype: torch.dtype) -> bool:
     return all(t.dtype == dtype and getattr(t.device, "type", None) == "cpu" for t in tensor_vars)
 
 
+def plain_numbers(values: dict[str, Any], names: tuple[str, ...]) -> bool:
+    """``values[name]`` an int or float (not a bool) for every name."""
+    return all(
+        isinstance(values[n], (int, float)) and not isinstance(values[n], bool) for n in names
+    )
+
+
+def cpu_state(tensor_vars: list[Any], steps: list[Any]) -> bool:
+    """The parameters, gradients and state tensors (parameters first) on the CPU with the
+    parameters' dtype, and the step counters on the CPU with one dtype of their own."""
+    return cpu_one_dtype(tensor_vars, tensor_vars[0].dtype) and cpu_one_dtype(steps, steps[0].dtype)
+
+
 def number(vt: Any) -> bool:
     """A Python number: a constant, or a float Dynamo made symbolic after it changed between
     calls (a learning rate a scheduler sets: the form's Python arithmetic on it is traced as

@@ -69,6 +69,7 @@ from kiln.frontends.compile.optimizer_form_args import (
     constant,
     constants,
     cpu_one_dtype,
+    cpu_state,
     factor,
     l2_grads,
     lerped_,
@@ -76,6 +77,7 @@ from kiln.frontends.compile.optimizer_form_args import (
     negated_lr,
     number,
     one_each,
+    plain_numbers,
     plus_scaled,
     squares_added_,
     tensors,
@@ -193,11 +195,7 @@ def _adam_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
         return False
     if consts["amsgrad"] and len(max_exp_avg_sqs) != len(params):
         return False
-    if not cpu_one_dtype(
-        params + grads + exp_avgs + exp_avg_sqs + max_exp_avg_sqs, params[0].dtype
-    ):
-        return False
-    return cpu_one_dtype(steps, steps[0].dtype)
+    return cpu_state(params + grads + exp_avgs + exp_avg_sqs + max_exp_avg_sqs, steps)
 
 
 def sgd_form(
@@ -267,9 +265,7 @@ def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
         return False
     if consts["has_sparse_grad"]:
         return False
-    if not all(
-        isinstance(consts[n], (int, float)) and not isinstance(consts[n], bool) for n in numbers
-    ):
+    if not plain_numbers(consts, numbers):
         return False
     if not all(name in kwargs and number(kwargs[name]) for name in ("lr", "momentum")):
         return False

@@ -37,13 +37,14 @@ from kiln.frontends.compile.optimizer_form_args import (
     added_scaled,
     constant,
     constants,
-    cpu_one_dtype,
+    cpu_state,
     factor,
     l2_grads,
     lerped_,
     multiplied_,
     negated_lr,
     number,
+    plain_numbers,
     scaled,
     tensors,
 )
@@ -119,9 +120,7 @@ def rmsprop_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     consts = constants(kwargs, numbers + ("centered", "maximize", "differentiable", "has_complex"))
     if consts is None or consts["differentiable"] or consts["has_complex"]:
         return False
-    if not all(
-        isinstance(consts[n], (int, float)) and not isinstance(consts[n], bool) for n in numbers
-    ):
+    if not plain_numbers(consts, numbers):
         return False
     # lr and the momentum numbers (a scheduler may change them: symbolic)
     if not all(name in kwargs and number(kwargs[name]) for name in ("lr", "momentum")):
@@ -139,9 +138,7 @@ def rmsprop_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
         return False
     if len(buffers) != (n if with_momentum else 0):
         return False
-    if not cpu_one_dtype(params + grads + square_avgs + grad_avgs + buffers, params[0].dtype):
-        return False
-    return cpu_one_dtype(steps, steps[0].dtype)
+    return cpu_state(params + grads + square_avgs + grad_avgs + buffers, steps)
 
 
 def adagrad_form(
@@ -200,9 +197,7 @@ def adagrad_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
         return False
     if consts["found_inf"] is not None:
         return False
-    if not all(
-        isinstance(consts[n], (int, float)) and not isinstance(consts[n], bool) for n in names
-    ):
+    if not plain_numbers(consts, names):
         return False
     if "lr" not in kwargs or not number(kwargs["lr"]):
         return False
@@ -212,9 +207,7 @@ def adagrad_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     params, grads, state_sums, steps = lists
     if not params or len({len(params), len(grads), len(state_sums), len(steps)}) != 1:
         return False
-    if not cpu_one_dtype(params + grads + state_sums, params[0].dtype):
-        return False
-    return cpu_one_dtype(steps, steps[0].dtype)
+    return cpu_state(params + grads + state_sums, steps)
 
 
 def adamax_form(
@@ -263,9 +256,7 @@ def adamax_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     consts = constants(kwargs, numbers + ("maximize", "differentiable", "has_complex"))
     if consts is None or consts["differentiable"] or consts["has_complex"]:
         return False
-    if not all(
-        isinstance(consts[n], (int, float)) and not isinstance(consts[n], bool) for n in numbers
-    ):
+    if not plain_numbers(consts, numbers):
         return False
     if not all(name in kwargs and number(kwargs[name]) for name in ("lr", "beta1", "beta2")):
         return False
@@ -275,9 +266,7 @@ def adamax_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     params, grads, exp_avgs, exp_infs, steps = lists
     if not params or len({len(params), len(grads), len(exp_avgs), len(exp_infs), len(steps)}) != 1:
         return False
-    if not cpu_one_dtype(params + grads + exp_avgs + exp_infs, params[0].dtype):
-        return False
-    return cpu_one_dtype(steps, steps[0].dtype)
+    return cpu_state(params + grads + exp_avgs + exp_infs, steps)
 
 
 def adamax_form_inputs(*args: Any, **kwargs: Any) -> None:
