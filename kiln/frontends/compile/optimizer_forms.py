@@ -1,5 +1,5 @@
 """Eager-exact list forms of torch.optim's per-tensor update loops, traced in Kiln's frames:
-Adam and AdamW, SGD, RMSprop, Adagrad and Adamax.
+Adam and AdamW, SGD, RMSprop, Adagrad, Adamax, NAdam and RAdam.
 
 Why: on CPU, torch's default optimizer path is the per-tensor loop (``_single_tensor_adam``;
 torch offers its foreach kernels only for accelerators), and Dynamo interprets that loop once per
@@ -40,7 +40,9 @@ Python numbers in the graph (the per-parameter updates then fuse into one lane k
 
 RMSprop, Adagrad and Adamax have forms of their own, in
 :mod:`kiln.frontends.compile.optimizer_forms_adaptive` (Adagrad's decayed learning rate and
-Adamax's bias correction in float64, as eager computes them).
+Adamax's bias correction in float64, as eager computes them); NAdam and RAdam in
+:mod:`kiln.frontends.compile.optimizer_forms_adam_variants` (NAdam's momentum schedule and
+RAdam's rectification in float64).
 
 Used when (else Dynamo traces torch's loop, as before): the frame is compiled by Kiln's backend,
 every tensor is on the CPU, parameters and gradients share one dtype, no complex parameters, not
@@ -60,6 +62,8 @@ import torch
 from torch.optim import adagrad as _torch_adagrad
 from torch.optim import adam as _torch_adam
 from torch.optim import adamax as _torch_adamax
+from torch.optim import nadam as _torch_nadam
+from torch.optim import radam as _torch_radam
 from torch.optim import rmsprop as _torch_rmsprop
 from torch.optim import sgd as _torch_sgd
 
@@ -81,6 +85,14 @@ from kiln.frontends.compile.optimizer_form_args import (
     plus_scaled,
     squares_added_,
     tensors,
+)
+from kiln.frontends.compile.optimizer_forms_adam_variants import (
+    nadam_form,
+    nadam_form_inputs,
+    nadam_takes,
+    radam_form,
+    radam_form_inputs,
+    radam_takes,
 )
 from kiln.frontends.compile.optimizer_forms_adaptive import (
     adagrad_form,
@@ -299,6 +311,8 @@ FORMS: dict[
     _torch_rmsprop._single_tensor_rmsprop: (rmsprop_takes, rmsprop_form, rmsprop_form_inputs),
     _torch_adagrad._single_tensor_adagrad: (adagrad_takes, adagrad_form, adagrad_form_inputs),
     _torch_adamax._single_tensor_adamax: (adamax_takes, adamax_form, adamax_form_inputs),
+    _torch_nadam._single_tensor_nadam: (nadam_takes, nadam_form, nadam_form_inputs),
+    _torch_radam._single_tensor_radam: (radam_takes, radam_form, radam_form_inputs),
 }
 
 
