@@ -1,4 +1,4 @@
-"""torch's per-tensor Adam/AdamW, SGD, RMSprop, Adagrad, Adamax, NAdam and RAdam loops traced as
+"""torch's per-tensor Adam/AdamW, SGD, RMSprop, Adagrad, Adamax, Adadelta, NAdam and RAdam loops traced as
 list ops in Kiln's frames (``kiln/frontends/compile/optimizer_forms.py``,
 ``optimizer_forms_adaptive.py``, ``optimizer_forms_adam_variants.py``): eager's
 numbers (closer to eager than Dynamo's own trace of the loop), a scheduled learning rate a graph
@@ -370,6 +370,13 @@ ADAPTIVE_CASES = [
             ps, lr=0.1, lr_decay=0.3, weight_decay=0.1, initial_accumulator_value=0.1, maximize=True
         ),
     ),
+    ("adadelta", lambda ps: torch.optim.Adadelta(ps)),
+    (
+        "adadelta-wd-maximize",
+        lambda ps: torch.optim.Adadelta(
+            ps, lr=0.5, rho=0.8, eps=1e-5, weight_decay=0.1, maximize=True
+        ),
+    ),
     ("adamax", lambda ps: torch.optim.Adamax(ps, lr=1e-2)),
     (
         "adamax-wd-maximize",
@@ -383,7 +390,7 @@ ADAPTIVE_CASES = [
 @pytest.mark.parametrize(
     "make_opt", [m for _, m in ADAPTIVE_CASES], ids=[i for i, _ in ADAPTIVE_CASES]
 )
-def test_the_rmsprop_adagrad_and_adamax_forms_give_eagers_bits_in_double(make_opt, monkeypatch):
+def test_the_adaptive_forms_give_eagers_bits_in_double(make_opt, monkeypatch):
     """In float64 (ATen's and Kiln's ``sqrt`` both correctly rounded there) the forms give
     eager's bits: parameters and every state tensor.  Dynamo's trace of Adagrad's loop computes
     ``lr / (1 + (step - 1) * lr_decay)`` in the step tensor's float32, of Adamax's loop
@@ -398,7 +405,7 @@ def test_the_rmsprop_adagrad_and_adamax_forms_give_eagers_bits_in_double(make_op
 @pytest.mark.parametrize(
     "make_opt", [m for _, m in ADAPTIVE_CASES], ids=[i for i, _ in ADAPTIVE_CASES]
 )
-def test_the_rmsprop_adagrad_and_adamax_forms_in_float32(make_opt):
+def test_the_adaptive_forms_in_float32(make_opt):
     """In float32, within two ulps of eager's parameters: ATen's float32 ``sqrt`` here is not
     always correctly rounded (Kiln's is), and the state downstream of it (momentum buffers, and
     every tensor after the first step) inherits those last bits, so it is compared to the same
@@ -451,6 +458,7 @@ PER_STEP_SCHEDULED = [
     ("adagrad", lambda ps: torch.optim.Adagrad(ps, lr=1e-2, lr_decay=0.01)),
     ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.05)),
     ("adamax", lambda ps: torch.optim.Adamax(ps, lr=1e-2)),
+    ("adadelta", lambda ps: torch.optim.Adadelta(ps, lr=1.0, weight_decay=0.01)),
 ]
 _SCHEDULE_FOR = {
     "sgd-momentum": "one-cycle",
@@ -459,6 +467,7 @@ _SCHEDULE_FOR = {
     "adagrad": "exponential-lr",
     "adamw": "one-cycle",
     "adamax": "one-cycle",
+    "adadelta": "exponential-lr",
 }
 SCHEDULERS = [
     ("step-lr", lambda opt, steps: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)),
@@ -532,6 +541,7 @@ INPUT_CASES = [
     ("adamax", lambda ps: torch.optim.Adamax(ps, lr=1e-2, weight_decay=0.1)),
     ("radam", lambda ps: torch.optim.RAdam(ps, lr=1e-2)),
     ("nadam", lambda ps: torch.optim.NAdam(ps, lr=1e-2, weight_decay=0.1)),
+    ("adadelta", lambda ps: torch.optim.Adadelta(ps, lr=0.5, rho=0.8)),
 ]
 
 
@@ -547,7 +557,11 @@ def test_the_forms_with_hyperparameter_inputs_give_eagers_bits_in_double(make_op
     def run(compile_fn):
         ps = _params(dtype=torch.float64)
         opt = make_opt(ps)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=steps)
+        # (the momentum or beta1 cycled too where the optimizer has one)
+        cycle = "momentum" in opt.defaults or "betas" in opt.defaults
+        sched = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=0.05, total_steps=steps, cycle_momentum=cycle
+        )
 
         def step() -> None:
             opt.step()

@@ -1,5 +1,5 @@
 """Eager-exact list forms of torch.optim's per-tensor update loops, traced in Kiln's frames:
-Adam and AdamW, SGD, RMSprop, Adagrad, Adamax, NAdam and RAdam.
+Adam and AdamW, SGD, RMSprop, Adagrad, Adamax, Adadelta, NAdam and RAdam.
 
 Why: on CPU, torch's default optimizer path is the per-tensor loop (``_single_tensor_adam``;
 torch offers its foreach kernels only for accelerators), and Dynamo interprets that loop once per
@@ -38,7 +38,7 @@ uncompiled); with the forms it is compiled twice.  While the numbers are constan
 Python numbers in the graph (the per-parameter updates then fuse into one lane kernel,
 ``kiln/codegen/cpp/lanes.py``, which takes no broadcast inputs).
 
-RMSprop, Adagrad and Adamax have forms of their own, in
+RMSprop, Adagrad, Adamax and Adadelta have forms of their own, in
 :mod:`kiln.frontends.compile.optimizer_forms_adaptive` (Adagrad's decayed learning rate and
 Adamax's bias correction in float64, as eager computes them); NAdam and RAdam in
 :mod:`kiln.frontends.compile.optimizer_forms_adam_variants` (NAdam's momentum schedule and
@@ -59,6 +59,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.optim import adadelta as _torch_adadelta
 from torch.optim import adagrad as _torch_adagrad
 from torch.optim import adam as _torch_adam
 from torch.optim import adamax as _torch_adamax
@@ -95,6 +96,9 @@ from kiln.frontends.compile.optimizer_forms_adam_variants import (
     radam_takes,
 )
 from kiln.frontends.compile.optimizer_forms_adaptive import (
+    adadelta_form,
+    adadelta_form_inputs,
+    adadelta_takes,
     adagrad_form,
     adagrad_form_inputs,
     adagrad_takes,
@@ -311,6 +315,11 @@ FORMS: dict[
     _torch_rmsprop._single_tensor_rmsprop: (rmsprop_takes, rmsprop_form, rmsprop_form_inputs),
     _torch_adagrad._single_tensor_adagrad: (adagrad_takes, adagrad_form, adagrad_form_inputs),
     _torch_adamax._single_tensor_adamax: (adamax_takes, adamax_form, adamax_form_inputs),
+    _torch_adadelta._single_tensor_adadelta: (
+        adadelta_takes,
+        adadelta_form,
+        adadelta_form_inputs,
+    ),
     _torch_nadam._single_tensor_nadam: (nadam_takes, nadam_form, nadam_form_inputs),
     _torch_radam._single_tensor_radam: (radam_takes, radam_form, radam_form_inputs),
 }

@@ -1,4 +1,5 @@
-"""List forms of torch.optim's per-tensor RMSprop, Adagrad and Adamax loops, with eager's numbers.
+"""List forms of torch.optim's per-tensor RMSprop, Adagrad, Adamax and Adadelta loops, with eager's
+numbers.
 
 What a form is, why Kiln traces one and where (Kiln's frames only, CPU tensors of one dtype):
 :mod:`kiln.frontends.compile.optimizer_forms`, which holds the table these three join, and how
@@ -20,6 +21,11 @@ Adamax (``_single_tensor_adamax``) divides by ``1 - beta1 ** step`` with ``step`
 float in eager; Dynamo traces the loop's ``capturable`` branch, float32 tensor math.  The form
 computes it in float64, as eager does, and runs the loop's ``lerp_``, ``mul_``, ``abs``,
 ``add_(eps)``, ``maximum`` and ``addcdiv_`` (in ATen's CPU order).
+
+Adadelta (``_single_tensor_adadelta``) has no step-dependent factor either: the form runs the
+loop's ``mul_``/``addcmul_`` on both running averages, ``add(eps).sqrt_()`` twice, ``div_``,
+``mul_`` and ``add_(delta, alpha=-lr)``; its use is the scheduled ``lr`` (a graph input once a
+scheduler changed it: Dynamo's trace of the loop was compiled again for every value).
 
 Taken only where the form is exact: the loop's arguments as ``torch.optim`` passes them, numbers
 Dynamo knows as constants (``lr``, the momentum and the betas may also be symbolic floats), no
@@ -282,3 +288,69 @@ def rmsprop_form_inputs(*args: Any, **kwargs: Any) -> None:
 def adagrad_form_inputs(*args: Any, **kwargs: Any) -> None:
     """:func:`adagrad_form` with the scheduled hyperparameters graph inputs."""
     adagrad_form(*args, inputs=True, **kwargs)
+
+
+def adadelta_form(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    square_avgs: list[torch.Tensor],
+    acc_deltas: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    *,
+    lr: float,
+    rho: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+    inputs: bool = False,
+    **unused: Any,
+) -> None:
+    """``torch.optim.adadelta._single_tensor_adadelta`` as list ops, with eager's numbers; only
+    what :func:`adadelta_takes` accepts reaches it (``inputs``: ``lr`` as a ``factor``
+    vector)."""
+    dtype = params[0].dtype
+    aten._foreach_add_.Scalar(state_steps, 1)  # step += 1
+    grads = l2_grads(grads, params, maximize, weight_decay)
+    # square_avg.mul_(rho).addcmul_(grad, grad, value=1 - rho)
+    aten._foreach_mul_.Scalar(square_avgs, rho)
+    aten._foreach_addcmul_.Scalar(square_avgs, grads, grads, 1 - rho)
+    # std = square_avg.add(eps).sqrt_(); delta = acc_delta.add(eps).sqrt_()
+    std = aten._foreach_sqrt.default(aten._foreach_add.Scalar(square_avgs, eps))
+    delta = aten._foreach_sqrt.default(aten._foreach_add.Scalar(acc_deltas, eps))
+    # delta.div_(std).mul_(grad)
+    delta = aten._foreach_mul.List(aten._foreach_div.List(delta, std), grads)
+    # acc_delta.mul_(rho).addcmul_(delta, delta, value=1 - rho)
+    aten._foreach_mul_.Scalar(acc_deltas, rho)
+    aten._foreach_addcmul_.Scalar(acc_deltas, delta, delta, 1 - rho)
+    # param.add_(delta, alpha=-lr)
+    added_scaled(params, delta, negated_lr(lr, len(params), inputs), dtype)
+
+
+def adadelta_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a traced call of torch's Adadelta loop is one :func:`adadelta_form` computes
+    exactly: five lists as ``torch.optim.adadelta.adadelta`` passes them, the rest by keyword."""
+    if len(args) != 5:
+        return False
+    numbers = ("rho", "eps", "weight_decay")
+    consts = constants(kwargs, numbers + ("maximize", "differentiable", "has_complex"))
+    if consts is None or consts["differentiable"] or consts["has_complex"]:
+        return False
+    if not plain_numbers(consts, numbers):
+        return False
+    if "lr" not in kwargs or not number(kwargs["lr"]):
+        return False
+    lists = [tensors(a) for a in args]
+    if any(t is None for t in lists):
+        return False
+    params, grads, square_avgs, acc_deltas, steps = lists
+    if (
+        not params
+        or len({len(params), len(grads), len(square_avgs), len(acc_deltas), len(steps)}) != 1
+    ):
+        return False
+    return cpu_state(params + grads + square_avgs + acc_deltas, steps)
+
+
+def adadelta_form_inputs(*args: Any, **kwargs: Any) -> None:
+    """:func:`adadelta_form` with the scheduled ``lr`` a graph input."""
+    adadelta_form(*args, inputs=True, **kwargs)
