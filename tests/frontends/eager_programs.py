@@ -208,6 +208,45 @@ def transformers_gradient_checkpointing(d: Digest) -> None:
     d.add(list(model.parameters()))
 
 
+def transformers_trainer(d: Digest) -> None:
+    """The transformers Trainer with its defaults (it asks accelerate, which asks
+    ``torch.accelerator``, where to train): a process that imports kiln but never uses the kiln
+    device trains on the CPU, as it would without kiln.  (Before: accelerate saw the kiln device
+    as the accelerator and ``Trainer.train()`` failed in ``torch.accelerator.empty_cache()``.)"""
+    import contextlib
+    import io
+    import tempfile
+
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(7)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    model = GPT2LMHeadModel(cfg)
+    g = torch.Generator().manual_seed(8)
+    data = [{"input_ids": torch.randint(0, 64, (16,), generator=g)} for _ in range(16)]
+    for row in data:
+        row["labels"] = row["input_ids"].clone()
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            out,
+            per_device_train_batch_size=4,
+            num_train_epochs=1,
+            learning_rate=1e-3,
+            warmup_steps=2,
+            weight_decay=0.01,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            seed=0,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        with contextlib.redirect_stdout(io.StringIO()):  # its logs: stdout is the digests'
+            trainer.train()
+    d.add([str(args.device), torch.accelerator.is_available()])
+    d.add([h["loss"] for h in trainer.state.log_history if "loss" in h])
+    d.add(list(model.parameters()))
+
+
 class _Noisy(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 12
@@ -233,6 +272,7 @@ PROGRAMS = {
         module_conversion,
         foreach_optimizers,
         transformers_gradient_checkpointing,
+        transformers_trainer,
         dataloader_workers,
     )
 }

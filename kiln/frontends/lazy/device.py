@@ -183,7 +183,7 @@ def _silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
     def is_available(self) -> bool:
-        return True
+        return device_module.in_use()  # as ``torch.kiln.is_available()``
 
     def has_primary_context(self, dev_id: int) -> bool:
         return True

@@ -51,9 +51,26 @@ def sync_all() -> None:
         native.mark_step()
 
 
+# Whether this process has used the kiln device (``kiln.device()``, a kiln factory, ``.to``).
+_used = False
+
+
+def in_use() -> bool:
+    """``torch.kiln.is_available()`` and ``torch.accelerator.is_available()``: True once this
+    process has used the kiln device and it works here.  The lazy device is opt-in, as
+    PyTorch/XLA's is: a program that only imports kiln (compile mode, or nothing of Kiln's)
+    keeps PyTorch's answer for a machine without an accelerator, so libraries that pick the
+    process's accelerator on their own stay on the CPU as they would without kiln (accelerate,
+    under the transformers Trainer, called ``torch.accelerator.empty_cache()``, which failed on
+    an internal assert: the kiln device has no caching allocator)."""
+    return _used and unusable is None
+
+
 def check_usable() -> None:
-    """Raise if the kiln device cannot work in this process (probing it first if still pending)."""
-    global unusable, pending_probe
+    """Raise if the kiln device cannot work in this process (probing it first if still pending).
+    Called at the device's first use (and at every use while a probe is pending)."""
+    global unusable, pending_probe, _used
+    _used = True
     probe = pending_probe
     if probe is not None:
         pending_probe = None  # before probing: the probe itself makes kiln tensors
@@ -92,7 +109,7 @@ class _KilnModule:
     # ---- device selection -------------------------------------------------------------------
     @staticmethod
     def is_available() -> bool:
-        return True
+        return in_use()
 
     @staticmethod
     def is_initialized() -> bool:
