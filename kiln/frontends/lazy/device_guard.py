@@ -8,6 +8,11 @@ from ``backward()``.  ``guard.h`` is the same guard in C++; ``guard.cpp`` makes 
 extension (~1.5 s to build, once per machine, cached beside the launcher by
 :mod:`kiln.codegen.cpp.extension`) that :func:`install` loads at the device's first use.
 
+The same extension gives the device its c10 allocator (``allocator.h``): PyTorch allocates
+through it for ``torch.UntypedStorage(n, device="kiln")`` (without one the process died in
+c10) and asks it for ``torch.accelerator``'s memory API, which it answers from Kiln's memory
+statistics (:mod:`kiln.frontends.lazy.memory`).
+
 The same extension tells profiler sessions apart for the lazy device's ``kiln::record`` range,
 which begins in one call and ends in a later one (``metrics.open_span``): ended after its session
 stopped, it wrote into that session's freed records and a later GC crashed.
@@ -24,6 +29,7 @@ from pathlib import Path
 
 from kiln import metrics
 from kiln.codegen.cpp.extension import Extension
+from kiln.frontends.lazy import memory
 
 _HERE = Path(__file__).parent
 _EXT = Extension(
@@ -31,7 +37,7 @@ _EXT = Extension(
     _HERE / "guard.cpp",
     ["-O2", "-w"],
     "C++ device guard",
-    headers=(_HERE / "guard.h",),
+    headers=(_HERE / "guard.h", _HERE / "allocator.h"),
 )
 
 
@@ -47,8 +53,16 @@ def install() -> bool:
     if mod is None:
         return False
     mod.install_device_guard()
+    mod.install_allocator(_memory_stats, memory.reset_peak)
     metrics.profiler_sessions = (mod.profiler_session, mod.same_profiler_session)
     return True
+
+
+def _memory_stats() -> tuple[int, int]:
+    """The bytes the kiln device's live tensors hold now and at their peak (``torch.kiln``'s
+    ``memory_allocated`` and ``max_memory_allocated``), for ``torch.accelerator``'s memory API."""
+    memory.update_peak()
+    return memory._allocated(), memory.peak()
 
 
 def installed() -> bool:

@@ -1,4 +1,5 @@
-// The device guard extension: guard.h's C++ guard as a tiny Python module of its own (no
+// The device guard extension: guard.h's C++ guard (and allocator.h's allocator) as a tiny
+// Python module of its own (no
 // pybind11, no ATen headers: it builds in ~1.5 s), so every process using the kiln device gets
 // it, with either recorder.  lazy/device_guard.py builds, caches and loads it at the device's
 // first use.
@@ -14,6 +15,7 @@
 
 #include <memory>
 
+#include "allocator.h"
 #include "guard.h"
 
 namespace {
@@ -58,7 +60,20 @@ PyObject* py_same_profiler_session(PyObject*, PyObject* token) {
   return PyBool_FromLong(now != nullptr && now == held->get());
 }
 
+PyObject* py_install_allocator(PyObject*, PyObject* args) {
+  PyObject *stats, *reset_peak;
+  if (!PyArg_ParseTuple(args, "OO", &stats, &reset_peak)) return nullptr;
+  if (!PyCallable_Check(stats) || !PyCallable_Check(reset_peak)) {
+    PyErr_SetString(PyExc_TypeError, "install_allocator(stats, reset_peak) takes two callables");
+    return nullptr;
+  }
+  install_allocator(stats, reset_peak);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kMethods[] = {
+    {"install_allocator", py_install_allocator, METH_VARARGS,
+     "Make allocator.h's allocator the kiln device's (stats() -> (current, peak), reset_peak())."},
     {"profiler_session", py_profiler_session, METH_NOARGS,
      "A token of this thread's profiler session (None when no profiler runs)."},
     {"same_profiler_session", py_same_profiler_session, METH_O,
