@@ -169,3 +169,37 @@ def number(vt: Any) -> bool:
     if known:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     return isinstance(vt, SymNodeVariable) and vt.python_type() in (int, float)
+
+
+def loop_lists(
+    args: list[Any],
+    kwargs: dict[str, Any],
+    n_lists: int,
+    numbers: tuple[str, ...],
+    flags: tuple[str, ...],
+    scheduled: tuple[str, ...],
+) -> list[list[Any]] | None:
+    """The tensor lists of a traced call of one of torch's per-tensor loops, where the call is
+    one a list form can take, else None: ``n_lists`` lists of tensor variables (positional, of
+    one length, not empty), as ``torch.optim`` passes them; ``numbers`` (int or float) and
+    ``flags`` keyword constants, not ``differentiable`` and no complex parameters (``flags``
+    names both); ``scheduled`` keyword Python numbers (constants, or floats a scheduler made
+    symbolic).  What the tensors must be (devices, dtypes) is the caller's to check."""
+    if len(args) != n_lists:
+        return None
+    consts = constants(kwargs, numbers + flags)
+    if consts is None or consts["differentiable"] or consts["has_complex"]:
+        return None
+    if not plain_numbers(consts, numbers):
+        return None
+    if not all(name in kwargs and number(kwargs[name]) for name in scheduled):
+        return None
+    lists: list[list[Any]] = []
+    for a in args:
+        items = tensors(a)
+        if items is None:
+            return None
+        lists.append(items)
+    if not lists[0] or len({len(t) for t in lists}) != 1:
+        return None
+    return lists

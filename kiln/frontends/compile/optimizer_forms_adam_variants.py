@@ -37,20 +37,21 @@ from typing import Any
 import torch
 
 from kiln.frontends.compile.optimizer_form_args import (
-    constants,
     cpu_state,
     factor,
     lerped_,
+    loop_lists,
     multiplied_,
-    number,
     one_each,
-    plain_numbers,
     scaled,
     squares_added_,
-    tensors,
 )
 
 aten = torch.ops.aten
+
+# the loops' flags the forms read (the last two must be False) and the numbers a scheduler may set
+_FLAGS = ("decoupled_weight_decay", "maximize", "differentiable", "has_complex")
+_SCHEDULED = ("lr", "beta1", "beta2")
 
 
 def _decayed_grads(
@@ -145,26 +146,10 @@ def radam_form(
 def radam_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     """Whether a traced call of torch's RAdam loop is one :func:`radam_form` computes exactly:
     five lists as ``torch.optim.radam.radam`` passes them, the rest by keyword."""
-    if len(args) != 5:
-        return False
-    names = ("weight_decay", "eps")
-    flags = ("decoupled_weight_decay", "maximize", "differentiable", "has_complex")
-    consts = constants(kwargs, names + flags)
-    if consts is None or consts["differentiable"] or consts["has_complex"]:
-        return False
-    if not plain_numbers(consts, names):
-        return False
-    if not all(name in kwargs and number(kwargs[name]) for name in ("lr", "beta1", "beta2")):
-        return False
-    lists = [tensors(a) for a in args]
-    if any(t is None for t in lists):
+    lists = loop_lists(args, kwargs, 5, ("weight_decay", "eps"), _FLAGS, _SCHEDULED)
+    if lists is None:
         return False
     params, grads, exp_avgs, exp_avg_sqs, steps = lists
-    if (
-        not params
-        or len({len(params), len(grads), len(exp_avgs), len(exp_avg_sqs), len(steps)}) != 1
-    ):
-        return False
     return cpu_state(params + grads + exp_avgs + exp_avg_sqs, steps)
 
 
@@ -221,24 +206,11 @@ def nadam_form(
 def nadam_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     """Whether a traced call of torch's NAdam loop is one :func:`nadam_form` computes exactly:
     six lists as ``torch.optim.nadam.nadam`` passes them, the rest by keyword."""
-    if len(args) != 6:
-        return False
-    names = ("weight_decay", "eps", "momentum_decay")
-    flags = ("decoupled_weight_decay", "maximize", "differentiable", "has_complex")
-    consts = constants(kwargs, names + flags)
-    if consts is None or consts["differentiable"] or consts["has_complex"]:
-        return False
-    if not plain_numbers(consts, names):
-        return False
-    if not all(name in kwargs and number(kwargs[name]) for name in ("lr", "beta1", "beta2")):
-        return False
-    lists = [tensors(a) for a in args]
-    if any(t is None for t in lists):
+    numbers = ("weight_decay", "eps", "momentum_decay")
+    lists = loop_lists(args, kwargs, 6, numbers, _FLAGS, _SCHEDULED)
+    if lists is None:
         return False
     params, grads, exp_avgs, exp_avg_sqs, mu_products, steps = lists
-    sizes = {len(params), len(grads), len(exp_avgs), len(exp_avg_sqs), len(mu_products)}
-    if not params or sizes != {len(steps)}:
-        return False
     # the step counters and the mu products: the optimizer's scalar dtype, one for both
     return cpu_state(params + grads + exp_avgs + exp_avg_sqs, steps + mu_products)
 

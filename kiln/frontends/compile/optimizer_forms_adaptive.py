@@ -47,6 +47,7 @@ from kiln.frontends.compile.optimizer_form_args import (
     factor,
     l2_grads,
     lerped_,
+    loop_lists,
     multiplied_,
     negated_lr,
     number,
@@ -256,22 +257,11 @@ def adamax_form(
 def adamax_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     """Whether a traced call of torch's Adamax loop is one :func:`adamax_form` computes exactly:
     five lists as ``torch.optim.adamax.adamax`` passes them, the rest by keyword."""
-    if len(args) != 5:
-        return False
-    numbers = ("eps", "weight_decay")
-    consts = constants(kwargs, numbers + ("maximize", "differentiable", "has_complex"))
-    if consts is None or consts["differentiable"] or consts["has_complex"]:
-        return False
-    if not plain_numbers(consts, numbers):
-        return False
-    if not all(name in kwargs and number(kwargs[name]) for name in ("lr", "beta1", "beta2")):
-        return False
-    lists = [tensors(a) for a in args]
-    if any(t is None for t in lists):
+    flags = ("maximize", "differentiable", "has_complex")
+    lists = loop_lists(args, kwargs, 5, ("eps", "weight_decay"), flags, ("lr", "beta1", "beta2"))
+    if lists is None:
         return False
     params, grads, exp_avgs, exp_infs, steps = lists
-    if not params or len({len(params), len(grads), len(exp_avgs), len(exp_infs), len(steps)}) != 1:
-        return False
     return cpu_state(params + grads + exp_avgs + exp_infs, steps)
 
 
@@ -329,25 +319,11 @@ def adadelta_form(
 def adadelta_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     """Whether a traced call of torch's Adadelta loop is one :func:`adadelta_form` computes
     exactly: five lists as ``torch.optim.adadelta.adadelta`` passes them, the rest by keyword."""
-    if len(args) != 5:
-        return False
-    numbers = ("rho", "eps", "weight_decay")
-    consts = constants(kwargs, numbers + ("maximize", "differentiable", "has_complex"))
-    if consts is None or consts["differentiable"] or consts["has_complex"]:
-        return False
-    if not plain_numbers(consts, numbers):
-        return False
-    if "lr" not in kwargs or not number(kwargs["lr"]):
-        return False
-    lists = [tensors(a) for a in args]
-    if any(t is None for t in lists):
+    flags = ("maximize", "differentiable", "has_complex")
+    lists = loop_lists(args, kwargs, 5, ("rho", "eps", "weight_decay"), flags, ("lr",))
+    if lists is None:
         return False
     params, grads, square_avgs, acc_deltas, steps = lists
-    if (
-        not params
-        or len({len(params), len(grads), len(square_avgs), len(acc_deltas), len(steps)}) != 1
-    ):
-        return False
     return cpu_state(params + grads + square_avgs + acc_deltas, steps)
 
 
