@@ -46,6 +46,40 @@ def l2_grads(
     return grads
 
 
+def decayed_grads(
+    grads: list[torch.Tensor],
+    params: list[torch.Tensor],
+    lr: Any,
+    weight_decay: float,
+    decoupled: bool,
+    maximize: bool,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """The Adam family's prelude (Adam/AdamW, NAdam, RAdam): ``grad = -grad`` if ``maximize``;
+    then decoupled weight decay ``param.mul_(1 - lr * weight_decay)`` (the factor in float64,
+    rounded as ATen rounds a Python float) or L2 weight decay (:func:`l2_grads`)."""
+    if decoupled and weight_decay != 0:
+        lr_t = torch.ones((), dtype=torch.float64) * lr
+        aten._foreach_mul_.Tensor(params, (1 - lr_t * weight_decay).to(dtype))
+    return l2_grads(grads, params, maximize, 0 if decoupled else weight_decay)
+
+
+def moments_(
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    b1: Any,
+    b2: Any,
+    dtype: torch.dtype,
+) -> None:
+    """The Adam family's moments: ``exp_avg.lerp_(grad, 1 - beta1)``;
+    ``exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)`` (``b1``, ``b2`` numbers or
+    :func:`factor` vectors)."""
+    lerped_(exp_avgs, grads, 1 - b1, dtype)
+    multiplied_(exp_avg_sqs, b2, dtype)
+    squares_added_(exp_avg_sqs, grads, 1 - b2, dtype)
+
+
 def scaled(tensors: list[torch.Tensor], f: Any, dtype: torch.dtype) -> list[torch.Tensor]:
     """``t * f`` for each tensor, ``f`` a Python number or a :func:`factor` vector."""
     if isinstance(f, torch.Tensor):

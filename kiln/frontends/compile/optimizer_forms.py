@@ -75,16 +75,16 @@ from kiln.frontends.compile.optimizer_form_args import (
     constants,
     cpu_one_dtype,
     cpu_state,
+    decayed_grads,
     factor,
     l2_grads,
-    lerped_,
+    moments_,
     multiplied_,
     negated_lr,
     number,
     one_each,
     plain_numbers,
     plus_scaled,
-    squares_added_,
     tensors,
 )
 from kiln.frontends.compile.optimizer_forms_adam_variants import (
@@ -144,18 +144,8 @@ def adam_form(
     # below are tensor ops, which the graph takes as an input instead of specializing each value
     lr_t = torch.ones((), dtype=torch.float64) * lr
     aten._foreach_add_.Scalar(state_steps, 1)  # step_t += 1
-    if maximize:
-        grads = aten._foreach_neg.default(grads)  # grad = -grads[i]
-    if weight_decay != 0:
-        if decoupled_weight_decay:
-            # param.mul_(1 - lr * weight_decay): the factor in double, rounded as ATen rounds it
-            aten._foreach_mul_.Tensor(params, (1 - lr_t * weight_decay).to(dtype))
-        else:
-            grads = aten._foreach_add.List(grads, params, alpha=weight_decay)
-    lerped_(exp_avgs, grads, 1 - b1, dtype)  # exp_avg.lerp_(grad, 1 - beta1)
-    # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    multiplied_(exp_avg_sqs, b2, dtype)
-    squares_added_(exp_avg_sqs, grads, 1 - b2, dtype)
+    grads = decayed_grads(grads, params, lr, weight_decay, decoupled_weight_decay, maximize, dtype)
+    moments_(exp_avgs, exp_avg_sqs, grads, b1, b2, dtype)
     # step = step_t.item(); the bias corrections as Python floats: float64
     step = torch.stack(state_steps).to(torch.float64)
     bias_correction1 = 1 - torch.pow(b1, step)

@@ -38,13 +38,12 @@ import torch
 
 from kiln.frontends.compile.optimizer_form_args import (
     cpu_state,
+    decayed_grads,
     factor,
-    lerped_,
     loop_lists,
-    multiplied_,
+    moments_,
     one_each,
     scaled,
-    squares_added_,
 )
 
 aten = torch.ops.aten
@@ -52,44 +51,6 @@ aten = torch.ops.aten
 # the loops' flags the forms read (the last two must be False) and the numbers a scheduler may set
 _FLAGS = ("decoupled_weight_decay", "maximize", "differentiable", "has_complex")
 _SCHEDULED = ("lr", "beta1", "beta2")
-
-
-def _decayed_grads(
-    grads: list[torch.Tensor],
-    params: list[torch.Tensor],
-    lr: Any,
-    weight_decay: float,
-    decoupled: bool,
-    maximize: bool,
-    dtype: torch.dtype,
-) -> list[torch.Tensor]:
-    """The loops' prelude: ``grad = -grad`` if ``maximize``; then decoupled weight decay
-    ``param.mul_(1 - lr * weight_decay)`` (the factor in float64, rounded as ATen rounds a
-    Python float) or L2 weight decay ``grad = grad.add(param, alpha=weight_decay)``."""
-    if maximize:
-        grads = aten._foreach_neg.default(grads)
-    if weight_decay != 0:
-        if decoupled:
-            lr_t = torch.ones((), dtype=torch.float64) * lr
-            aten._foreach_mul_.Tensor(params, (1 - lr_t * weight_decay).to(dtype))
-        else:
-            grads = aten._foreach_add.List(grads, params, alpha=weight_decay)
-    return grads
-
-
-def _moments_(
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    b1: Any,
-    b2: Any,
-    dtype: torch.dtype,
-) -> None:
-    """``exp_avg.lerp_(grad, 1 - beta1)``; ``exp_avg_sq.mul_(beta2).addcmul_(grad, grad,
-    value=1 - beta2)``."""
-    lerped_(exp_avgs, grads, 1 - b1, dtype)
-    multiplied_(exp_avg_sqs, b2, dtype)
-    squares_added_(exp_avg_sqs, grads, 1 - b2, dtype)
 
 
 def radam_form(
@@ -116,8 +77,8 @@ def radam_form(
     n = len(params)
     b1, b2 = factor(beta1, n, inputs), factor(beta2, n, inputs)
     aten._foreach_add_.Scalar(state_steps, 1)  # step_t += 1
-    grads = _decayed_grads(grads, params, lr, weight_decay, decoupled_weight_decay, maximize, dtype)
-    _moments_(exp_avgs, exp_avg_sqs, grads, b1, b2, dtype)
+    grads = decayed_grads(grads, params, lr, weight_decay, decoupled_weight_decay, maximize, dtype)
+    moments_(exp_avgs, exp_avg_sqs, grads, b1, b2, dtype)
     # step = step_t.item(); the factors below are Python floats in eager: float64
     step = torch.stack(state_steps).to(torch.float64)
     beta2_power = torch.pow(b2, step)
@@ -183,13 +144,13 @@ def nadam_form(
     # step = step_t.item(); the factors below are Python floats in eager: float64
     step = torch.stack(state_steps).to(torch.float64)
     bias_correction2 = 1 - torch.pow(b2, step)
-    grads = _decayed_grads(grads, params, lr, weight_decay, decoupled_weight_decay, maximize, dtype)
+    grads = decayed_grads(grads, params, lr, weight_decay, decoupled_weight_decay, maximize, dtype)
     # mu = beta1 * (1 - 0.5 * 0.96 ** (step * momentum_decay)), mu_next at step + 1
     mu = b1 * (1.0 - 0.5 * torch.pow(0.96, step * momentum_decay))
     mu_next = b1 * (1.0 - 0.5 * torch.pow(0.96, (step + 1) * momentum_decay))
     # mu_product *= mu: in the state's dtype, the number rounded to it
     aten._foreach_mul_.List(mu_products, one_each(mu, mu_products[0].dtype))
-    _moments_(exp_avgs, exp_avg_sqs, grads, b1, b2, dtype)
+    moments_(exp_avgs, exp_avg_sqs, grads, b1, b2, dtype)
     # denom = exp_avg_sq.div(bias_correction2).sqrt(); denom.add_(eps)
     denom = aten._foreach_div.List(exp_avg_sqs, one_each(bias_correction2, dtype))
     denom = aten._foreach_add.Scalar(aten._foreach_sqrt.default(denom), eps)
