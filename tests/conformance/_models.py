@@ -19,7 +19,7 @@ BATCH, SEQ, VOCAB, IMAGE = 2, 8, 128, 16
 Batch = dict[str, torch.Tensor]
 
 # Small, shared sizes for every transformer.
-_LM = dict(vocab_size=VOCAB, use_cache=False)
+_LM = dict(vocab_size=VOCAB)
 
 
 class LossOf(nn.Module):

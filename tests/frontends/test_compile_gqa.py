@@ -222,7 +222,7 @@ def test_hf_llama_eager_attention_training_step_matches_eager():
         return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
 
     def step(m, opt):
-        loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+        loss = m(input_ids=ids, labels=ids).loss
         loss.backward()
         grads = [p.grad.detach().clone() for p in m.parameters()]
         opt.step()

@@ -82,7 +82,6 @@ def test_mixture_of_experts_model_trains_as_in_eager():
     cfg = transformers.MixtralConfig(
         num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
-        use_cache=False,
     )  # fmt: skip
     torch.manual_seed(0)
     base = transformers.MixtralForCausalLM._from_config(cfg).train()
