@@ -124,9 +124,9 @@ def _lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 def _hf_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     x, y = batch
-    # use_cache=False: training needs no KV cache (and transformers builds it with
-    # torch.tensor(..., device=...), which the kiln device does not support yet)
-    return model(input_ids=x, labels=y, use_cache=False).loss
+    # the library's defaults, as users call it: with config.use_cache (True) the forward also
+    # builds a DynamicCache of every layer's keys and values, which the step then drops
+    return model(input_ids=x, labels=y).loss
 
 
 def _hf(kind: str, quick: bool, n: int, g: torch.Generator, large: bool = False) -> Workload:
