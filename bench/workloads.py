@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -136,14 +136,14 @@ def _hf(kind: str, quick: bool, n: int, g: torch.Generator, large: bool = False)
         (1, 32, 8, 2) if quick else (4, 256, 128, 8) if large else (2, 128, 64, 4)
     )
     vocab = 100 if quick else 1000
-    common = dict(
-        vocab_size=vocab,
-        num_hidden_layers=layers,
-        hidden_size=hidden,
-        num_attention_heads=4,
-        intermediate_size=4 * hidden,
-        max_position_embeddings=128,
-    )
+    common = {
+        "vocab_size": vocab,
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": 4,
+        "intermediate_size": 4 * hidden,
+        "max_position_embeddings": 128,
+    }
     if kind == "gpt2":
         cfg = tf.GPT2Config(
             vocab_size=vocab,

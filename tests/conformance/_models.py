@@ -7,19 +7,19 @@ is wrapped as ``batch -> loss`` and comes with a batch maker, so one training lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-import torch.nn as nn
 import transformers
+from torch import nn
 
 BATCH, SEQ, VOCAB, IMAGE = 2, 8, 128, 16
 
 Batch = dict[str, torch.Tensor]
 
 # Small, shared sizes for every transformer.
-_LM = dict(vocab_size=VOCAB)
+_LM = {"vocab_size": VOCAB}
 
 
 class LossOf(nn.Module):
