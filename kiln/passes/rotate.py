@@ -8,9 +8,10 @@ which the C++ backend fuses as a read of its input at a rotated index (the kerne
 last dim runs in two segments), so both become part of the pointwise kernel around them.  Rules:
 
 * ``add(slice_scatter(zeros, a, d, 0, s), slice_scatter(zeros, b, d, s, L))`` (either order,
-  ``zeros`` a zero fill of the result's type, the two ranges covering ``[0, L)``) -> ``cat([a, b],
-  d)``; ``slice_backward(a, shape, d, 0, s, 1)`` (what the lazy device records for the gradient
-  of a slice: an opaque ATen node) is the same ``slice_scatter`` into zeros;
+  ``zeros`` a zero fill of the result's type -- ``full``/``zeros`` and their ``_like`` forms, or
+  ``new_zeros``, which both lazy recorders write for the gradient of a slice -- the two ranges
+  covering ``[0, L)``) -> ``cat([a, b], d)``; ``slice_backward(a, shape, d, 0, s, 1)`` recorded
+  as one opaque ATen node is the same ``slice_scatter`` into zeros;
 * ``cat([±slice(x, d, s, L), ±slice(x, d, 0, s)], d)`` (each segment possibly ``neg``) ->
   ``roll(x, L - s, d)``, times a constant of ``-1``/``1`` along ``d`` when a segment is negated;
 * ``roll(mul(a, b), k, d)`` whose ``mul`` has no other reader -> ``mul(roll(a, k, d), roll(b, k,
@@ -47,7 +48,13 @@ from kiln.passes._util import Rewriter
 from kiln.passes.dce import dce, keep_only
 from kiln.passes.rewrite import Rule, apply_rules
 
-_ZERO_FILLS = ("full.default", "zeros.default", "full_like.default", "zeros_like.default")
+_ZERO_FILLS = (
+    "full.default",
+    "zeros.default",
+    "full_like.default",
+    "zeros_like.default",
+    "new_zeros.default",  # the lazy recorders' slice_backward: new_zeros + slice_scatter
+)
 INT64_MAX = 9223372036854775807
 _SLICE_BACKWARD = "opaque.aten::slice_backward.default"
 # views: a node of one of these ops is a function of its input and its arguments alone
@@ -131,7 +138,7 @@ def _is_zero_fill(rw: Rewriter, v: int, t: TensorType) -> bool:
     n = rw.node(v)
     if n.op not in _ZERO_FILLS or rw.type(v) != t:
         return False
-    if n.op in ("zeros.default", "zeros_like.default"):
+    if n.op in ("zeros.default", "zeros_like.default", "new_zeros.default"):
         return True
     value = n.args[1] if len(n.args) > 1 else None
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0

@@ -7,7 +7,7 @@ import torch
 from _passes_testlib import V, call, capture, check_pass, f32, same_results
 
 from kiln.codegen.interpreter import Interpreter
-from kiln.ir import GraphBuilder
+from kiln.ir import GraphBuilder, TensorType
 from kiln.passes.rotate import rotate
 
 
@@ -78,6 +78,38 @@ def test_slice_scatters_of_zeros_that_tile_a_dim_become_a_cat():
         assert [n.op for n in out.nodes if n.op == "cat.default"] == ["cat.default"]
         same_results(g, out)
     check_pass(rotate, _scatter_pair((0, 1), (0, 2), (2, 9223372036854775807)), golden)
+
+
+def test_slice_scatters_into_new_zeros_become_a_cat():
+    # the native lazy recorder records slice_backward as new_zeros + slice_scatter (table.py)
+    golden = """
+        graph(%0: f32[3,2], %1: f32[3,4]) {
+          %2 = cat.default([%0, %1], 1) : f32[3,6]
+          return (%2)
+        }"""
+    for order in ((0, 1), (1, 0)):
+        b = GraphBuilder()
+        a = b.input(f32(3, 2))
+        c = b.input(f32(3, 4))
+        z = call(b, "new_zeros.default", [V(a), [3, 6]], f32(3, 6))
+        s1 = call(b, "slice_scatter.default", [V(z), V(a), 1, 0, 2], f32(3, 6))
+        s2 = call(b, "slice_scatter.default", [V(z), V(c), 1, 2, 6], f32(3, 6))
+        first, second = (s1, s2) if order == (0, 1) else (s2, s1)
+        g = b.build([call(b, "add.Tensor", [V(first), V(second)], f32(3, 6))])
+        check_pass(rotate, g, golden)  # also: the same values on the interpreter
+
+
+def test_slice_scatters_into_new_zeros_of_another_type_stay():
+    # a fill whose type is not the result's (here float64 into a float32 add) is not taken
+    b = GraphBuilder()
+    a = b.input(f32(3, 2))
+    c = b.input(f32(3, 4))
+    f64 = TensorType((3, 6), torch.float64)
+    z = call(b, "new_zeros.default", [V(a), [3, 6]], f64, dtype=torch.float64)
+    s1 = call(b, "slice_scatter.default", [V(z), V(a), 1, 0, 2], f64)
+    s2 = call(b, "slice_scatter.default", [V(z), V(c), 1, 2, 6], f64)
+    g = b.build([call(b, "add.Tensor", [V(s1), V(s2)], f32(3, 6))])
+    assert rotate(g) is g
 
 
 def test_slice_scatters_that_leave_a_gap_or_overlap_stay():
