@@ -23,6 +23,12 @@ from kiln.ir.semantics import PYOPS, types_of, value_type
 from kiln.lowering.aten import Ref, lower_call
 from kiln.runtime.writebacks import Update, add_writebacks
 
+# ATen ops lowered as another op with the same arguments and the same result:
+# ``lift_fresh_copy`` (how a tensor built from Python values inside the frame enters the graph,
+# e.g. T5's position buckets or a transformers ``DynamicCache``'s empty keys) is ATen's ``clone``
+# of it; as an opaque node it ran through Python on every call, and ``dce`` kept it when nothing
+# read it
+_AS = {torch.ops.aten.lift_fresh_copy.default: torch.ops.aten.clone.default}
 _PYOP_NAMES = {v: k for k, v in PYOPS.items()}
 _PYOP_NAMES.update({operator.mul: "mul", operator.add: "add", operator.sub: "sub"})
 
@@ -77,7 +83,7 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
                 env[node] = env[node.args[1]]  # the value after the copy (types checked)
             elif isinstance(tgt, torch._ops.OpOverload):
                 n = lower_call(
-                    tgt,
+                    _AS.get(tgt, tgt),
                     node.args,
                     dict(node.kwargs),
                     ref_of,
