@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _process_testlib import clean_env
 
 import kiln
 from kiln.frontends.lazy import native
@@ -162,7 +163,7 @@ def run_native_child(
     recorder (``KILN_LAZY_RECORDER=native``, its own cache under ``tmp_path``, no other ``KILN_*``
     variable of this process; ``env`` adds more or overrides, e.g. ``KILN_LAZY_RECORDER="python"``),
     this checkout first on the path."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    full = clean_env()
     full.update(
         KILN_LAZY_RECORDER="native",
         KILN_CACHE_DIR=str(tmp_path / "cache"),

@@ -12,21 +12,20 @@ conversions with tied weights and load_state_dict, every optimizer configuration
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from _process_testlib import clean_env
 from eager_programs import PROGRAMS
 
 _SCRIPT = Path(__file__).with_name("eager_programs.py")
 
 
 def _start(*flags: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
     return subprocess.Popen(
         [sys.executable, str(_SCRIPT), *flags],
-        env=env,
+        env=clean_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -8,13 +8,11 @@ machine by making PyTorch report an accelerator."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _process_testlib import run_clean
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -22,17 +20,8 @@ _SCRIPT = Path(__file__).with_name("cuda_programs.py")
 
 
 def _run(*flags: str) -> dict[str, dict]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-    p = subprocess.run(
-        [sys.executable, str(_SCRIPT), *flags],
-        env=env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    return {r["program"]: r for r in map(json.loads, p.stdout.splitlines())}
+    out = run_clean(str(_SCRIPT), *flags)
+    return {r["program"]: r for r in map(json.loads, out.splitlines())}
 
 
 def test_cuda_training_is_bit_identical_with_and_without_import_kiln():

@@ -7,29 +7,15 @@ depends on what the process did before, and the storage case used to kill the pr
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
+
+from _process_testlib import run_clean
 
 
 def _run(code: str) -> dict:
     # (the recorder this run tests kept: conftest.py sets KILN_LAZY_RECORDER)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("KILN_") or k == "KILN_LAZY_RECORDER"
-    }
-    p = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    out = run_clean("-c", textwrap.dedent(code), keep=("KILN_LAZY_RECORDER",))
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_the_accelerator_is_available_only_once_the_device_is_used():

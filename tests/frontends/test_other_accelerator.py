@@ -11,13 +11,11 @@ This runs on any machine: a fresh process makes PyTorch report a cuda accelerato
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from _process_testlib import run_clean
 
 _SCRIPT = textwrap.dedent(
     """
@@ -55,17 +53,7 @@ _SCRIPT = textwrap.dedent(
 
 def _python(script: str) -> str:
     """``script`` in a fresh interpreter without KILN_* settings; its standard output."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-    p = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    return p.stdout
+    return run_clean("-c", script)
 
 
 def test_device_registers_at_first_use_when_another_accelerator_is_present():

@@ -53,12 +53,16 @@ def test_swapped_halves_without_neg_are_a_plain_roll():
     )
 
 
-def _scatter_pair(order: tuple[int, int], lo: tuple, hi: tuple):
-    """add(slice_scatter(zeros, a, 1, *lo), slice_scatter(zeros, b, 1, *hi)) in ``order``."""
+def _scatter_pair(order: tuple[int, int], lo: tuple, hi: tuple, fill: str = "full.default"):
+    """add(slice_scatter(zeros, a, 1, *lo), slice_scatter(zeros, b, 1, *hi)) in ``order``;
+    ``zeros`` a ``full`` of 0, or a ``new_zeros`` (the lazy recorders' slice_backward)."""
     b = GraphBuilder()
     a = b.input(f32(3, 2))
     c = b.input(f32(3, 4))
-    z = call(b, "full.default", [[3, 6], 0], f32(3, 6), dtype=torch.float32)
+    if fill == "new_zeros.default":
+        z = call(b, fill, [V(a), [3, 6]], f32(3, 6))
+    else:
+        z = call(b, fill, [[3, 6], 0], f32(3, 6), dtype=torch.float32)
     s1 = call(b, "slice_scatter.default", [V(z), V(a), 1, *lo], f32(3, 6))
     s2 = call(b, "slice_scatter.default", [V(z), V(c), 1, *hi], f32(3, 6))
     first, second = (s1, s2) if order == (0, 1) else (s2, s1)
@@ -88,14 +92,7 @@ def test_slice_scatters_into_new_zeros_become_a_cat():
           return (%2)
         }"""
     for order in ((0, 1), (1, 0)):
-        b = GraphBuilder()
-        a = b.input(f32(3, 2))
-        c = b.input(f32(3, 4))
-        z = call(b, "new_zeros.default", [V(a), [3, 6]], f32(3, 6))
-        s1 = call(b, "slice_scatter.default", [V(z), V(a), 1, 0, 2], f32(3, 6))
-        s2 = call(b, "slice_scatter.default", [V(z), V(c), 1, 2, 6], f32(3, 6))
-        first, second = (s1, s2) if order == (0, 1) else (s2, s1)
-        g = b.build([call(b, "add.Tensor", [V(first), V(second)], f32(3, 6))])
+        g = _scatter_pair(order, (0, 2), (2, 6), fill="new_zeros.default")
         check_pass(rotate, g, golden)  # also: the same values on the interpreter
 
 
