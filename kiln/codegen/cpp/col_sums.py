@@ -1,0 +1,261 @@
+"""C++ helpers for column sums (``cols`` kernels) that add in the order ATen's CPU sum adds.
+
+A float32 sum is exact only up to its order of additions, and a bias gradient (the sum of a
+``[rows, L]`` gradient over its rows) reached the optimizer a last bit off eager's in most columns
+when Kiln summed in double: AdamW then turns a last-bit difference into a visible one over tens of
+steps (the CNN of ``bench/`` drifted 1.6e-5 from eager's loss by step 43).  These helpers add each
+column's float values in the order of ATen's ``sum`` on the CPU (``cascade_sum``), so a fused sum
+gives eager's bits when its summands are eager's:
+
+- one column's values are added in a cascade: runs of ``2^p`` values (``p = max(4,
+  ceil(log2 n) / 4)``) into a level-0 accumulator, carried into level 1 after each run, level 1
+  into level 2 after ``2^p`` runs, and so on over 4 levels, the levels added up at the end
+  (``straight``);
+- ATen's kernel takes its columns in vectors of 8 floats (its AVX2 build: ``sum`` has no AVX-512
+  one): the columns in whole blocks of 32 (4 vectors; with fewer than 8 columns, groups of 4) run
+  the straight cascade; the others (``interleaved``) split their rows into 4 lanes (row ``4g +
+  k`` into lane ``k``), cascade each lane over ``rows / 4`` steps, add the rows left over to lane
+  0, then add lanes 1, 2 and 3 to it;
+- from 32768 elements on (with more than one thread) ATen splits the columns between its threads
+  (``ceil(L / threads)`` each, boundaries rounded down to multiples of 32), and each thread's
+  block is taken as above from its own first column: the kernel splits them the same way, with
+  the thread count torch uses (the same OpenMP runtime);
+- one column (``L == 1``): ATen reduces all the elements as one row: vectors of 8 consecutive
+  values, 4 vectors a step (32 accumulators, the cascade over ``rows / 32`` steps), the vectors
+  left over added to the first, the elements past the last whole vector summed first, then the 8
+  lanes; from 32768 elements on with more threads, each thread's contiguous share that way and
+  the threads' partial sums (one slot per thread of torch's pool, unused ones 0) summed as a row
+  of their own.
+
+Every sum ends as ``0 + s`` (ATen adds into an output it zeroed: a -0 sum is +0).  Checked against
+``torch.sum`` over shapes on each branch, 1 and 2 threads (tests/codegen/test_col_sums.py).
+Kernels that use them include :data:`SOURCE` (guarded, once per translation unit).
+"""
+
+from __future__ import annotations
+
+GRAIN = 32768  # ATen's internal::GRAIN_SIZE: from here on a reduction runs on several threads
+VEC = 8  # floats per vector in ATen's sum kernel
+ROUND = 32  # thread boundaries between columns: multiples of 128 bytes of floats
+
+SOURCE = r"""
+#ifndef KILN_COL_SUMS_H
+#define KILN_COL_SUMS_H
+// A cascade of w accumulators over n steps, in four levels (see kiln/codegen/cpp/col_sums.py).
+struct kiln_casc {
+  int64_t w, lp, full, done;
+  float* a;  // [4][w]
+};
+static inline void kiln_casc_init(kiln_casc* c, int64_t w, int64_t n) {
+  const int64_t cl = n <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)(n - 1));  // ceil(log2 n)
+  c->w = w;
+  c->lp = cl / 4 > 4 ? cl / 4 : 4;
+  c->full = (n >> c->lp) << c->lp;
+  c->done = 0;
+  c->a = new float[4 * (w > 0 ? w : 1)]();
+}
+static inline void kiln_casc_add(kiln_casc* c, const float* x, int64_t off, int64_t m) {
+  float* a0 = c->a + off;
+  #pragma omp simd
+  for (int64_t k = 0; k < m; ++k) a0[k] += x[k];
+}
+static inline void kiln_casc_next(kiln_casc* c) {
+  const int64_t d = ++c->done, mask = ((int64_t)1 << c->lp) - 1;
+  if (d > c->full || (d & mask) != 0) return;
+  for (int l = 1; l < 4; ++l) {
+    float* lo = c->a + (l - 1) * c->w;
+    float* hi = c->a + l * c->w;
+    #pragma omp simd
+    for (int64_t k = 0; k < c->w; ++k) { hi[k] += lo[k]; lo[k] = 0.0f; }
+    if ((d & (mask << (l * c->lp))) != 0) break;
+  }
+}
+static inline float kiln_casc_total(const kiln_casc* c, int64_t k) {
+  const float* a = c->a;
+  float s = a[k];
+  s += a[c->w + k];
+  s += a[2 * c->w + k];
+  s += a[3 * c->w + k];
+  return s;
+}
+// One element stream summed as ATen sums one contiguous row (L == 1).
+struct kiln_row_sum {
+  int64_t n, nv, ng, seen;
+  kiln_casc c;      // 32 accumulators (4 vectors of 8) over ng steps; or 4 (scalar) when n < 8
+  float lane[32];   // after the cascade: the 4 partial vectors (or 4 scalars)
+  float tail;       // elements past the last whole vector
+  int combined;
+};
+static inline void kiln_row_sum_init(kiln_row_sum* s, int64_t n) {
+  s->n = n;
+  s->nv = n >= 8 ? n / 8 : 0;  // vectors (0: a scalar row, 4 lanes of one value)
+  s->ng = s->nv ? s->nv / 4 : n / 4;
+  s->seen = 0;
+  s->tail = 0.0f;
+  s->combined = 0;
+  kiln_casc_init(&s->c, s->nv ? 32 : 4, s->ng);
+}
+static inline void kiln_row_sum_combine(kiln_row_sum* s) {
+  for (int64_t k = 0; k < s->c.w; ++k) s->lane[k] = kiln_casc_total(&s->c, k);
+  s->combined = 1;
+}
+static inline void kiln_row_sum_push(kiln_row_sum* s, float x) {
+  const int64_t e = s->seen++;
+  if (s->nv) {
+    const int64_t v = e / 8, l = e % 8;
+    if (v < 4 * s->ng) {
+      s->c.a[(v % 4) * 8 + l] += x;
+      if (e % 32 == 31) kiln_casc_next(&s->c);
+    } else if (v < s->nv) {
+      if (!s->combined) kiln_row_sum_combine(s);
+      s->lane[l] += x;
+    } else {
+      s->tail += x;
+    }
+  } else if (e < 4 * s->ng) {
+    s->c.a[e % 4] += x;
+    if (e % 4 == 3) kiln_casc_next(&s->c);
+  } else {
+    if (!s->combined) kiln_row_sum_combine(s);
+    s->lane[0] += x;
+  }
+}
+static inline float kiln_row_sum_finish(kiln_row_sum* s) {
+  if (!s->combined) kiln_row_sum_combine(s);
+  delete[] s->c.a;
+  float r;
+  if (s->nv) {
+    float v[8];
+    for (int l = 0; l < 8; ++l) {
+      float t = s->lane[l];
+      t += s->lane[8 + l];
+      t += s->lane[16 + l];
+      t += s->lane[24 + l];
+      v[l] = t;
+    }
+    r = s->tail;
+    for (int l = 0; l < 8; ++l) r += v[l];
+  } else {
+    r = s->lane[0];
+    r += s->lane[1];
+    r += s->lane[2];
+    r += s->lane[3];
+  }
+  return r;
+}
+// This thread's columns [*cb, *ce) of L, as ATen splits an outer sum between its threads.
+static inline int kiln_col_range(int64_t L, int64_t* cb, int64_t* ce) {
+  const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+  if (nt == 1 || L == 1) {
+    *cb = 0;
+    *ce = t == 0 ? L : 0;
+    return t == 0;
+  }
+  const int64_t used = nt < L ? nt : L, ch = (L + used - 1) / used;
+  if (t >= used || t * ch >= L) return 0;
+  int64_t b = t * ch, e = b + ch < L ? b + ch : L;
+  b -= b % 32;
+  if (e != L) e -= e % 32;
+  *cb = b;
+  *ce = e;
+  return b < e;
+}
+// The sums of columns [cb, ce) of a [rows, L] stream of rows.
+struct kiln_col_sums {
+  int64_t rows, n, ns, ni, ng;
+  kiln_casc s, it;
+  float* lanes;  // [4][ni] once the interleaved cascade is over
+  int combined;
+  // L == 1
+  int single, threads;
+  int64_t pool, chunk, seg;
+  kiln_row_sum row;
+  float* parts;
+};
+// pool: the threads torch reduces with (omp_get_max_threads() outside any parallel region)
+static inline void kiln_col_sums_init(kiln_col_sums* c, int64_t rows, int64_t L, int64_t cb,
+                                      int64_t ce, int64_t pool) {
+  c->rows = rows;
+  c->single = L == 1;
+  if (c->single) {
+    c->pool = pool;
+    const int64_t want = (rows + 32767) / 32768;
+    c->threads = rows >= 32768 && pool > 1 ? (int)(want < pool ? want : pool) : 1;
+    c->chunk = (rows + c->threads - 1) / c->threads;
+    c->seg = 0;
+    c->parts = new float[pool > c->threads ? pool : c->threads]();
+    kiln_row_sum_init(&c->row, c->chunk < rows ? c->chunk : rows);
+    return;
+  }
+  c->n = ce - cb;
+  c->ns = c->n >= 8 ? c->n / 32 * 32 : c->n / 4 * 4;
+  c->ni = c->n - c->ns;
+  c->ng = rows / 4;
+  kiln_casc_init(&c->s, c->ns, rows);
+  kiln_casc_init(&c->it, 4 * c->ni, c->ng);
+  c->lanes = new float[4 * (c->ni > 0 ? c->ni : 1)]();
+  c->combined = 0;
+}
+static inline void kiln_col_sums_lanes(kiln_col_sums* c) {
+  for (int64_t k = 0; k < 4 * c->ni; ++k) c->lanes[k] = kiln_casc_total(&c->it, k);
+  c->combined = 1;
+}
+static inline void kiln_col_sums_add(kiln_col_sums* c, int64_t r, const float* q) {
+  if (c->single) {
+    if (r > 0 && r % c->chunk == 0) {  // the next thread's share (two-pass reduction)
+      c->parts[c->seg++] = 0.0f + kiln_row_sum_finish(&c->row);
+      const int64_t left = c->rows - r;
+      kiln_row_sum_init(&c->row, c->chunk < left ? c->chunk : left);
+    }
+    kiln_row_sum_push(&c->row, q[0]);
+    return;
+  }
+  if (c->ns) {
+    kiln_casc_add(&c->s, q, 0, c->ns);
+    kiln_casc_next(&c->s);
+  }
+  if (!c->ni) return;
+  if (r < 4 * c->ng) {
+    kiln_casc_add(&c->it, q + c->ns, (r % 4) * c->ni, c->ni);
+    if (r % 4 == 3) kiln_casc_next(&c->it);
+  } else {
+    if (!c->combined) kiln_col_sums_lanes(c);
+    float* l0 = c->lanes;
+    const float* x = q + c->ns;
+    #pragma omp simd
+    for (int64_t k = 0; k < c->ni; ++k) l0[k] += x[k];
+  }
+}
+static inline void kiln_col_sums_finish(kiln_col_sums* c, float* out) {
+  if (c->single) {
+    const float last = kiln_row_sum_finish(&c->row);
+    if (c->threads == 1) {
+      out[0] = 0.0f + last;
+    } else {
+      c->parts[c->seg] = 0.0f + last;
+      kiln_row_sum t;
+      kiln_row_sum_init(&t, c->pool > c->threads ? c->pool : c->threads);
+      for (int64_t k = 0; k < t.n; ++k) kiln_row_sum_push(&t, c->parts[k]);
+      out[0] = 0.0f + kiln_row_sum_finish(&t);
+    }
+    delete[] c->parts;
+    return;
+  }
+  for (int64_t k = 0; k < c->ns; ++k) out[k] = 0.0f + kiln_casc_total(&c->s, k);
+  if (c->ni) {
+    if (!c->combined) kiln_col_sums_lanes(c);
+    const float* l = c->lanes;
+    for (int64_t k = 0; k < c->ni; ++k) {
+      float t = l[k];
+      t += l[c->ni + k];
+      t += l[2 * c->ni + k];
+      t += l[3 * c->ni + k];
+      out[c->ns + k] = 0.0f + t;
+    }
+  }
+  delete[] c->s.a;
+  delete[] c->it.a;
+  delete[] c->lanes;
+}
+#endif
+"""
