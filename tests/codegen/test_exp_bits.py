@@ -1,5 +1,7 @@
 """The generated kernels' ``exp`` (``km::exp``, kiln/codegen/cpp/ops.py) is ATen's vectorized CPU
-exp to the bit, so a fused sigmoid, SiLU, softmax or cross-entropy backward gives eager's values.
+exp to the bit, so a fused sigmoid, SiLU, softmax or cross-entropy backward gives eager's values;
+with ``km::log_vec`` (ATen's vectorized log) and the row sums in ATen's order, so are the fused
+softmax and log-softmax.
 
 Reference: ATen's ``_log_softmax_backward_data`` with a one-hot row gradient computes
 ``0 - exp(y) * 1`` with ``Vectorized<float>::exp`` for every other entry of the row.  Checked here
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 
+import pytest
 import torch
 import torch.nn.functional as F
 from kiln_codegen_testlib import cpp_only
@@ -22,6 +25,10 @@ LOOP = r"""
 extern "C" void kiln_test_exp(const float* x, float* y, int64_t n) {
   #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] = km::exp(x[i]);
+}
+extern "C" void kiln_test_log(const float* x, float* y, int64_t n) {
+  #pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = km::log_vec(x[i]);
 }
 """
 
@@ -35,9 +42,9 @@ def _aten_exp(x: torch.Tensor) -> torch.Tensor:
     return (0.0 - dx[:, 1:]).reshape(-1)  # 0 - (0 - e) = e, +0 for a 0 result
 
 
-def _kiln_exp(x: torch.Tensor) -> torch.Tensor:
+def _kiln_exp(x: torch.Tensor, name: str = "kiln_test_exp") -> torch.Tensor:
     (lib,) = build_many([PRELUDE + LOOP])
-    fn = lib.kiln_test_exp
+    fn = getattr(lib, name)
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     x = x.contiguous()
     y = torch.empty_like(x)
@@ -98,3 +105,55 @@ def test_fused_sigmoid_and_silu_are_eagers_bits():
         ye, yk = f(xe), torch.compile(f, backend="kiln")(xk)
         assert torch.equal(ye, yk), fn
         assert torch.equal(xe.grad, xk.grad), fn
+
+
+@cpp_only
+def test_log_is_atens_on_softmax_sums():
+    """Every log a log-softmax takes is of a row sum in [1, L]: ``log_softmax([0, x])[0]`` is
+    ``-log(1 + exp(x))``, so eager's log of ``1 + exp(x)`` for x over (-30, 0] (4M values), and
+    a row of k zeros gives -log(k)."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.cat([-torch.rand(1 << 22, generator=g) * 30, torch.tensor([0.0, -1e-30, -88.0])])
+    eager = -torch.log_softmax(torch.stack([torch.zeros_like(x), x], 1), 1)[:, 0]
+    s = 1.0 + _kiln_exp(x)  # eager's exp (test above), one rounding for the sum
+    assert torch.equal(_kiln_exp(s, "kiln_test_log"), eager)
+    k = torch.arange(1, 3000)
+    eager_k = torch.stack([-torch.log_softmax(torch.zeros(int(v)), 0)[0] for v in k[:300]])
+    assert torch.equal(_kiln_exp(k[:300].float(), "kiln_test_log"), eager_k)
+    special = torch.tensor([0.0, -1.0, float("inf"), float("nan"), 1e-40, 3e38])
+    got = _kiln_exp(special, "kiln_test_log")
+    ref = torch.tensor([float("-inf"), float("nan"), float("inf"), float("nan")])
+    assert torch.equal(got[:4].isnan(), ref.isnan()) and got[0] == ref[0] and got[2] == ref[2]
+    torch.testing.assert_close(got[4:], torch.log(special[4:].double()).float())
+
+
+@cpp_only
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cols", [1, 5, 15, 16, 17, 33, 96, 1000])
+def test_softmax_rows_are_eagers_bits(threads, cols):
+    import kiln  # noqa: F401  (the backend)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(67, cols, generator=torch.Generator().manual_seed(cols)) * 4
+        for fn in (torch.softmax, torch.log_softmax):
+            torch._dynamo.reset()
+            f = torch.compile(lambda x, fn=fn: fn(x * 1.5, -1), backend="kiln")
+            assert torch.equal(f(x), fn(x * 1.5, -1)), fn
+    finally:
+        torch.set_num_threads(before)
+
+
+@cpp_only
+def test_causal_masked_softmax_is_eagers_bits():
+    import kiln  # noqa: F401  (the backend)
+
+    q = torch.randn(2, 3, 40, 40, generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(40, 40, dtype=torch.bool).tril().logical_not()
+
+    def f(s):
+        return torch.softmax(s.masked_fill(mask, float("-inf")) * 0.125, -1)
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, backend="kiln")(q), f(q))

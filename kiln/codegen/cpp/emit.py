@@ -174,6 +174,7 @@ class _Emitter:
         self.pos = {k: p for p, k in enumerate(spec.tensor_inputs)}
         self.spos = {k: p for p, k in enumerate(spec.scalar_inputs)}
         self.lines: list[str] = []
+        self.before_rows: list[str] = []  # lines each thread runs before its rows
         # body entry -> rolled kernel input; their one shift; the loop segment being emitted
         self.rolls = {b: e[1][0].k for b, e in enumerate(body) if e[0] == "roll.default"}
         shifts = {body[b][1][1][0] for b in self.rolls}
@@ -383,13 +384,16 @@ class _Emitter:
             for k in self.bcast:
                 terms = " + ".join(f"id{d}_ * st{k}_{d}" for d in outer) or "0"
                 self.w(f"  int64_t off{k} = {terms};")
+        self.lines += self.before_rows
         self.w("  for (int64_t r = r0_; r < r1_; ++r) {")
 
-    def rows_end(self) -> None:
-        """Advance the offsets to the next row (carrying into outer dims), close the loop."""
+    def rows_end(self, after: list[str] | None = None) -> None:
+        """Advance the offsets to the next row (carrying into outer dims), close the loop;
+        ``after``: lines run by each thread after its rows."""
         if self.bcast and self.R > 1:
             self._advance(self.R - 2, "    ")
         self.w("  }")
+        self.lines += after or []
         self.w("  }")
 
     def _advance(self, d: int, indent: str) -> None:
@@ -488,11 +492,65 @@ class _Emitter:
     def _reduce_operand(self, b: int, vals) -> str:
         return self.operand(self.body[b][1][0], vals).expr
 
+    def row_sum(self, value: str) -> None:
+        """``float s``: the sum of ``value`` (``{j}`` the column) over the row, added in the order
+        of ATen's softmax and log-softmax kernels (``vec::reduce_all``, ``map_reduce_all``):
+        with at least one vector's worth, lane ``l`` of a vector accumulator takes columns ``l``,
+        ``l + W``, ... (the last partial vector into its first lanes), then the lanes are added
+        pairwise, halves first (its shuffle tree), or in order where ATen's build has no tree;
+        a row shorter than a vector is added in order.  ``W`` and the tree come from ATen's CPU
+        capability (:func:`kiln.codegen.cpp.col_sums.softmax_lanes`)."""
+        lanes, tree = col_sums.softmax_lanes()
+        v = value.format
+        self.w("    float s;")
+        self.w(f"    if (L < {lanes}) {{")
+        self.w(f"      s = {v(j='0')};")
+        self.w(f"      for (int64_t j = 1; j < L; ++j) s += {v(j='j')};")
+        self.w("    } else {")
+        # the accumulator is a vector register (GCC's vector extension); each step's values are
+        # computed by a vectorized loop into a vector-sized buffer, then added as one vector
+        self.w(f"      typedef float kv __attribute__((vector_size({4 * lanes})));")
+        self.w("      kv acc, t;")
+        self.w("      #pragma omp simd")
+        self.w(f"      for (int l = 0; l < {lanes}; ++l) t[l] = {v(j='l')};")
+        self.w("      acc = t;")
+        self.w(f"      int64_t j0 = {lanes};")
+        self.w(f"      for (; j0 + {lanes} <= L; j0 += {lanes}) {{")
+        self.w("        #pragma omp simd")
+        self.w(f"        for (int l = 0; l < {lanes}; ++l) t[l] = {v(j='j0 + l')};")
+        self.w("        acc += t;")
+        self.w("      }")
+        # the last partial vector into the first lanes (its values by a vectorized loop: a row
+        # of 1000 spent 10% of its time on 8 scalar exps)
+        self.w("      const int n0 = (int)(L - j0);")
+        self.w("      if (n0 > 0) {")
+        self.w(f"        float tt[{lanes}];")
+        self.w("        #pragma omp simd")
+        self.w(f"        for (int l = 0; l < n0; ++l) tt[l] = {v(j='j0 + l')};")
+        self.w("        for (int l = 0; l < n0; ++l) acc[l] += tt[l];")
+        self.w("      }")
+        if tree:  # lane i + lane i ^ h, h = W/2 .. 1, as shuffles of the register
+            self.w(f"      typedef int ki __attribute__((vector_size({4 * lanes})));")
+            h = lanes // 2
+            while h >= 1:
+                mask = ", ".join(str(i ^ h) for i in range(lanes))
+                self.w(f"      acc += __builtin_shuffle(acc, (ki){{{mask}}});")
+                h //= 2
+            self.w("      s = acc[0];")
+        else:
+            self.w("      s = acc[0];")
+            self.w(f"      for (int l = 1; l < {lanes}; ++l) s += acc[l];")
+        self.w("    }")
+
     def k_rows(self) -> None:
         reds = [(b, e) for b, e in enumerate(self.body) if e[0] not in FORMULAS]
         out_of = {b: o for o, b in enumerate(self.outs)}
-        self.rows_begin()
         special = [(b, e) for b, e in reds if e[0] in ("_softmax.default", "_log_softmax.default")]
+        log = bool(special) and special[0][1][0] == "_log_softmax.default"
+        if log:  # each row's max and sum, for the logs taken after the rows (vectorized)
+            self.before_rows = ["  float* mxs_ = new float[2 * (r1_ - r0_) + 1];"]
+        self.rows_begin()
+        self.before_rows = []
         if special:
             b, e = special[0]
             o = out_of[b]
@@ -510,24 +568,35 @@ class _Emitter:
             self.w("      mx = x > mx ? x : mx;")
             self.w("    }")
             self.w("    if (mx == -INFINITY) mx = 0.0f;")
-            self.w("    float s = 0.0f;")
             if e[0] == "_softmax.default":
-                self.w(f"    #pragma omp simd reduction(+:s) {SAFELEN}")
-                self.w(
-                    "    for (int64_t j = 0; j < L; ++j) { const float t = km::exp(y[j] - mx); "
-                    "y[j] = t; s += t; }"
-                )
+                self.row_sum("(y[{j}] = km::exp(y[{j}] - mx))")  # stored as it is added
                 self.w("    const float inv = 1.0f / s;")
                 self.w("    #pragma omp simd")
                 self.w("    for (int64_t j = 0; j < L; ++j) y[j] *= inv;")
             else:
-                self.w(f"    #pragma omp simd reduction(+:s) {SAFELEN}")
-                self.w("    for (int64_t j = 0; j < L; ++j) s += km::exp(y[j] - mx);")
+                self.row_sum("km::exp(y[{j}] - mx)")
+                self.w("    mxs_[2 * (r - r0_)] = mx;")
+                self.w("    mxs_[2 * (r - r0_) + 1] = s;")
+                # after the rows: the logs of the sums, vectorized (one row's log_vec is a long
+                # dependent chain that stalled its row: 1024x96 140 -> 164 us), then per row
                 # (x - max) - log(sum), as ATen: x - (max + log(sum)) rounds the sum to the
                 # row's magnitude (logits of 1e38: log-probabilities 0 instead of -log(L))
-                self.w("    const float ls = km::log(s);")
-                self.w("    #pragma omp simd")
-                self.w("    for (int64_t j = 0; j < L; ++j) y[j] = (y[j] - mx) - ls;")
+                after = [
+                    "  #pragma omp simd",
+                    (
+                        "  for (int64_t k = 0; k < r1_ - r0_; ++k) "
+                        "mxs_[2 * k + 1] = km::log_vec(mxs_[2 * k + 1]);"
+                    ),
+                    "  for (int64_t r = r0_; r < r1_; ++r) {",
+                    f"    float* y = out{o} + r * L;",
+                    "    const float mx = mxs_[2 * (r - r0_)], ls = mxs_[2 * (r - r0_) + 1];",
+                    "    #pragma omp simd",
+                    "    for (int64_t j = 0; j < L; ++j) y[j] = (y[j] - mx) - ls;",
+                    "  }",
+                    "  delete[] mxs_;",
+                ]
+                self.rows_end(after)
+                return
             self.rows_end()
             return
         clauses = []

@@ -377,6 +377,52 @@ KI float exp(float x) {
   return x == x ? over : x;
 }
 KI double exp(double x) { return __builtin_exp(x); }
+// log(float) as ATen's vectorized CPU kernels compute it (Vectorized<float>::log: SLEEF's 1-ulp
+// logf), for the log-softmax's log of the row sum: d = m * 2^e with m in [0.75, 1.5), then
+// log d = e*ln2 + 2x + x^3 p(x^2), x = (m - 1) / (m + 1), the terms added as float pairs (value +
+// rounding error) and rounded once at the end.  Checked against eager's log-softmax over every
+// float sum in (1, 2] and 1..4999 (tests/codegen/test_exp_bits.py).
+KI float log_vec(float d) {
+  const int tiny = d < 1.17549435e-38f;
+  const float dd = tiny ? d * 1.8446744073709552e19f : d;  // * 2^64 for subnormals
+  union { float f; int32_t i; } b, mb;
+  b.f = dd * (1.0f / 0.75f);
+  int32_t e = ((b.i >> 23) & 0xff) - 0x7f;
+  mb.f = dd;
+  mb.i -= e << 23;
+  const float m = mb.f;
+  if (tiny) e -= 64;
+  const float ef = (float)e;
+  const float lh = 0.69314718246459960938f, ll = -1.904654323148236017e-09f;  // ln2 as a pair
+  const float sx = lh * ef;
+  const float sy = __builtin_fmaf(ll, ef, __builtin_fmaf(lh, ef, -sx));
+  float v;
+  const float nx = -1.0f + m;  // m - 1 and m + 1 as exact pairs
+  v = nx - (-1.0f);
+  const float ny = (-1.0f - (nx - v)) + (m - v);
+  const float qx = 1.0f + m;
+  v = qx - 1.0f;
+  const float qy = (1.0f - (qx - v)) + (m - v);
+  const float t = 1.0f / qx;  // x = n / q as a pair
+  const float xx = nx * t;
+  const float u = __builtin_fmaf(t, nx, -xx);
+  const float w = __builtin_fmaf(-qy, t, __builtin_fmaf(-qx, t, 1.0f));
+  const float xy = __builtin_fmaf(xx, w, __builtin_fmaf(ny, t, u));
+  const float x2 = xx * xx;
+  float p = 0.3027294874f;
+  p = __builtin_fmaf(p, x2, 0.3996108174f);
+  p = __builtin_fmaf(p, x2, 0.6666694880f);
+  const float ax = xx * 2.0f, ay = xy * 2.0f;  // + 2x
+  const float s2x = sx + ax;
+  const float s2y = (((sx - s2x) + ax) + sy) + ay;
+  const float c = (x2 * xx) * p;  // + x^3 p
+  const float s3x = s2x + c;
+  const float s3y = ((s2x - s3x) + c) + s2y;
+  const float r = s3x + s3y;
+  const float inf = d == INFINITY ? INFINITY : r;
+  const float neg = (d < 0.0f || d != d) ? NAN : inf;
+  return d == 0.0f ? -INFINITY : neg;
+}
 // erf(float): for |x| < 1 its Taylor series (11 terms: truncation < 2e-9, so relative error
 // ~1 ulp, tiny x included); beyond, Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7, ~2 ulp there).
 // Built on exp, so it vectorizes ~1.4x faster than libmvec's erff.
