@@ -1,4 +1,4 @@
-"""Column sums (``cols`` kernels, kiln/codegen/cpp/col_sums.py) give eager's bits: each column's
+"""Column sums (``cols`` kernels, kiln/codegen/cpp/sum_order.py) give eager's bits: each column's
 values added in the order of ATen's CPU ``sum``, on 1 and 2 threads, over shapes on every branch
 of that order (straight and interleaved columns, thread splits, one column, few rows)."""
 

@@ -10,8 +10,9 @@ as Kiln's log-softmax backward kernel sums, rounded to float: ``s``.  Per row, o
 
     dx[j] = z - exp(y[j]) * s          then   dx[t] = a - exp(y[t]) * s
 
-ATen's ``_log_softmax_backward_data`` on the one-hot product computes ``dy - exp(y) * sum(dy)``:
-the same values (up to ``exp``'s last bit and a fused multiply-add).  A target outside
+each as one fused multiply-add.  ATen's ``_log_softmax_backward_data`` on the one-hot product
+computes ``dy - exp(y) * sum(dy)`` in one fused multiply-add (its build contracts it) with the same
+``exp`` (``km::exp``): the same values bit for bit.  A target outside
 ``[0, V)`` is never written through (the gather raised before; the kernel also checks).
 Same calling convention as every generated kernel (:mod:`kiln.codegen.cpp.emit`).
 """
@@ -94,8 +95,8 @@ def emit_nll_log_softmax_backward(name: str, n: Node, in_types: list) -> tuple[s
         "    const float* yr = y + r * V;",
         "    float* o = dx + r * V;",
         "    #pragma omp simd",
-        "    for (int64_t j = 0; j < V; ++j) o[j] = z - km::exp(yr[j]) * s;",
-        "    if (tr >= 0 && tr < V) o[tr] = a - km::exp(yr[tr]) * s;",
+        "    for (int64_t j = 0; j < V; ++j) o[j] = km::fma(-km::exp(yr[j]), s, z);",
+        "    if (tr >= 0 && tr < V) o[tr] = km::fma(-km::exp(yr[tr]), s, a);",
         "  }",
         "}",
     ]

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kiln.codegen.cpp import col_sums, scalars
+from kiln.codegen.cpp import scalars, sum_order
 from kiln.codegen.cpp.ops import CTYPE, FORMULAS, Operand, cast, literal
 from kiln.codegen.cpp.row_phases import closure, inputs_of, row_phases
 from kiln.ir.graph import In, Node, dtype_abbr
@@ -450,7 +450,7 @@ class _Emitter:
         elif kind is LoopKind.ROWS:
             self.k_rows()
         else:
-            self.lines.insert(0, col_sums.SOURCE)
+            self.lines.insert(0, sum_order.SOURCE)
             self.k_cols()
         self.w("}")
         return "\n".join(self.lines) + "\n"
@@ -493,54 +493,9 @@ class _Emitter:
         return self.operand(self.body[b][1][0], vals).expr
 
     def row_sum(self, value: str) -> None:
-        """``float s``: the sum of ``value`` (``{j}`` the column) over the row, added in the order
-        of ATen's softmax and log-softmax kernels (``vec::reduce_all``, ``map_reduce_all``):
-        with at least one vector's worth, lane ``l`` of a vector accumulator takes columns ``l``,
-        ``l + W``, ... (the last partial vector into its first lanes), then the lanes are added
-        pairwise, halves first (its shuffle tree), or in order where ATen's build has no tree;
-        a row shorter than a vector is added in order.  ``W`` and the tree come from ATen's CPU
-        capability (:func:`kiln.codegen.cpp.col_sums.softmax_lanes`)."""
-        lanes, tree = col_sums.softmax_lanes()
-        v = value.format
-        self.w("    float s;")
-        self.w(f"    if (L < {lanes}) {{")
-        self.w(f"      s = {v(j='0')};")
-        self.w(f"      for (int64_t j = 1; j < L; ++j) s += {v(j='j')};")
-        self.w("    } else {")
-        # the accumulator is a vector register (GCC's vector extension); each step's values are
-        # computed by a vectorized loop into a vector-sized buffer, then added as one vector
-        self.w(f"      typedef float kv __attribute__((vector_size({4 * lanes})));")
-        self.w("      kv acc, t;")
-        self.w("      #pragma omp simd")
-        self.w(f"      for (int l = 0; l < {lanes}; ++l) t[l] = {v(j='l')};")
-        self.w("      acc = t;")
-        self.w(f"      int64_t j0 = {lanes};")
-        self.w(f"      for (; j0 + {lanes} <= L; j0 += {lanes}) {{")
-        self.w("        #pragma omp simd")
-        self.w(f"        for (int l = 0; l < {lanes}; ++l) t[l] = {v(j='j0 + l')};")
-        self.w("        acc += t;")
-        self.w("      }")
-        # the last partial vector into the first lanes (its values by a vectorized loop: a row
-        # of 1000 spent 10% of its time on 8 scalar exps)
-        self.w("      const int n0 = (int)(L - j0);")
-        self.w("      if (n0 > 0) {")
-        self.w(f"        float tt[{lanes}];")
-        self.w("        #pragma omp simd")
-        self.w(f"        for (int l = 0; l < n0; ++l) tt[l] = {v(j='j0 + l')};")
-        self.w("        for (int l = 0; l < n0; ++l) acc[l] += tt[l];")
-        self.w("      }")
-        if tree:  # lane i + lane i ^ h, h = W/2 .. 1, as shuffles of the register
-            self.w(f"      typedef int ki __attribute__((vector_size({4 * lanes})));")
-            h = lanes // 2
-            while h >= 1:
-                mask = ", ".join(str(i ^ h) for i in range(lanes))
-                self.w(f"      acc += __builtin_shuffle(acc, (ki){{{mask}}});")
-                h //= 2
-            self.w("      s = acc[0];")
-        else:
-            self.w("      s = acc[0];")
-            self.w(f"      for (int l = 1; l < {lanes}; ++l) s += acc[l];")
-        self.w("    }")
+        """``float s``: the sum of ``value`` over the row in ATen's softmax order
+        (:func:`kiln.codegen.cpp.sum_order.softmax_row_sum`)."""
+        self.lines += sum_order.softmax_row_sum(value, "    ")
 
     def k_rows(self) -> None:
         reds = [(b, e) for b, e in enumerate(self.body) if e[0] not in FORMULAS]
@@ -661,7 +616,7 @@ class _Emitter:
 
     def k_cols(self) -> None:
         """Sums over the leading dims of a row-major ``[rows, L]``, each column's float values
-        added in the order ATen's CPU sum kernel adds them (:mod:`kiln.codegen.cpp.col_sums`),
+        added in the order ATen's CPU sum kernel adds them (:mod:`kiln.codegen.cpp.sum_order`),
         so that a fused bias gradient is eager's to the bit.  Block by block of rows, in one
         parallel region: the threads share the block's rows for the pointwise prologue (whole
         rows, contiguous memory), writing each summand where it is a kernel output anyway, else
@@ -689,7 +644,7 @@ class _Emitter:
             # barrier of block k + 1, which every thread reaches after adding up block k)
             self.w(f"  float* q{b} = new float[2 * br_ * L];")
             stored[b] = f"q{b}"
-        self.w(f"  #pragma omp parallel if(N >= {col_sums.GRAIN} && pool_ > 1)")
+        self.w(f"  #pragma omp parallel if(N >= {sum_order.GRAIN} && pool_ > 1)")
         self.w("  {")
         self.w("  int64_t cb_, ce_;")
         self.w("  const int mine_ = kiln_col_range(L, &cb_, &ce_);")

@@ -6,9 +6,11 @@ contiguous-shaped float32 tensors.  Per row, with ``dy`` the incoming gradient a
 forward output::
 
     softmax:      dx = y * (dy - sum(dy * y))
-    log_softmax:  dx = dy - exp(y) * sum(dy)
+    log_softmax:  dx = dy - exp(y) * sum(dy)      (one fused multiply-add, as ATen's build)
 
-Sums accumulate in double.  Same calling convention as every generated kernel
+The row sums are added in the order of ATen's kernels for these ops
+(:func:`kiln.codegen.cpp.sum_order.softmax_row_sum`): the results are eager's bit for bit.
+Same calling convention as every generated kernel
 (:mod:`kiln.codegen.cpp.emit`).
 """
 
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from kiln.codegen.cpp.emit import PARALLEL_MIN, SAFELEN, WIDE_VECTORS, KernelSpec
+from kiln.codegen.cpp.emit import PARALLEL_MIN, WIDE_VECTORS, KernelSpec
+from kiln.codegen.cpp.sum_order import softmax_row_sum
 from kiln.ir.graph import In, Node
 from kiln.ir.kernel import OutKind
 
@@ -73,14 +76,11 @@ def emit_softmax_backward(name: str, n: Node, in_types: list) -> tuple[str, Kern
         "    const float* a = dy + r * L;",
         "    const float* b = y + r * L;",
         "    float* o = dx + r * L;",
-        "    double s = 0.0;",
-        f"    #pragma omp simd reduction(+:s) {SAFELEN}",
-        "    for (int64_t j = 0; j < L; ++j) s += "
-        + ("(double)a[j];" if log else "(double)a[j] * (double)b[j];"),
-        "    const float sf = (float)s;",
+        *softmax_row_sum("a[{j}]" if log else "(a[{j}] * b[{j}])", "    "),
+        "    const float sf = s;",
         "    #pragma omp simd",
         "    for (int64_t j = 0; j < L; ++j) "
-        + ("o[j] = a[j] - km::exp(b[j]) * sf;" if log else "o[j] = b[j] * (a[j] - sf);"),
+        + ("o[j] = km::fma(-km::exp(b[j]), sf, a[j]);" if log else "o[j] = b[j] * (a[j] - sf);"),
         "  }",
         "}",
     ]

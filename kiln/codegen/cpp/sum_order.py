@@ -1,4 +1,6 @@
-"""C++ helpers for column sums (``cols`` kernels) that add in the order ATen's CPU sum adds.
+"""Sums added in the order ATen's CPU kernels add them: column sums (``cols`` kernels, the C++
+helpers in :data:`SOURCE`, in the order of ATen's ``sum``) and softmax row sums
+(:func:`softmax_row_sum`, in the order of ATen's softmax kernels).
 
 A float32 sum is exact only up to its order of additions, and a bias gradient (the sum of a
 ``[rows, L]`` gradient over its rows) reached the optimizer a last bit off eager's in most columns
@@ -57,10 +59,63 @@ def softmax_lanes() -> tuple[int, bool]:
     return 8, False
 
 
+def softmax_row_sum(value: str, indent: str) -> list[str]:
+    """C++ lines declaring ``float s``: the sum of ``value`` (``{j}`` the column, ``L`` the row
+    length) over the row, added in the order of ATen's softmax kernels (``vec::reduce_all``,
+    ``map_reduce_all``, ``map2_reduce_all``: forward and backward): with at least one vector's
+    worth, lane ``l`` of a vector accumulator takes columns ``l``, ``l + W``, ... and the last
+    partial vector goes into the first lanes; then the lanes are added pairwise, halves first
+    (its shuffle tree), or in order where ATen's build has no tree.  A row shorter than a vector
+    is added in order.  ``W`` and the tree: :func:`softmax_lanes`."""
+    lanes, tree = softmax_lanes()
+    v = value.format
+    out = [
+        "float s;",
+        f"if (L < {lanes}) {{",
+        f"  s = {v(j='0')};",
+        f"  for (int64_t j = 1; j < L; ++j) s += {v(j='j')};",
+        "} else {",
+        # the accumulator is a vector register (GCC's vector extension); each step's values are
+        # computed by a vectorized loop into a vector-sized buffer, then added as one vector
+        f"  typedef float kv __attribute__((vector_size({4 * lanes})));",
+        "  kv acc, t;",
+        "  #pragma omp simd",
+        f"  for (int l = 0; l < {lanes}; ++l) t[l] = {v(j='l')};",
+        "  acc = t;",
+        f"  int64_t j0 = {lanes};",
+        f"  for (; j0 + {lanes} <= L; j0 += {lanes}) {{",
+        "    #pragma omp simd",
+        f"    for (int l = 0; l < {lanes}; ++l) t[l] = {v(j='j0 + l')};",
+        "    acc += t;",
+        "  }",
+        # the last partial vector into the first lanes (its values by a vectorized loop: a row
+        # of 1000 spent 10% of its time on 8 scalar exps)
+        "  const int n0 = (int)(L - j0);",
+        "  if (n0 > 0) {",
+        f"    float tt[{lanes}];",
+        "    #pragma omp simd",
+        f"    for (int l = 0; l < n0; ++l) tt[l] = {v(j='j0 + l')};",
+        "    for (int l = 0; l < n0; ++l) acc[l] += tt[l];",
+        "  }",
+    ]
+    if tree:  # lane i + lane i ^ h, h = W/2 .. 1, as shuffles of the register
+        out.append(f"  typedef int ki __attribute__((vector_size({4 * lanes})));")
+        h = lanes // 2
+        while h >= 1:
+            mask = ", ".join(str(i ^ h) for i in range(lanes))
+            out.append(f"  acc += __builtin_shuffle(acc, (ki){{{mask}}});")
+            h //= 2
+        out.append("  s = acc[0];")
+    else:
+        out += ["  s = acc[0];", f"  for (int l = 1; l < {lanes}; ++l) s += acc[l];"]
+    out.append("}")
+    return [indent + line for line in out]
+
+
 SOURCE = r"""
 #ifndef KILN_COL_SUMS_H
 #define KILN_COL_SUMS_H
-// A cascade of w accumulators over n steps, in four levels (see kiln/codegen/cpp/col_sums.py).
+// A cascade of w accumulators over n steps, in four levels (see kiln/codegen/cpp/sum_order.py).
 struct kiln_casc {
   int64_t w, lp, full, done;
   float* a;  // [4][w]
