@@ -9,9 +9,9 @@ surviving mutant of ``python bench/mutation.py formulas`` (docs/mutation.md):
   ``kiln_silu_bwd``) run only for a graph that holds the op (built here by hand);
 - lerp switches formula at ``|weight| == 0.5`` exactly, as ATen does; at the overflow edge the
   two forms give opposite infinities;
-- exp's tiny results near its flush-to-zero edge (x = -87) are below the batched cases' absolute
-  tolerance, so they are compared in relative terms; its overflow edge is probed between the
-  clamp (89) and twice it, which the batched values (100, 1e20) skip.
+- exp's tiny results (x below -87: subnormal, as ATen's) are below the batched cases' absolute
+  tolerance, so they are compared in relative terms and bit for bit; its overflow edge is probed
+  past the float range, which the batched values (100, 1e20) skip.
 """
 
 from __future__ import annotations
@@ -98,22 +98,29 @@ def test_lerp_at_weight_one_half():
 
 
 @cpp_formula
-def test_exp_at_its_flush_to_zero_edge():
-    """Kiln's exp returns 0 below x = -87 (results under FLT_MIN); from -87 up it must match ATen
-    in relative terms: the comparison's absolute tolerance (1e-5) would hide any tiny result."""
+def test_exp_at_the_bottom_of_its_range():
+    """Kiln's exp is ATen's vectorized exp (kiln/codegen/cpp/ops.py): from -87 down its results
+    are subnormal, as ATen's, down to 0 below -104; compared bit for bit with ATen's vectorized
+    exp (what ``_log_softmax_backward_data`` computes with a one-hot gradient) and in relative
+    terms with ``torch.exp`` above -87: the comparison's absolute tolerance (1e-5) would hide any
+    tiny result."""
     x = torch.tensor([-87.0, -86.999, -86.5, -86.0, -80.0, -60.0])
     got = _lazy(torch.exp, x)
     torch.testing.assert_close(got, torch.exp(x), rtol=1e-6, atol=0.0)
-    # below the edge: flushed towards zero, never above the true value (not exp(-87) = 1.6e-38)
-    below = torch.tensor([-87.5, -88.8, -100.0, -150.0])
+    below = torch.tensor([-87.5, -88.8, -100.0, -103.9, -104.0, -104.5, -150.0, float("-inf")])
     got = _lazy(torch.exp, below)
-    assert (got <= torch.exp(below)).all(), (got, torch.exp(below))
+    rows = torch.cat([torch.zeros(len(below), 1), below[:, None]], 1)
+    onehot = torch.zeros_like(rows)
+    onehot[:, 0] = 1.0
+    aten = -torch.ops.aten._log_softmax_backward_data(onehot, rows, 1, torch.float32)[:, 1]
+    assert torch.equal(got, aten + 0.0), (got, aten)
+    assert (got[:4] > 0).all() and (got[-2:] == 0).all()
 
 
 @cpp_formula
 def test_exp_overflow_between_the_clamp_and_the_exponent_limit():
-    """Kiln's exp clamps x to 89 before building 2**n from exponent bits; inputs past the float
-    range but below 2 * 89 (where an unclamped n would overflow the exponent field) give inf."""
+    """Kiln's exp clamps x (to 100.5) before building 2**n from exponent bits; inputs past the
+    float range, below and above the clamp, give inf."""
     x = torch.tensor([88.7, 89.0, 100.0, 150.0, 176.0, 177.9, 178.0])
     got = _lazy(torch.exp, x)
     torch.testing.assert_close(got, torch.exp(x), rtol=1.3e-6, atol=1e-5)

@@ -29,5 +29,8 @@ def check_codegen_pass(
         want = Interpreter(ref or g)(example_inputs(g, seed))
         got = run(example_inputs(g, seed))
         for w, o in zip(want, got):
-            torch.testing.assert_close(o, w)
+            # the interpreter's ATen ops against the kernels' formulas (exp: eager's vectorized
+            # exp, where the interpreter's torch.exp is MKL's), through GEMMs: a misplaced buffer
+            # is off by O(1), a last-bit difference by ~1e-6
+            torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-5)
     return out

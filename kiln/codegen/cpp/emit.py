@@ -450,8 +450,11 @@ class _Emitter:
         elif kind is LoopKind.ROWS:
             self.k_rows()
         else:
-            self.lines.insert(0, sum_order.SOURCE)
             self.k_cols()
+        if kind is LoopKind.COLS or any(
+            e[0] in ("sum.dim_IntList", "mean.dim") for e in self.body
+        ):
+            self.lines.insert(0, sum_order.SOURCE)
         self.w("}")
         return "\n".join(self.lines) + "\n"
 
@@ -502,8 +505,12 @@ class _Emitter:
         out_of = {b: o for o, b in enumerate(self.outs)}
         special = [(b, e) for b, e in reds if e[0] in ("_softmax.default", "_log_softmax.default")]
         log = bool(special) and special[0][1][0] == "_log_softmax.default"
+        sums = [b for b, e in reds if e[0] in ("sum.dim_IntList", "mean.dim")]
         if log:  # each row's max and sum, for the logs taken after the rows (vectorized)
             self.before_rows = ["  float* mxs_ = new float[2 * (r1_ - r0_) + 1];"]
+        elif sums:  # each thread's row buffer per sum: the values, then added in ATen's order
+            self.w("  const int64_t pool_ = omp_get_max_threads();")
+            self.before_rows = [f"  float* q{b}_ = new float[L];" for b in sums]
         self.rows_begin()
         self.before_rows = []
         if special:
@@ -561,11 +568,8 @@ class _Emitter:
                 self.w(f"    float acc{b} = -INFINITY;")
                 self.w(f"    int nan{b} = 0;")
                 clauses.append(f"reduction(max:acc{b}) reduction(|:nan{b})")
-            else:  # double accumulation: stays close to ATen's cascade sum under cancellation
-                self.w(f"    double acc{b} = 0.0;")
-                clauses.append(f"reduction(+:acc{b})")
         ph = self.phases
-        self.w(f"    #pragma omp simd {' '.join(clauses)} {SAFELEN}")
+        self.w(f"    #pragma omp simd {' '.join(clauses)} {SAFELEN}".rstrip())
         self.w("    for (int64_t j = 0; j < L; ++j) {")
         self.w("      const int64_t i = r * L + j;")
         vals = {}
@@ -580,17 +584,20 @@ class _Emitter:
                     f"nan{b} |= (t != t); }}"
                 )
             else:
-                self.w(f"      acc{b} += (double)({x});")
+                self.w(f"      q{b}_[j] = (float)({x});")
         self.w("    }")
         for b, e in reds:
-            val = f"acc{b} / (double)L" if e[0] == "mean.dim" else f"acc{b}"
-            if e[0] == "amax.default":
+            # sums as ATen's sum (kiln_inner_sum); a mean as ATen's: the sum, divided by L
+            val = f"kiln_inner_sum(q{b}_, L, rows, pool_)"
+            if e[0] == "mean.dim":
+                val = f"{val} / (float)L"
+            elif e[0] == "amax.default":
                 val = f"(nan{b} ? NAN : acc{b})"
-            self.w(f"    const float red{b} = (float)({val});")
+            self.w(f"    const float red{b} = {val};")
             self.w(f"    out{out_of[b]}[r] = red{b};")
         if ph.after:
             self.k_rows_epilogue(reds, out_of)
-        self.rows_end()
+        self.rows_end([f"  delete[] q{b}_;" for b in sums])
 
     def k_rows_epilogue(self, reds: list, out_of: dict[int, int]) -> None:
         """The members after the reductions: once per row those of one value per row (and the

@@ -30,7 +30,7 @@ gives eager's bits when its summands are eager's:
   of their own.
 
 Every sum ends as ``0 + s`` (ATen adds into an output it zeroed: a -0 sum is +0).  Checked against
-``torch.sum`` over shapes on each branch, 1 and 2 threads (tests/codegen/test_col_sums.py).
+``torch.sum`` over shapes on each branch, 1 and 2 threads (tests/codegen/test_sum_order.py).
 Kernels that use them include :data:`SOURCE` (guarded, once per translation unit).
 """
 
@@ -215,6 +215,78 @@ static inline float kiln_row_sum_finish(kiln_row_sum* s) {
     r += s->lane[2];
     r += s->lane[3];
   }
+  return r;
+}
+// The sum of x[0..n) as ATen sums one contiguous row (its inner sum, vectors of 8): with at least
+// one vector, 32 accumulators (4 vectors) take the elements 32 at a time through the cascade, the
+// vectors left over go into the first 8, the 4 vectors are added lane by lane, then the elements
+// past the last whole vector are summed from 0 and the 8 lanes added to them; a shorter row runs
+// the interleaved form of 4 lanes.  rows == 1 with 32768 elements or more and pool > 1 threads:
+// ATen splits the row between its threads and sums their partial sums as a row of pool values.
+static inline float kiln_inner_sum1(const float* x, int64_t n) {
+  if (n < 8) {
+    float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int64_t ng = n / 4;  // (at most one group of 4: the cascade never carries)
+    for (int64_t g = 0; g < ng; ++g)
+      for (int k = 0; k < 4; ++k) p[k] += x[4 * g + k];
+    for (int64_t e = 4 * ng; e < n; ++e) p[0] += x[e];
+    float r = p[0];
+    r += p[1];
+    r += p[2];
+    r += p[3];
+    return r;
+  }
+  const int64_t nv = n / 8, ng = nv / 4;
+  const int64_t cl = ng <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)(ng - 1));
+  const int64_t lp = cl / 4 > 4 ? cl / 4 : 4, mask = ((int64_t)1 << lp) - 1;
+  const int64_t full = (ng >> lp) << lp;
+  float a[4][32] = {};
+  for (int64_t g = 0; g < ng; ++g) {
+    const float* xg = x + 32 * g;
+    #pragma omp simd
+    for (int m = 0; m < 32; ++m) a[0][m] += xg[m];
+    const int64_t d = g + 1;
+    if (d <= full && (d & mask) == 0) {
+      for (int l = 1; l < 4; ++l) {
+        #pragma omp simd
+        for (int m = 0; m < 32; ++m) { a[l][m] += a[l - 1][m]; a[l - 1][m] = 0.0f; }
+        if ((d & (mask << (l * lp))) != 0) break;
+      }
+    }
+  }
+  float A[32];
+  #pragma omp simd
+  for (int m = 0; m < 32; ++m) {
+    float t = a[0][m];
+    t += a[1][m];
+    t += a[2][m];
+    t += a[3][m];
+    A[m] = t;
+  }
+  for (int64_t v = 4 * ng; v < nv; ++v)
+    for (int l = 0; l < 8; ++l) A[l] += x[8 * v + l];
+  float r = 0.0f;
+  for (int64_t e = 8 * nv; e < n; ++e) r += x[e];
+  for (int l = 0; l < 8; ++l) {
+    float t = A[l];
+    t += A[8 + l];
+    t += A[16 + l];
+    t += A[24 + l];
+    r += t;
+  }
+  return r;
+}
+static inline float kiln_inner_sum(const float* x, int64_t n, int64_t rows, int64_t pool) {
+  if (rows != 1 || n < 32768 || pool < 2) return 0.0f + kiln_inner_sum1(x, n);
+  const int64_t want = (n + 32767) / 32768, nt = want < pool ? want : pool;
+  const int64_t ch = (n + nt - 1) / nt;
+  float* parts = new float[pool]();
+  for (int64_t t = 0; t < nt && t * ch < n; ++t) {
+    const int64_t e = (t + 1) * ch < n ? (t + 1) * ch : n;
+    parts[t] = 0.0f + kiln_inner_sum1(x + t * ch, e - t * ch);
+  }
+  const float r = 0.0f + kiln_inner_sum1(parts, pool);
+  delete[] parts;
   return r;
 }
 // This thread's columns [*cb, *ce) of L, as ATen splits an outer sum between its threads.

@@ -151,3 +151,48 @@ def test_non_contiguous_input_is_close():
         return (x * 3.0).sum(0)
 
     torch.testing.assert_close(_run_fused(f, x), f(x), rtol=1e-5, atol=1e-5)
+
+
+ROW_SHAPES = [
+    (5, 1),
+    (4, 3),  # shorter than a vector: the interleaved form of 4 lanes
+    (9, 7),
+    (6, 8),
+    (7, 33),  # one group of 32 and a vector left over... and one element past it
+    (5, 100),
+    (3, 1000),
+    (2, 5000),  # over 16 groups of 32: the cascade carries
+    (1, 40000),  # one row of 32768 elements or more: the threads' shares, then their sums
+    (1, 70001),
+]
+
+
+@cpp_only
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_sum_and_mean_over_last_dim_are_eagers_bits(threads, shape):
+    gen = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen) * 10
+
+    def f(x):
+        y = x * 1.5
+        return y.sum(-1), (y * y).mean(-1, keepdim=True)
+
+    e, g = f(x), _run_fused(f, x)
+    for a, b in zip(e, g):
+        assert a.shape == b.shape
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+@cpp_only
+def test_rms_norm_is_eagers_bits(threads):
+    """Llama's RMSNorm (transformers' formula): the mean of squares is ATen's sum / L."""
+    gen = torch.Generator().manual_seed(11)
+    x, w = torch.randn(4, 16, 128, generator=gen), torch.randn(128, generator=gen)
+
+    def f(x):
+        v = x.pow(2).mean(-1, keepdim=True)
+        return w * (x * torch.rsqrt(v + 1e-6))
+
+    e, g = f(x), _run_fused(f, x)
+    # rsqrt: ATen's is 1 / sqrt (correctly rounded both), the same as the kernel's
+    assert torch.equal(e, g), (e - g).abs().max()
