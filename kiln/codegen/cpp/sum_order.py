@@ -223,6 +223,12 @@ static inline float kiln_row_sum_finish(kiln_row_sum* s) {
 // past the last whole vector are summed from 0 and the 8 lanes added to them; a shorter row runs
 // the interleaved form of 4 lanes.  rows == 1 with 32768 elements or more and pool > 1 threads:
 // ATen splits the row between its threads and sums their partial sums as a row of pool values.
+typedef float kiln_v8 __attribute__((vector_size(32)));  // ATen's float vector in its sum kernel
+static inline kiln_v8 kiln_load8(const float* p) {
+  kiln_v8 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
 static inline float kiln_inner_sum1(const float* x, int64_t n) {
   if (n < 8) {
     float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -239,41 +245,52 @@ static inline float kiln_inner_sum1(const float* x, int64_t n) {
   const int64_t nv = n / 8, ng = nv / 4;
   const int64_t cl = ng <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)(ng - 1));
   const int64_t lp = cl / 4 > 4 ? cl / 4 : 4, mask = ((int64_t)1 << lp) - 1;
-  const int64_t full = (ng >> lp) << lp;
-  float a[4][32] = {};
-  for (int64_t g = 0; g < ng; ++g) {
-    const float* xg = x + 32 * g;
-    #pragma omp simd
-    for (int m = 0; m < 32; ++m) a[0][m] += xg[m];
-    const int64_t d = g + 1;
-    if (d <= full && (d & mask) == 0) {
+  kiln_v8 A[4];
+  if (ng <= mask) {  // fewer groups than one run: no carry, the upper levels stay 0 (x + 0 == x)
+    A[0] = A[1] = A[2] = A[3] = kiln_v8{};
+    for (int64_t g = 0; g < ng; ++g) {
+      const float* xg = x + 32 * g;
+      A[0] += kiln_load8(xg);
+      A[1] += kiln_load8(xg + 8);
+      A[2] += kiln_load8(xg + 16);
+      A[3] += kiln_load8(xg + 24);
+    }
+    // (a -0 lane stays -0 where ATen's + 0 makes it +0: the sum starts from +0 below either way)
+  } else {  // runs of 2^lp groups into level 0, each run carried up (levels 1..3 in lv)
+    kiln_v8 a0[4], lv[3][4];
+    for (int k = 0; k < 4; ++k) a0[k] = lv[0][k] = lv[1][k] = lv[2][k] = kiln_v8{};
+    const int64_t step = mask + 1;
+    int64_t g = 0;
+    while (g + step <= ng) {
+      kiln_v8 t0 = a0[0], t1 = a0[1], t2 = a0[2], t3 = a0[3];
+      for (const int64_t e = g + step; g < e; ++g) {
+        const float* xg = x + 32 * g;
+        t0 += kiln_load8(xg);
+        t1 += kiln_load8(xg + 8);
+        t2 += kiln_load8(xg + 16);
+        t3 += kiln_load8(xg + 24);
+      }
+      a0[0] = t0, a0[1] = t1, a0[2] = t2, a0[3] = t3;
       for (int l = 1; l < 4; ++l) {
-        #pragma omp simd
-        for (int m = 0; m < 32; ++m) { a[l][m] += a[l - 1][m]; a[l - 1][m] = 0.0f; }
-        if ((d & (mask << (l * lp))) != 0) break;
+        kiln_v8* lo = l == 1 ? a0 : lv[l - 2];
+        for (int k = 0; k < 4; ++k) {
+          lv[l - 1][k] += lo[k];
+          lo[k] = kiln_v8{};
+        }
+        if ((g & (mask << (l * lp))) != 0) break;
       }
     }
+    for (; g < ng; ++g) {
+      const float* xg = x + 32 * g;
+      for (int k = 0; k < 4; ++k) a0[k] += kiln_load8(xg + 8 * k);
+    }
+    for (int k = 0; k < 4; ++k) A[k] = ((a0[k] + lv[0][k]) + lv[1][k]) + lv[2][k];
   }
-  float A[32];
-  #pragma omp simd
-  for (int m = 0; m < 32; ++m) {
-    float t = a[0][m];
-    t += a[1][m];
-    t += a[2][m];
-    t += a[3][m];
-    A[m] = t;
-  }
-  for (int64_t v = 4 * ng; v < nv; ++v)
-    for (int l = 0; l < 8; ++l) A[l] += x[8 * v + l];
+  for (int64_t v = 4 * ng; v < nv; ++v) A[0] += kiln_load8(x + 8 * v);
+  const kiln_v8 P = ((A[0] + A[1]) + A[2]) + A[3];
   float r = 0.0f;
   for (int64_t e = 8 * nv; e < n; ++e) r += x[e];
-  for (int l = 0; l < 8; ++l) {
-    float t = A[l];
-    t += A[8 + l];
-    t += A[16 + l];
-    t += A[24 + l];
-    r += t;
-  }
+  for (int l = 0; l < 8; ++l) r += P[l];
   return r;
 }
 static inline float kiln_inner_sum(const float* x, int64_t n, int64_t rows, int64_t pool) {
