@@ -14,11 +14,13 @@ returned next to the source tells the executor how to marshal the arguments.
 Kernel shapes:
   pointwise  a flat ``parallel for simd`` loop, or rows x last-dim loops when an input broadcasts
   rows       per row (parallel): the pointwise prologue, then sums/means/amaxes over the last dim
-             (vectorized reductions), or one softmax / log_softmax computed in the output row;
-             then the epilogue, if any (:mod:`kiln.codegen.cpp.row_phases`): its one-per-row
-             values, and a second pass over the row for the others
-  cols       sums over all leading dims: per row, the pointwise prologue in float into a row
-             buffer, then added to per-thread double partials over a row range, combined
+             (sums in ATen's order, :mod:`kiln.codegen.cpp.sum_order`), or one softmax /
+             log_softmax computed in the output row; then the epilogue, if any
+             (:mod:`kiln.codegen.cpp.row_phases`): its one-per-row values, and a second pass over
+             the row for the others
+  cols       sums over all leading dims, block by block of rows: the pointwise prologue (the
+             threads share the rows), then each column's values added in ATen's order (the
+             threads share the columns as ATen's do)
 
 A pointwise kernel with ``roll`` members (one shift ``K`` along the last dim, of kernel inputs
 only: :mod:`kiln.passes.fuse`) runs rows x last-dim loops, the last-dim loop in two segments,
@@ -451,9 +453,7 @@ class _Emitter:
             self.k_rows()
         else:
             self.k_cols()
-        if kind is LoopKind.COLS or any(
-            e[0] in ("sum.dim_IntList", "mean.dim") for e in self.body
-        ):
+        if kind is LoopKind.COLS or any(e[0] in ("sum.dim_IntList", "mean.dim") for e in self.body):
             self.lines.insert(0, sum_order.SOURCE)
         self.w("}")
         return "\n".join(self.lines) + "\n"
@@ -507,10 +507,10 @@ class _Emitter:
         log = bool(special) and special[0][1][0] == "_log_softmax.default"
         sums = [b for b, e in reds if e[0] in ("sum.dim_IntList", "mean.dim")]
         if log:  # each row's max and sum, for the logs taken after the rows (vectorized)
-            self.before_rows = ["  float* mxs_ = new float[2 * (r1_ - r0_) + 1];"]
+            self.before_rows = ["  float* mxs_ = kiln_buf<float>(2 * (r1_ - r0_) + 1, 0);"]
         elif sums:  # each thread's row buffer per sum: the values, then added in ATen's order
             self.w("  const int64_t pool_ = omp_get_max_threads();")
-            self.before_rows = [f"  float* q{b}_ = new float[L];" for b in sums]
+            self.before_rows = [f"  float* q{b}_ = kiln_buf<float>(L, 0);" for b in sums]
         self.rows_begin()
         self.before_rows = []
         if special:
@@ -555,7 +555,7 @@ class _Emitter:
                     "    #pragma omp simd",
                     "    for (int64_t j = 0; j < L; ++j) y[j] = (y[j] - mx) - ls;",
                     "  }",
-                    "  delete[] mxs_;",
+                    "  kiln_free(mxs_);",
                 ]
                 self.rows_end(after)
                 return
@@ -597,7 +597,7 @@ class _Emitter:
             self.w(f"    out{out_of[b]}[r] = red{b};")
         if ph.after:
             self.k_rows_epilogue(reds, out_of)
-        self.rows_end([f"  delete[] q{b}_;" for b in sums])
+        self.rows_end([f"  kiln_free(q{b}_);" for b in sums])
 
     def k_rows_epilogue(self, reds: list, out_of: dict[int, int]) -> None:
         """The members after the reductions: once per row those of one value per row (and the
@@ -649,7 +649,7 @@ class _Emitter:
         self.w("  const int64_t br_ = L >= 131072 ? 1 : 131072 / L;")
         for b in temps:  # two blocks' worth, used in turn (block k + 2 is written after the
             # barrier of block k + 1, which every thread reaches after adding up block k)
-            self.w(f"  float* q{b} = new float[2 * br_ * L];")
+            self.w(f"  float* q{b} = kiln_buf<float>(2 * br_ * L, 0);")
             stored[b] = f"q{b}"
         self.w(f"  #pragma omp parallel if(N >= {sum_order.GRAIN} && pool_ > 1)")
         self.w("  {")
@@ -690,4 +690,4 @@ class _Emitter:
         self.w("  }")
         self.w("  }")
         for b in temps:
-            self.w(f"  delete[] q{b};")
+            self.w(f"  kiln_free(q{b});")

@@ -126,7 +126,7 @@ static inline void kiln_casc_init(kiln_casc* c, int64_t w, int64_t n) {
   c->lp = cl / 4 > 4 ? cl / 4 : 4;
   c->full = (n >> c->lp) << c->lp;
   c->done = 0;
-  c->a = new float[4 * (w > 0 ? w : 1)]();
+  c->a = kiln_buf<float>(4 * (w > 0 ? w : 1), 1);
 }
 static inline void kiln_casc_add(kiln_casc* c, const float* x, int64_t off, int64_t m) {
   float* a0 = c->a + off;
@@ -196,7 +196,7 @@ static inline void kiln_row_sum_push(kiln_row_sum* s, float x) {
 }
 static inline float kiln_row_sum_finish(kiln_row_sum* s) {
   if (!s->combined) kiln_row_sum_combine(s);
-  delete[] s->c.a;
+  kiln_free(s->c.a);
   float r;
   if (s->nv) {
     float v[8];
@@ -297,13 +297,13 @@ static inline float kiln_inner_sum(const float* x, int64_t n, int64_t rows, int6
   if (rows != 1 || n < 32768 || pool < 2) return 0.0f + kiln_inner_sum1(x, n);
   const int64_t want = (n + 32767) / 32768, nt = want < pool ? want : pool;
   const int64_t ch = (n + nt - 1) / nt;
-  float* parts = new float[pool]();
+  float* parts = kiln_buf<float>(pool, 1);
   for (int64_t t = 0; t < nt && t * ch < n; ++t) {
     const int64_t e = (t + 1) * ch < n ? (t + 1) * ch : n;
     parts[t] = 0.0f + kiln_inner_sum1(x + t * ch, e - t * ch);
   }
   const float r = 0.0f + kiln_inner_sum1(parts, pool);
-  delete[] parts;
+  kiln_free(parts);
   return r;
 }
 // This thread's columns [*cb, *ce) of L, as ATen splits an outer sum between its threads.
@@ -346,7 +346,7 @@ static inline void kiln_col_sums_init(kiln_col_sums* c, int64_t rows, int64_t L,
     c->threads = rows >= 32768 && pool > 1 ? (int)(want < pool ? want : pool) : 1;
     c->chunk = (rows + c->threads - 1) / c->threads;
     c->seg = 0;
-    c->parts = new float[pool > c->threads ? pool : c->threads]();
+    c->parts = kiln_buf<float>(pool > c->threads ? pool : c->threads, 1);
     kiln_row_sum_init(&c->row, c->chunk < rows ? c->chunk : rows);
     return;
   }
@@ -356,7 +356,7 @@ static inline void kiln_col_sums_init(kiln_col_sums* c, int64_t rows, int64_t L,
   c->ng = rows / 4;
   kiln_casc_init(&c->s, c->ns, rows);
   kiln_casc_init(&c->it, 4 * c->ni, c->ng);
-  c->lanes = new float[4 * (c->ni > 0 ? c->ni : 1)]();
+  c->lanes = kiln_buf<float>(4 * (c->ni > 0 ? c->ni : 1), 1);
   c->combined = 0;
 }
 static inline void kiln_col_sums_lanes(kiln_col_sums* c) {
@@ -401,7 +401,7 @@ static inline void kiln_col_sums_finish(kiln_col_sums* c, float* out) {
       for (int64_t k = 0; k < t.n; ++k) kiln_row_sum_push(&t, c->parts[k]);
       out[0] = 0.0f + kiln_row_sum_finish(&t);
     }
-    delete[] c->parts;
+    kiln_free(c->parts);
     return;
   }
   for (int64_t k = 0; k < c->ns; ++k) out[k] = 0.0f + kiln_casc_total(&c->s, k);
@@ -416,9 +416,9 @@ static inline void kiln_col_sums_finish(kiln_col_sums* c, float* out) {
       out[c->ns + k] = 0.0f + t;
     }
   }
-  delete[] c->s.a;
-  delete[] c->it.a;
-  delete[] c->lanes;
+  kiln_free(c->s.a);
+  kiln_free(c->it.a);
+  kiln_free(c->lanes);
 }
 #endif
 """
