@@ -196,3 +196,30 @@ def test_rms_norm_is_eagers_bits(threads):
     e, g = f(x), _run_fused(f, x)
     # rsqrt: ATen's is 1 / sqrt (correctly rounded both), the same as the kernel's
     assert torch.equal(e, g), (e - g).abs().max()
+
+
+@cpp_only
+@pytest.mark.parametrize("shape", [(0, 5), (4, 0)])
+def test_row_sums_of_zero_size(shape):
+    x = torch.randn(shape)
+
+    def f(x):
+        y = x * 2.0
+        return y.sum(-1), y.mean(-1)
+
+    e, g = f(x), _compiled(f)(x)
+    for a, b in zip(e, g):
+        assert a.shape == b.shape and torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+
+@cpp_only
+def test_row_sums_of_a_non_contiguous_input_are_close():
+    """A transposed input is read through its strides (eager's sum then takes another order)."""
+    x = torch.randn(300, 70, generator=torch.Generator().manual_seed(4)).t()
+
+    def f(x):
+        return (x * 3.0).sum(-1), (x * 3.0).mean(-1)
+
+    for a, b in zip(_run_fused(f, x), f(x)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -3,6 +3,7 @@ and its gradient become ``roll`` (times a -1/1 constant), exactly eager's values
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _passes_testlib import V, call, capture, check_pass, f32, same_results
 
@@ -70,29 +71,22 @@ def _scatter_pair(order: tuple[int, int], lo: tuple, hi: tuple, fill: str = "ful
     return b.build([out])
 
 
-def test_slice_scatters_of_zeros_that_tile_a_dim_become_a_cat():
+@pytest.mark.parametrize(
+    "fill,hi",
+    [
+        ("full.default", (2, 9223372036854775807)),
+        # the native lazy recorder records slice_backward as new_zeros + slice_scatter (table.py)
+        ("new_zeros.default", (2, 6)),
+    ],
+)
+def test_slice_scatters_of_zeros_that_tile_a_dim_become_a_cat(fill, hi):
     golden = """
         graph(%0: f32[3,2], %1: f32[3,4]) {
           %2 = cat.default([%0, %1], 1) : f32[3,6]
           return (%2)
         }"""
     for order in ((0, 1), (1, 0)):
-        g = _scatter_pair(order, (0, 2), (2, 9223372036854775807))
-        out = rotate(g)
-        assert [n.op for n in out.nodes if n.op == "cat.default"] == ["cat.default"]
-        same_results(g, out)
-    check_pass(rotate, _scatter_pair((0, 1), (0, 2), (2, 9223372036854775807)), golden)
-
-
-def test_slice_scatters_into_new_zeros_become_a_cat():
-    # the native lazy recorder records slice_backward as new_zeros + slice_scatter (table.py)
-    golden = """
-        graph(%0: f32[3,2], %1: f32[3,4]) {
-          %2 = cat.default([%0, %1], 1) : f32[3,6]
-          return (%2)
-        }"""
-    for order in ((0, 1), (1, 0)):
-        g = _scatter_pair(order, (0, 2), (2, 6), fill="new_zeros.default")
+        g = _scatter_pair(order, (0, 2), hi, fill=fill)
         check_pass(rotate, g, golden)  # also: the same values on the interpreter
 
 

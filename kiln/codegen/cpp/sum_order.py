@@ -152,71 +152,6 @@ static inline float kiln_casc_total(const kiln_casc* c, int64_t k) {
   s += a[3 * c->w + k];
   return s;
 }
-// One element stream summed as ATen sums one contiguous row (L == 1).
-struct kiln_row_sum {
-  int64_t n, nv, ng, seen;
-  kiln_casc c;      // 32 accumulators (4 vectors of 8) over ng steps; or 4 (scalar) when n < 8
-  float lane[32];   // after the cascade: the 4 partial vectors (or 4 scalars)
-  float tail;       // elements past the last whole vector
-  int combined;
-};
-static inline void kiln_row_sum_init(kiln_row_sum* s, int64_t n) {
-  s->n = n;
-  s->nv = n >= 8 ? n / 8 : 0;  // vectors (0: a scalar row, 4 lanes of one value)
-  s->ng = s->nv ? s->nv / 4 : n / 4;
-  s->seen = 0;
-  s->tail = 0.0f;
-  s->combined = 0;
-  kiln_casc_init(&s->c, s->nv ? 32 : 4, s->ng);
-}
-static inline void kiln_row_sum_combine(kiln_row_sum* s) {
-  for (int64_t k = 0; k < s->c.w; ++k) s->lane[k] = kiln_casc_total(&s->c, k);
-  s->combined = 1;
-}
-static inline void kiln_row_sum_push(kiln_row_sum* s, float x) {
-  const int64_t e = s->seen++;
-  if (s->nv) {
-    const int64_t v = e / 8, l = e % 8;
-    if (v < 4 * s->ng) {
-      s->c.a[(v % 4) * 8 + l] += x;
-      if (e % 32 == 31) kiln_casc_next(&s->c);
-    } else if (v < s->nv) {
-      if (!s->combined) kiln_row_sum_combine(s);
-      s->lane[l] += x;
-    } else {
-      s->tail += x;
-    }
-  } else if (e < 4 * s->ng) {
-    s->c.a[e % 4] += x;
-    if (e % 4 == 3) kiln_casc_next(&s->c);
-  } else {
-    if (!s->combined) kiln_row_sum_combine(s);
-    s->lane[0] += x;
-  }
-}
-static inline float kiln_row_sum_finish(kiln_row_sum* s) {
-  if (!s->combined) kiln_row_sum_combine(s);
-  kiln_free(s->c.a);
-  float r;
-  if (s->nv) {
-    float v[8];
-    for (int l = 0; l < 8; ++l) {
-      float t = s->lane[l];
-      t += s->lane[8 + l];
-      t += s->lane[16 + l];
-      t += s->lane[24 + l];
-      v[l] = t;
-    }
-    r = s->tail;
-    for (int l = 0; l < 8; ++l) r += v[l];
-  } else {
-    r = s->lane[0];
-    r += s->lane[1];
-    r += s->lane[2];
-    r += s->lane[3];
-  }
-  return r;
-}
 // The sum of x[0..n) as ATen sums one contiguous row (its inner sum, vectors of 8): with at least
 // one vector, 32 accumulators (4 vectors) take the elements 32 at a time through the cascade, the
 // vectors left over go into the first 8, the 4 vectors are added lane by lane, then the elements
@@ -330,10 +265,9 @@ struct kiln_col_sums {
   float* lanes;  // [4][ni] once the interleaved cascade is over
   int combined;
   // L == 1
-  int single, threads;
-  int64_t pool, chunk, seg;
-  kiln_row_sum row;
-  float* parts;
+  int single;
+  int64_t pool;
+  float* col;  // L == 1: the column's values, summed at the end as ATen sums one row
 };
 // pool: the threads torch reduces with (omp_get_max_threads() outside any parallel region)
 static inline void kiln_col_sums_init(kiln_col_sums* c, int64_t rows, int64_t L, int64_t cb,
@@ -342,12 +276,7 @@ static inline void kiln_col_sums_init(kiln_col_sums* c, int64_t rows, int64_t L,
   c->single = L == 1;
   if (c->single) {
     c->pool = pool;
-    const int64_t want = (rows + 32767) / 32768;
-    c->threads = rows >= 32768 && pool > 1 ? (int)(want < pool ? want : pool) : 1;
-    c->chunk = (rows + c->threads - 1) / c->threads;
-    c->seg = 0;
-    c->parts = kiln_buf<float>(pool > c->threads ? pool : c->threads, 1);
-    kiln_row_sum_init(&c->row, c->chunk < rows ? c->chunk : rows);
+    c->col = kiln_buf<float>(rows, 0);
     return;
   }
   c->n = ce - cb;
@@ -365,12 +294,7 @@ static inline void kiln_col_sums_lanes(kiln_col_sums* c) {
 }
 static inline void kiln_col_sums_add(kiln_col_sums* c, int64_t r, const float* q) {
   if (c->single) {
-    if (r > 0 && r % c->chunk == 0) {  // the next thread's share (two-pass reduction)
-      c->parts[c->seg++] = 0.0f + kiln_row_sum_finish(&c->row);
-      const int64_t left = c->rows - r;
-      kiln_row_sum_init(&c->row, c->chunk < left ? c->chunk : left);
-    }
-    kiln_row_sum_push(&c->row, q[0]);
+    c->col[r] = q[0];
     return;
   }
   if (c->ns) {
@@ -391,17 +315,8 @@ static inline void kiln_col_sums_add(kiln_col_sums* c, int64_t r, const float* q
 }
 static inline void kiln_col_sums_finish(kiln_col_sums* c, float* out) {
   if (c->single) {
-    const float last = kiln_row_sum_finish(&c->row);
-    if (c->threads == 1) {
-      out[0] = 0.0f + last;
-    } else {
-      c->parts[c->seg] = 0.0f + last;
-      kiln_row_sum t;
-      kiln_row_sum_init(&t, c->pool > c->threads ? c->pool : c->threads);
-      for (int64_t k = 0; k < t.n; ++k) kiln_row_sum_push(&t, c->parts[k]);
-      out[0] = 0.0f + kiln_row_sum_finish(&t);
-    }
-    kiln_free(c->parts);
+    out[0] = kiln_inner_sum(c->col, c->rows, 1, c->pool);
+    kiln_free(c->col);
     return;
   }
   for (int64_t k = 0; k < c->ns; ++k) out[k] = 0.0f + kiln_casc_total(&c->s, k);
