@@ -4,7 +4,7 @@
     python bench/pass_ab.py --workload llama --disable cross_entropy,sink_expand,row_epilogue
     python bench/pass_ab.py --workload gpt2 --old-config recompute=0    # a config switch in old
 
-One process, one thread: eager, Kiln (all passes), Kiln with ``--disable`` (``KILN_DISABLE_PASSES``
+One process, one thread (``--threads``: more, timed by wall clock): eager, Kiln (all passes), Kiln with ``--disable`` (``KILN_DISABLE_PASSES``
 while it compiles; ``row_epilogue`` turns the fuser's rows epilogues off) and optionally
 Inductor, each with its own copy of the workload's model and AdamW, run step by step in rotating
 order; each step's thread CPU time; medians printed as
@@ -88,11 +88,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--inductor", action="store_true")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; above 1 each step's wall time is measured (thread CPU time misses "
+        "the other threads' work)",
+    )
     a = ap.parse_args()
     old_config = _settings(a.old_config)
     if not a.disable and not old_config:
         ap.error("nothing differs between 'new' and 'old': give --disable or --old-config")
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
+    clock = time.thread_time if a.threads == 1 else time.perf_counter
     # Kiln's first compile sets glibc's thresholds (kiln/runtime/malloc.py): set them before any
     # model is copied, so that every variant's weights and state come from the same kind of memory.
     tune_malloc()
@@ -125,11 +133,12 @@ def main() -> None:
     for i in range(a.steps):
         k = i % len(order)
         for name in order[k:] + order[:k]:
-            t0 = time.thread_time()
+            t0 = clock()
             fns[name](*batch).item()
-            times[name].append((time.thread_time() - t0) * 1e3)
+            times[name].append((clock() - t0) * 1e3)
     med = {n: round(statistics.median(v), 2) for n, v in times.items()}
-    out = {"workload": a.workload, "disabled in old": a.disable, "load": os.getloadavg()[0]}
+    out = {"workload": a.workload, "disabled in old": a.disable, "threads": a.threads}
+    out["load"] = os.getloadavg()[0]
     if old_config:
         out["config in old"] = a.old_config
     print(json.dumps({**out, **med, "new/old": round(med["new"] / med["old"], 3)}))

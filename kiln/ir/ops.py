@@ -457,6 +457,14 @@ defop(
     impl=lambda op: _max_pool2d_relu_backward,
     namespace="kiln",
 )
+# oneDNN's inner product, ``x @ w.t() + bias`` (``attr`` "none": no post-op): the C++ backend's
+# GEMM for large float32 products (kiln.passes.gemm_library says when and why)
+defop(
+    "_linear_pointwise",
+    Category.MATMUL,
+    impl=lambda op: torch.ops.mkldnn._linear_pointwise.default,
+    namespace="mkldnn",
+)
 defop("writeback", Category.META, impl=lambda op: writeback, side_effects=True)
 
 # Ops whose value depends on data and which no pass may duplicate or drop.

@@ -45,6 +45,7 @@ from kiln.ir.graph import Graph
 from kiln.ir.ops import fresh_buffer
 from kiln.passes.cross_entropy import cross_entropy
 from kiln.passes.fuse import Claims, fuse
+from kiln.passes.gemm_library import gemm_library
 from kiln.passes.memory_plan import memory_plan
 from kiln.passes.pool_relu import pool_relu
 from kiln.passes.relu_pool import relu_pool
@@ -248,6 +249,7 @@ def _passes() -> list[tuple[str, Pass]]:
         ("pool_relu", pool_relu),  # max-pool backward + ReLU backward -> one node
         ("relu_pool", relu_pool),  # ReLU + max pool -> one node
         ("fuse", fuse_claimed),
+        ("gemm_library", gemm_library),  # large float32 GEMMs on oneDNN where it measured faster
         ("memory_plan", memory_plan),  # fused outputs reuse dead buffers
     ]
 

@@ -1,0 +1,137 @@
+"""The GEMM library choice (kiln/passes/gemm_library.py): which float32 GEMMs go to oneDNN, the
+golden form of the rewrite, and the same values as ATen's GEMM, through the reference interpreter
+and through the C++ backend (Python executor and native launcher), including operands and biases
+with strides the graph did not see."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _passes_testlib import capture
+
+from kiln.codegen.interpreter import Interpreter
+from kiln.config import config
+from kiln.ir import verify
+from kiln.passes.gemm_library import OP, available, gemm_library
+from kiln.runtime.compiler import clear_memory_cache, compile_graph
+
+pytestmark = pytest.mark.skipif(not available(), reason="torch built without oneDNN")
+
+
+def _ops(g) -> list[str]:
+    return [n.op for n in g.nodes if n.op not in ("input", "constant")]
+
+
+def _linear(x, w, b):
+    return torch.addmm(b, x, w.t())
+
+
+def _mm(a, b):
+    return torch.mm(a, b)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
+    # oneDNN sums in another order than MKL: a few ulp of the largest |product| sum
+    scale = want.abs().max().item() if want.numel() else 1.0
+    torch.testing.assert_close(got, want, rtol=0, atol=4e-7 * max(scale, 1e-30) * max(k, 1) ** 0.5)
+
+
+def test_linear_becomes_one_onednn_call_on_the_weight_itself():
+    x, w, b = torch.randn(512, 256), torch.randn(384, 256), torch.randn(384)
+    g = capture(_linear, x, w, b)
+    out = verify(gemm_library(g))
+    # the weight is read as it is (its transpose, read by nothing else, is dropped); the bias (a
+    # graph input) through `contiguous`, which returns it unchanged when it already is
+    assert _ops(g) == ["permute.default", "addmm.default"]
+    assert _ops(out) == ["contiguous.default", OP]
+    lp = next(n for n in out.nodes if n.op == OP)
+    assert out.nodes[lp.inputs[1]].op == "input"
+    assert lp.args[3:] == ("none", [], "")
+    got = Interpreter(out)([x, w, b])[0]
+    _close(got, torch.addmm(b, x, w.t()), 256)
+    assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""))
+
+
+def test_mm_of_a_row_major_left_operand():
+    a, b = torch.randn(512, 128), torch.randn(128, 512)
+    out = verify(gemm_library(capture(_mm, a, b)))
+    assert _ops(out) == ["t.default", OP]
+    _close(Interpreter(out)([a, b])[0], a @ b, 128)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["small", "left_transposed", "float64", "empty_k", "beta", "bias_2d", "bfloat16"],
+)
+def test_left_to_aten(case):
+    """Below the size where oneDNN's call overhead pays, a transposed left operand (a weight
+    gradient's dY^T: MKL is faster there), other dtypes, an empty reduction (oneDNN cannot make a
+    primitive), and addmm forms that are not a plain linear layer: unchanged."""
+    if case == "small":
+        g = capture(_mm, torch.randn(128, 128), torch.randn(128, 128))  # 2^21 multiply-adds
+    elif case == "left_transposed":
+        g = capture(lambda dy, x: torch.mm(dy.t(), x), torch.randn(512, 256), torch.randn(512, 256))
+    elif case == "float64":
+        g = capture(_mm, torch.randn(512, 256, dtype=torch.float64), torch.randn(256, 512).double())
+    elif case == "bfloat16":
+        g = capture(_mm, torch.randn(512, 256).bfloat16(), torch.randn(256, 512).bfloat16())
+    elif case == "empty_k":
+        g = capture(_mm, torch.randn(512, 0), torch.randn(0, 512))
+    elif case == "beta":
+        g = capture(
+            lambda x, w, b: torch.addmm(b, x, w.t(), beta=0.5),
+            torch.randn(512, 256),
+            torch.randn(384, 256),
+            torch.randn(384),
+        )
+    else:
+        g = capture(_linear, torch.randn(512, 256), torch.randn(384, 256), torch.randn(512, 384))
+    assert gemm_library(g) is g
+
+
+@pytest.fixture
+def cpp_backend():
+    saved = (config.backend, config.disk_cache, config.launcher)
+    config.update(backend="cpp", disk_cache=False)
+    clear_memory_cache()
+    yield
+    config.update(backend=saved[0], disk_cache=saved[1], launcher=saved[2])
+    clear_memory_cache()
+
+
+@pytest.mark.parametrize("launcher", [True, False])
+def test_compiled_linear_with_strided_operands_and_bias(cpp_backend, launcher):
+    """The graph is compiled for contiguous-looking inputs; at run time the operands come strided
+    and the bias expanded (stride 0: oneDNN would misread it without the `contiguous`)."""
+    config.update(launcher=launcher)
+    x, w, b = torch.randn(512, 256), torch.randn(384, 256), torch.randn(384)
+    exe = compile_graph(capture(lambda x, w, b: torch.relu(torch.addmm(b, x, w.t())), x, w, b))
+    assert OP in [n.op for n in exe.graph.nodes]
+    runs = [
+        (x, w, b),
+        (torch.randn(512, 512)[:, ::2], torch.randn(256, 384).t(), torch.randn(1).expand(384)),
+        (torch.randn(256, 512).t(), torch.randn(384, 512)[:, 100:356], torch.randn(768)[::2]),
+    ]
+    for xi, wi, bi in runs:
+        (got,) = exe([xi, wi, bi])
+        _close(got, torch.relu(torch.addmm(bi, xi, wi.t())), 256)
+
+
+def test_zero_rows_at_run_time(cpp_backend):
+    a, b = torch.randn(512, 256), torch.randn(256, 512)
+    exe = compile_graph(capture(_mm, a, b))
+    assert OP in [n.op for n in exe.graph.nodes]
+    (got,) = exe([a, b])
+    _close(got, a @ b, 256)
+
+
+def test_disabled_by_name(cpp_backend):
+    saved = config.disable_passes
+    config.update(disable_passes="gemm_library")
+    try:
+        a, b = torch.randn(512, 256), torch.randn(256, 512)
+        exe = compile_graph(capture(_mm, a, b))
+        assert OP not in [n.op for n in exe.graph.nodes]
+        assert torch.equal(exe([a, b])[0], torch.mm(a, b))  # ATen's GEMM, bit for bit
+    finally:
+        config.update(disable_passes=saved)
