@@ -43,6 +43,7 @@ GEMM = (
     "aten::baddbmm",
     "aten::convolution",
     "aten::_flash",
+    "mkldnn::_linear_pointwise",
 )
 VIEWS = (
     "aten::view",

@@ -82,7 +82,9 @@ def format_report(rep: dict, source: bool = False) -> str:
         if source:
             lines.extend("      " + ln for ln in k["source"].splitlines())
     for m in rep.get("gemms", []):
-        lines.append(f"  gemm %{m['node']} {m['op']}: fused {m['fused']}; after: {m['after']}")
+        lines.append(
+            f"  gemm %{m['node']} {m['op']} [{m['library']}]: fused {m['fused']}; after: {m['after']}"
+        )
         lines.append(f"    operands: {'; '.join(m['operands'])}")
     if rep["fallbacks"]:
         lines.append("  fell back to eager ATen:")

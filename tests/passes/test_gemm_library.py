@@ -14,6 +14,7 @@ from kiln.config import config
 from kiln.ir import verify
 from kiln.passes.gemm_library import OP, available, gemm_library
 from kiln.runtime.compiler import clear_memory_cache, compile_graph
+from kiln.runtime.gemm_epilogues import gemm_epilogues
 
 pytestmark = pytest.mark.skipif(not available(), reason="torch built without oneDNN")
 
@@ -50,6 +51,15 @@ def test_linear_becomes_one_onednn_call_on_the_weight_itself():
     got = Interpreter(out)([x, w, b])[0]
     _close(got, torch.addmm(b, x, w.t()), 256)
     assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""))
+
+
+def test_explain_names_the_library():
+    x, w, b = torch.randn(512, 256), torch.randn(384, 256), torch.randn(384)
+    (rec,) = gemm_epilogues(verify(gemm_library(capture(_linear, x, w, b))))
+    assert rec["op"] == OP and rec["fused"] == "bias (oneDNN)"
+    assert rec["library"].startswith("oneDNN inner product")
+    (rec,) = gemm_epilogues(capture(_mm, torch.randn(128, 128), torch.randn(128, 128)))
+    assert rec["library"] == "ATen (MKL sgemm for float32)"
 
 
 def test_mm_of_a_row_major_left_operand():

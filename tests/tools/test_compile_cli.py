@@ -74,6 +74,7 @@ def test_explain_lists_passes_and_kernels_with_source(tmp_path):
     assert f"({config.backend}" in text  # each graph names the backend that built it
     # every GEMM's epilogue choice: the Linear's bias inside addmm, its weight read by stride
     assert "gemm %" in text and "fused bias (ATen addmm/baddbmm)" in text
+    assert "[ATen (MKL sgemm for float32)]" in text  # too small for oneDNN (gemm_library)
     assert "read by stride" in text
 
 
