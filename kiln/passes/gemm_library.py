@@ -39,13 +39,15 @@ gives the same bits on every run.  Float64, half types, ``bmm`` and zero-``K`` p
 Needs: a typed graph (this pass is one of the C++ backend's own, after ``fuse``).  Guarantees: same
 values up to the summation order of the rewritten GEMMs; shapes and dtypes unchanged; nothing is
 rewritten where ``torch.ops.mkldnn`` is missing; transposes left unread are removed (``dce``).  ``KILN_DISABLE_PASSES=gemm_library`` turns it
-off (every GEMM on ATen's MKL path, bit for bit eager's).
+off (every GEMM on ATen's MKL path, bit for bit eager's).  Each compiled graph's rewritten GEMMs
+are counted in ``kiln.metrics`` as ``gemm_onednn``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kiln import metrics
 from kiln.ir.graph import Graph, In, Node, TensorType
 from kiln.ir.ops import Category, category, fresh_buffer
 from kiln.passes._util import Rewriter
@@ -176,4 +178,7 @@ def gemm_library(g: Graph) -> Graph:
     if not available() or not any(n.op in ("mm.default", "addmm.default") for n in g.nodes):
         return g
     out = apply_rules(g, RULES, max_iters=1)
-    return out if out is g else dce(out)
+    if out is g:
+        return g
+    metrics.incr("gemm_onednn", sum(n.op == OP for n in out.nodes))
+    return dce(out)
