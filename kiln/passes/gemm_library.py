@@ -17,12 +17,18 @@ Measured (torch 2.13, AVX-512, 2 threads, best of 3 medians, GFLOP/s MKL -> oneD
     512x128x128      95 -> 105 us (slower: the setup; 1 thread: 168 -> 164)
     256x128x128      46 -> 54 us (slower)
 
+A short reduction into a wide output is the other case MKL handles slowly (its time there goes with
+the output, not the products): ``K <= 32``, ``N >= 512`` and ``M * N >= 2^16`` (a classifier's
+input gradient ``dY @ W`` with 10 classes): 512x10x2048 324 -> 138 us, 256x10x1024 153 -> 51,
+512x2x2048 492 -> 103, 128x10x768 41 -> 29, 32x10x16384 172 -> 94, 128x10x512 29 -> 25, while
+1024x10x256 (a narrow output) 41 -> 47, 16x10x1024 9 -> 20 and 8x10x4096 14 -> 24 are slower.
+
 The crossover at 2 threads is ~2^24 multiply-adds (512x64x512: 1.08x, 256x256x256: 1.00x,
 512x128x128: 0.90x); at 1 thread it is lower (~6M: 512x128x96 1.01x).  So the rule: a float32
 ``mm(a, b)`` or ``addmm(bias, a, b)`` (``beta = alpha = 1``, a 1-D bias of the output's width) with
 static ``K`` and ``N``, ``K > 0`` (oneDNN cannot create a primitive for an empty reduction),
 ``M * K * N >= 2^24`` (a symbolic ``M`` counts as unknown: only ``K * N >= 2^18``, i.e. ``M >= 64``
-would do), and a left operand that is not a transposing view becomes
+would do) or the short-reduction case above, and a left operand that is not a transposing view becomes
 
     _linear_pointwise.default(a, w, bias, "none", [], "")      with w = b.t()
 
@@ -57,6 +63,9 @@ from kiln.passes.rewrite import Rule, apply_rules
 OP = "_linear_pointwise.default"
 MIN_MACS = 1 << 24  # multiply-adds below which MKL's lower call overhead wins (2 threads)
 MIN_KN_SYMBOLIC_M = 1 << 18  # K * N for a symbolic M (MIN_MACS at M = 64)
+# A short reduction writing a wide output (a 10-class classifier's input gradient): MKL is slow
+# there, oneDNN up to 3-5x faster, from this output size and width on
+MAX_SHORT_K, MIN_SHORT_K_OUT, MIN_SHORT_K_N = 32, 1 << 16, 512
 _TRANSPOSING = ("t.default", "transpose.int", "permute.default", "numpy_T.default")
 
 
@@ -71,9 +80,11 @@ def _static(d: object) -> bool:
 def _big_enough(m: object, k: object, n: object) -> bool:
     if not (_static(k) and _static(n)) or k <= 0:  # type: ignore[operator]
         return False
-    if _static(m):
-        return m * k * n >= MIN_MACS  # type: ignore[operator]
-    return k * n >= MIN_KN_SYMBOLIC_M  # type: ignore[operator]
+    if not _static(m):
+        return k * n >= MIN_KN_SYMBOLIC_M  # type: ignore[operator]
+    if m * k * n >= MIN_MACS:  # type: ignore[operator]
+        return True
+    return k <= MAX_SHORT_K and n >= MIN_SHORT_K_N and m * n >= MIN_SHORT_K_OUT  # type: ignore[operator]
 
 
 def _transposed(rw: Rewriter, v: int) -> int | None:

@@ -62,23 +62,42 @@ def test_explain_names_the_library():
     assert rec["library"] == "ATen (MKL sgemm for float32)"
 
 
-def test_mm_of_a_row_major_left_operand():
-    a, b = torch.randn(512, 128), torch.randn(128, 512)
+@pytest.mark.parametrize("shape", [(512, 128, 512), (512, 10, 2048), (128, 10, 512)])
+def test_mm_of_a_row_major_left_operand(shape):
+    """Over 2^24 multiply-adds, or a short reduction into a wide output (a classifier's input
+    gradient: 2^20 and 2^19.3 multiply-adds)."""
+    m, k, n = shape
+    a, b = torch.randn(m, k), torch.randn(k, n)
     out = verify(gemm_library(capture(_mm, a, b)))
     assert _ops(out) == ["t.default", OP]
-    _close(Interpreter(out)([a, b])[0], a @ b, 128)
+    _close(Interpreter(out)([a, b])[0], a @ b, k)
 
 
 @pytest.mark.parametrize(
     "case",
-    ["small", "left_transposed", "float64", "empty_k", "beta", "bias_2d", "bfloat16"],
+    [
+        "small",
+        "short_k_narrow",
+        "short_k_few_rows",
+        "left_transposed",
+        "float64",
+        "empty_k",
+        "beta",
+        "bias_2d",
+        "bfloat16",
+    ],
 )
 def test_left_to_aten(case):
-    """Below the size where oneDNN's call overhead pays, a transposed left operand (a weight
+    """Below the size where oneDNN's call overhead pays (short reductions: too narrow or too few
+    rows), a transposed left operand (a weight
     gradient's dY^T: MKL is faster there), other dtypes, an empty reduction (oneDNN cannot make a
     primitive), and addmm forms that are not a plain linear layer: unchanged."""
     if case == "small":
         g = capture(_mm, torch.randn(128, 128), torch.randn(128, 128))  # 2^21 multiply-adds
+    elif case == "short_k_narrow":  # a short reduction, but only 256 wide: MKL is faster
+        g = capture(_mm, torch.randn(1024, 10), torch.randn(10, 256))
+    elif case == "short_k_few_rows":  # a short reduction, wide, but 16 rows: MKL is faster
+        g = capture(_mm, torch.randn(16, 10), torch.randn(10, 1024))
     elif case == "left_transposed":
         g = capture(lambda dy, x: torch.mm(dy.t(), x), torch.randn(512, 256), torch.randn(512, 256))
     elif case == "float64":
