@@ -44,8 +44,8 @@ gives the same bits on every run.  Float64, half types, ``bmm`` and zero-``K`` p
 
 Needs: a typed graph (this pass is one of the C++ backend's own, after ``fuse``).  Guarantees: same
 values up to the summation order of the rewritten GEMMs; shapes and dtypes unchanged; nothing is
-rewritten where ``torch.ops.mkldnn`` is missing; transposes left unread are removed (``dce``).  ``KILN_DISABLE_PASSES=gemm_library`` turns it
-off (every GEMM on ATen's MKL path, bit for bit eager's).  Each compiled graph's rewritten GEMMs
+rewritten where ``torch.ops.mkldnn`` is missing; transposes left unread are removed (``dce``).
+``KILN_DISABLE_PASSES=gemm_library`` turns it off (every GEMM on ATen's MKL path, bit for bit eager's).  Each compiled graph's rewritten GEMMs
 are counted in ``kiln.metrics`` as ``gemm_onednn``.
 """
 
@@ -55,10 +55,11 @@ import torch
 
 from kiln import metrics
 from kiln.ir.graph import Graph, In, Node, TensorType
-from kiln.ir.ops import Category, category, fresh_buffer
+from kiln.ir.ops import category, fresh_buffer
 from kiln.passes._util import Rewriter
 from kiln.passes.dce import dce
 from kiln.passes.rewrite import Rule, apply_rules
+from kiln.passes.simplify import PERM_OPS, perm
 
 OP = "_linear_pointwise.default"
 MIN_MACS = 1 << 24  # multiply-adds below which MKL's lower call overhead wins (2 threads)
@@ -66,7 +67,6 @@ MIN_KN_SYMBOLIC_M = 1 << 18  # K * N for a symbolic M (MIN_MACS at M = 64)
 # A short reduction writing a wide output (a 10-class classifier's input gradient): MKL is slow
 # there, oneDNN up to 3-5x faster, from this output size and width on
 MAX_SHORT_K, MIN_SHORT_K_OUT, MIN_SHORT_K_N = 32, 1 << 16, 512
-_TRANSPOSING = ("t.default", "transpose.int", "permute.default", "numpy_T.default")
 
 
 def available() -> bool:
@@ -88,21 +88,14 @@ def _big_enough(m: object, k: object, n: object) -> bool:
 
 
 def _transposed(rw: Rewriter, v: int) -> int | None:
-    """If value ``v`` is ``t(w)`` (or ``transpose(w, 0, 1)``, ``permute(w, [1, 0])``) of a 2-D
-    ``w``: ``w``."""
+    """If value ``v`` is a transpose of a 2-D ``w`` (``t``, ``transpose``, ``permute``): ``w``."""
     n = rw.node(v)
-    if not n.args or n.args[0] != In(0) or len(n.inputs) != 1:
-        return None
-    if n.op == "t.default" or n.op == "numpy_T.default":
-        ok = True
-    elif n.op == "transpose.int":
-        ok = sorted(d % 2 for d in n.args[1:3]) == [0, 1] if len(n.args) == 3 else False
-    elif n.op == "permute.default":
-        ok = len(n.args) == 2 and [d % 2 for d in n.args[1]] == [1, 0]
-    else:
+    if n.op not in PERM_OPS or not n.args or n.args[0] != In(0) or len(n.inputs) != 1:
         return None
     t = rw.type(n.inputs[0])
-    return n.inputs[0] if ok and t is not None and len(t.shape) == 2 else None
+    if t is None or len(t.shape) != 2:
+        return None
+    return n.inputs[0] if perm(rw, n) == (1, 0) else None
 
 
 def _weight(rw: Rewriter, b: int, bt: TensorType) -> int:
@@ -115,21 +108,17 @@ def _weight(rw: Rewriter, b: int, bt: TensorType) -> int:
 
 
 def _fresh(rw: Rewriter, v: int) -> bool:
-    """Whether value ``v`` is a new contiguous buffer made by the graph (a kernel's or an op's
-    output), not an input, a constant or a view."""
+    """Whether value ``v`` is a new buffer made by the graph (a kernel's or an op's output; 1-D,
+    so contiguous), not an input, a constant or a view."""
     op = rw.node(v).op
-    if op == "fused":
-        return True
     try:
-        cat = category(op)
+        return fresh_buffer(op, category(op))
     except KeyError:
         return False
-    return cat in (Category.ELEMENTWISE, Category.REDUCTION, Category.MATMUL) and fresh_buffer(
-        op, cat
-    )
 
 
-def _operands(rw: Rewriter, n: Node, a: int, b: int) -> tuple[TensorType, TensorType] | None:
+def _rewritable(rw: Rewriter, n: Node, a: int, b: int) -> TensorType | None:
+    """``b``'s type if GEMM ``n`` of ``a`` and ``b`` goes to oneDNN (the module docstring's rule)."""
     out, at, bt = n.type, rw.type(a), rw.type(b)
     if out is None or at is None or bt is None:
         return None
@@ -140,7 +129,7 @@ def _operands(rw: Rewriter, n: Node, a: int, b: int) -> tuple[TensorType, Tensor
     (m, k), (_, cols) = at.shape, bt.shape
     if not _big_enough(m, k, cols) or _transposed(rw, a) is not None:
         return None
-    return at, bt
+    return bt
 
 
 def mm_to_onednn(rw: Rewriter, n: Node) -> Node | None:
@@ -148,10 +137,10 @@ def mm_to_onednn(rw: Rewriter, n: Node) -> Node | None:
     if n.kwargs or n.args != (In(0), In(1)):
         return None
     a, b = n.inputs
-    ops = _operands(rw, n, a, b)
-    if ops is None:
+    bt = _rewritable(rw, n, a, b)
+    if bt is None:
         return None
-    w = _weight(rw, b, ops[1])
+    w = _weight(rw, b, bt)
     return Node(OP, (a, w), (In(0), In(1), None, "none", [], ""), (), n.types)
 
 
@@ -163,15 +152,15 @@ def addmm_to_onednn(rw: Rewriter, n: Node) -> Node | None:
     if any(k not in ("beta", "alpha") or v != 1 for k, v in n.kwargs):
         return None
     bias, a, b = n.inputs
-    ops = _operands(rw, n, a, b)
+    bt = _rewritable(rw, n, a, b)
     bias_t = rw.type(bias)
-    if ops is None or bias_t is None or bias_t.dtype != torch.float32:
+    if bt is None or bias_t is None or bias_t.dtype != torch.float32:
         return None
     if tuple(bias_t.shape) != (n.type.shape[1],):  # type: ignore[union-attr]
         return None
     if not _fresh(rw, bias):
         bias = rw.add(Node("contiguous.default", (bias,), (In(0),), (), (bias_t,)))
-    w = _weight(rw, b, ops[1])
+    w = _weight(rw, b, bt)
     return Node(OP, (a, w, bias), (In(0), In(1), In(2), "none", [], ""), (), n.types)
 
 
