@@ -44,6 +44,7 @@ class OutKind(_ReprStr):
     ROWK = "rowk"  # s[:-1] + (1,)   (keepdim)
     COL = "col"  # s[-1:]
     COLK = "colk"  # (1,) * (len(s) - 1) + s[-1:]   (keepdim)
+    TRANS = "trans"  # s[:-2] + (s[-1], s[-2])   (the last two dims swapped: a transposed copy)
 
     def shape(self, s: tuple) -> tuple:
         if self is OutKind.FULL:
@@ -52,6 +53,8 @@ class OutKind(_ReprStr):
             return s[:-1]
         if self is OutKind.ROWK:
             return s[:-1] + (1,)
+        if self is OutKind.TRANS:
+            return s[:-2] + (s[-1], s[-2])
         if self is OutKind.COL:
             return s[-1:]
         return (1,) * (len(s) - 1) + s[-1:]
@@ -121,7 +124,7 @@ class FusedKernel:
     placement: tuple[Placement, ...] | None = None  # set by memory planning
 
     @staticmethod
-    def of(node: Node) -> "FusedKernel":
+    def of(node: Node) -> FusedKernel:
         kw = dict(node.kwargs)
         placement = kw.get("placement")
         return FusedKernel(

@@ -165,7 +165,7 @@ _TABLE: dict[Category, str] = {
     index_copy take_along_dim _unsafe_index _unsafe_index_put pad reflection_pad1d
     reflection_pad2d replication_pad1d replication_pad2d upsample_nearest2d upsample_bilinear2d
     avg_pool2d avg_pool2d_backward max_pool2d_with_indices max_pool2d_with_indices_backward
-    _adaptive_avg_pool2d _adaptive_avg_pool2d_backward col2im im2col contiguous
+    _adaptive_avg_pool2d _adaptive_avg_pool2d_backward col2im im2col contiguous t_copy
     """,
     _X: """
     rand randn rand_like randn_like randint randint_like bernoulli native_dropout uniform normal

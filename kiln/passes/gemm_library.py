@@ -33,8 +33,29 @@ would do) or the short-reduction case above, and a left operand that is not a tr
     _linear_pointwise.default(a, w, bias, "none", [], "")      with w = b.t()
 
 (``w`` is ``b``'s own source when ``b`` is already ``t(w)``: a linear layer's ``addmm(bias, x,
-t(w))``).  oneDNN reads ``a`` and ``w`` by stride (rows, columns and zero strides checked against
-ATen), but not the bias: an expanded bias (stride 0) gave wrong sums, so a bias that is not a
+t(w))``).
+
+A transposed left operand ``a = t(d)`` (a weight gradient ``dY^T @ X``, the reduction over the
+rows of both) is slow on oneDNN as it stands (above: oneDNN reorders it) and ATen's transposing
+copy (``d.t().contiguous()``, ~6.5 GB/s) eats the gain, but Kiln's own transpose kernel
+(:mod:`kiln.codegen.cpp.transpose`, 3-4x ATen's copy) does not.  Measured, 2 threads, best of 4
+medians, each call after a pointwise kernel that writes ``dY`` (as in a backward pass), MKL's
+``mm(dY.t(), X)`` -> ``t_copy`` + oneDNN, O x M x I = ``dW``'s rows, the reduction, its columns:
+
+    2048x512x2048   22.9 -> 20.6 ms (0.90)      1024x1024x256   3.00 -> 2.77 ms (0.92)
+    2048x512x1024   12.2 -> 10.7 ms (0.88)      768x1024x256    2.06 -> 2.03 ms (0.99)
+    256x1024x1024   2.87 -> 2.62 ms (0.91)      256x1024x256     711 -> 701 us  (0.99)
+    512x512x128      426 -> 371 us  (0.87)      384x512x128      291 -> 288 us  (0.99)
+    128x512x512      385 -> 352 us  (0.92)      128x512x128      110 -> 123 us  (1.12, slower)
+
+(MKL's own NN product of the copy, the copy included, took 0.92-1.07x its TN product's time:
+MKL gains nothing from it.)  So ``mm(t(d), b)`` with static ``O`` and ``I`` and ``O * M * I >=
+2^25`` (a symbolic ``M``: ``O * I >= 2^18``) becomes ``_linear_pointwise(t_copy(d), b.t(), ...)``;
+the copy lives until the product is done.
+``KILN_DISABLE_PASSES=gemm_transposed`` leaves this case alone (the rest of the pass still runs).
+
+oneDNN reads ``a`` and ``w`` by stride (rows, columns and zero strides checked against ATen), but
+not the bias: an expanded bias (stride 0) gave wrong sums, so a bias that is not a
 fresh buffer of the graph is read through ``contiguous`` (the tensor itself when it already is).
 
 Numerics: oneDNN's sums are not MKL's (the bits differ from eager's GEMMs, by a few ulp of the
@@ -54,6 +75,7 @@ from __future__ import annotations
 import torch
 
 from kiln import metrics
+from kiln.config import config
 from kiln.ir.graph import Graph, In, Node, TensorType
 from kiln.ir.ops import category, fresh_buffer
 from kiln.passes._util import Rewriter
@@ -67,6 +89,10 @@ MIN_KN_SYMBOLIC_M = 1 << 18  # K * N for a symbolic M (MIN_MACS at M = 64)
 # A short reduction writing a wide output (a 10-class classifier's input gradient): MKL is slow
 # there, oneDNN up to 3-5x faster, from this output size and width on
 MAX_SHORT_K, MIN_SHORT_K_OUT, MIN_SHORT_K_N = 32, 1 << 16, 512
+# A transposed left operand, copied row-major by Kiln's transpose kernel first (the docstring)
+MIN_MACS_TRANSPOSED = 1 << 25
+MIN_OUT_SYMBOLIC_K = 1 << 18  # O * I for a symbolic reduction (MIN_MACS_TRANSPOSED at M = 128)
+TRANSPOSE = "t_copy.default"
 
 
 def available() -> bool:
@@ -85,6 +111,15 @@ def _big_enough(m: object, k: object, n: object) -> bool:
     if m * k * n >= MIN_MACS:  # type: ignore[operator]
         return True
     return k <= MAX_SHORT_K and n >= MIN_SHORT_K_N and m * n >= MIN_SHORT_K_OUT  # type: ignore[operator]
+
+
+def _big_enough_transposed(m: object, k: object, n: object) -> bool:
+    """Whether an ``m x n`` product over ``k`` pays for copying its transposed left operand."""
+    if not (_static(m) and _static(n)):
+        return False
+    if not _static(k):
+        return m * n >= MIN_OUT_SYMBOLIC_K  # type: ignore[operator]
+    return k > 0 and m * k * n >= MIN_MACS_TRANSPOSED  # type: ignore[operator]
 
 
 def _transposed(rw: Rewriter, v: int) -> int | None:
@@ -117,8 +152,9 @@ def _fresh(rw: Rewriter, v: int) -> bool:
         return False
 
 
-def _rewritable(rw: Rewriter, n: Node, a: int, b: int) -> TensorType | None:
-    """``b``'s type if GEMM ``n`` of ``a`` and ``b`` goes to oneDNN (the module docstring's rule)."""
+def _rewritable(rw: Rewriter, n: Node, a: int, b: int) -> tuple[int, TensorType] | None:
+    """(left operand, ``b``'s type) if GEMM ``n`` of ``a`` and ``b`` goes to oneDNN (the module
+    docstring's rule); a transposed ``a`` is replaced by its row-major copy (a new node)."""
     out, at, bt = n.type, rw.type(a), rw.type(b)
     if out is None or at is None or bt is None:
         return None
@@ -127,9 +163,14 @@ def _rewritable(rw: Rewriter, n: Node, a: int, b: int) -> TensorType | None:
     if len(at.shape) != 2 or len(bt.shape) != 2:
         return None
     (m, k), (_, cols) = at.shape, bt.shape
-    if not _big_enough(m, k, cols) or _transposed(rw, a) is not None:
+    d = _transposed(rw, a)
+    if d is None:
+        return (a, bt) if _big_enough(m, k, cols) else None
+    # not a pass of its own: "gemm_transposed" in KILN_DISABLE_PASSES leaves these on MKL (A/B)
+    if "gemm_transposed" in config.disabled_passes or not _big_enough_transposed(m, k, cols):
         return None
-    return bt
+    copy = rw.add(Node(TRANSPOSE, (d,), (In(0),), (), (TensorType((m, k), at.dtype),)))
+    return copy, bt
 
 
 def mm_to_onednn(rw: Rewriter, n: Node) -> Node | None:
@@ -137,9 +178,10 @@ def mm_to_onednn(rw: Rewriter, n: Node) -> Node | None:
     if n.kwargs or n.args != (In(0), In(1)):
         return None
     a, b = n.inputs
-    bt = _rewritable(rw, n, a, b)
-    if bt is None:
+    ok = _rewritable(rw, n, a, b)
+    if ok is None:
         return None
+    a, bt = ok
     w = _weight(rw, b, bt)
     return Node(OP, (a, w), (In(0), In(1), None, "none", [], ""), (), n.types)
 
@@ -152,12 +194,15 @@ def addmm_to_onednn(rw: Rewriter, n: Node) -> Node | None:
     if any(k not in ("beta", "alpha") or v != 1 for k, v in n.kwargs):
         return None
     bias, a, b = n.inputs
-    bt = _rewritable(rw, n, a, b)
     bias_t = rw.type(bias)
-    if bt is None or bias_t is None or bias_t.dtype != torch.float32:
+    if bias_t is None or bias_t.dtype != torch.float32:
         return None
     if tuple(bias_t.shape) != (n.type.shape[1],):  # type: ignore[union-attr]
         return None
+    ok = _rewritable(rw, n, a, b)
+    if ok is None:
+        return None
+    a, bt = ok
     if not _fresh(rw, bias):
         bias = rw.add(Node("contiguous.default", (bias,), (In(0),), (), (bias_t,)))
     w = _weight(rw, b, bt)
@@ -165,7 +210,7 @@ def addmm_to_onednn(rw: Rewriter, n: Node) -> Node | None:
 
 
 RULES: tuple[Rule, ...] = (
-    # mm(a, b) -> oneDNN inner product of a and b.t() (large, row-major a)
+    # mm(a, b) -> oneDNN inner product of a and b.t() (large; a transposed a copied row-major)
     Rule("mm_to_onednn", ("mm.default",), mm_to_onednn),
     # addmm(bias, a, b) -> the same with the bias added by oneDNN
     Rule("addmm_to_onednn", ("addmm.default",), addmm_to_onednn),

@@ -7,9 +7,10 @@ oneDNN's inner product), and what runs after it as a separate pass with the reas
 are the measured decisions of this code base:
 
 * library: large float32 ``mm``/``addmm`` with a row-major left operand run as oneDNN's inner
-  product (``mkldnn::_linear_pointwise``), 5-20% faster than MKL's ``sgemm`` there; the rest
-  (small products, a transposed left operand, other dtypes, ``bmm``) on ATen's GEMM
-  (:mod:`kiln.passes.gemm_library` has the measurements).
+  product (``mkldnn::_linear_pointwise``), 5-20% faster than MKL's ``sgemm`` there; so do large
+  weight gradients (a transposed left operand), after Kiln's transpose kernel copies it row-major;
+  the rest (small products, other dtypes, ``bmm``) on ATen's GEMM (:mod:`kiln.passes.gemm_library`
+  has the measurements).
 
 * bias: AOTAutograd's ``linear`` decomposition already gives ``addmm(bias, x, w.t())``: ATen adds
   the bias inside the GEMM (oneDNN/BLAS beta=1), and reads ``w.t()`` by stride, no copy.
@@ -24,7 +25,7 @@ are the measured decisions of this code base:
 
 from __future__ import annotations
 
-from kiln.ir.graph import Graph
+from kiln.ir.graph import Graph, Node
 
 GEMMS = frozenset(
     {
@@ -71,8 +72,13 @@ def _after(g: Graph, i: int, outputs: frozenset[int]) -> str:
     return f"{text}: separate pass (no GEMM post-op fusion in this backend)"
 
 
-def _library(op: str) -> str:
+def _library(g: Graph, n: Node) -> str:
+    op = n.op
     if op == "_linear_pointwise.default":
+        if g.nodes[n.inputs[0]].op == "t_copy.default":
+            return (
+                "oneDNN inner product (gemm_library: large float32, left operand copied transposed)"
+            )
         return "oneDNN inner product (gemm_library: large float32, row-major left operand)"
     if op.startswith("_scaled_dot_product"):
         return "ATen flash attention"
@@ -94,7 +100,7 @@ def gemm_epilogues(g: Graph) -> list[dict]:
             {
                 "node": i,
                 "op": n.op,
-                "library": _library(n.op),
+                "library": _library(g, n),
                 "operands": [_operand(g, v) for v in tensor_ins],
                 "fused": fused,
                 "after": _after(g, i, outputs),

@@ -89,17 +89,17 @@ def test_mm_of_a_row_major_left_operand(shape):
 )
 def test_left_to_aten(case):
     """Below the size where oneDNN's call overhead pays (short reductions: too narrow or too few
-    rows), a transposed left operand (a weight
-    gradient's dY^T: MKL is faster there), other dtypes, an empty reduction (oneDNN cannot make a
-    primitive), and addmm forms that are not a plain linear layer: unchanged."""
+    rows), a small product with a transposed left operand (a weight gradient's dY^T: below 2^25
+    multiply-adds the transposing copy does not pay), other dtypes, an empty reduction (oneDNN
+    cannot make a primitive), and addmm forms that are not a plain linear layer: unchanged."""
     if case == "small":
         g = capture(_mm, torch.randn(128, 128), torch.randn(128, 128))  # 2^21 multiply-adds
     elif case == "short_k_narrow":  # a short reduction, but only 256 wide: MKL is faster
         g = capture(_mm, torch.randn(1024, 10), torch.randn(10, 256))
     elif case == "short_k_few_rows":  # a short reduction, wide, but 16 rows: MKL is faster
         g = capture(_mm, torch.randn(16, 10), torch.randn(10, 1024))
-    elif case == "left_transposed":
-        g = capture(lambda dy, x: torch.mm(dy.t(), x), torch.randn(512, 256), torch.randn(512, 256))
+    elif case == "left_transposed":  # 2^23 multiply-adds: the transposing copy would not pay
+        g = capture(lambda dy, x: torch.mm(dy.t(), x), torch.randn(512, 128), torch.randn(512, 128))
     elif case == "float64":
         g = capture(_mm, torch.randn(512, 256, dtype=torch.float64), torch.randn(256, 512).double())
     elif case == "bfloat16":
@@ -116,6 +116,33 @@ def test_left_to_aten(case):
     else:
         g = capture(_linear, torch.randn(512, 256), torch.randn(384, 256), torch.randn(512, 384))
     assert gemm_library(g) is g
+
+
+@pytest.mark.parametrize("shape", [(512, 256, 256), (1000, 250, 300)])
+def test_weight_gradient_gets_a_row_major_copy(shape):
+    """``mm(dy.t(), x)`` (a weight gradient, the reduction over the rows of both) above 2^25
+    multiply-adds: ``dy`` is copied transposed (``t_copy``) and oneDNN reads the copy row-major."""
+    rows, o, i = shape
+    dy, x = torch.randn(rows, o), torch.randn(rows, i)
+    g = capture(lambda dy, x: torch.mm(dy.t(), x), dy, x)
+    out = verify(gemm_library(g))
+    assert _ops(out) == ["t_copy.default", "t.default", OP]
+    copy = next(n for n in out.nodes if n.op == "t_copy.default")
+    assert out.nodes[copy.inputs[0]].op == "input" and copy.type.shape == (o, rows)
+    _close(Interpreter(out)([dy, x])[0], dy.t() @ x, rows)
+    (rec,) = gemm_epilogues(out)
+    assert rec["library"].startswith("oneDNN") and "copied transposed" in rec["library"]
+
+
+def test_weight_gradient_with_a_symbolic_reduction():
+    """A symbolic number of rows (a shape-generic graph's tokens): rewritten when ``O * I >=
+    2^18``, whatever the rows turn out to be."""
+    from kiln.passes.gemm_library import _big_enough_transposed
+
+    s = object()  # a size that is not an int: symbolic
+    assert _big_enough_transposed(1024, s, 256)
+    assert not _big_enough_transposed(256, s, 256)
+    assert not _big_enough_transposed(s, 1024, 1024)  # the output's rows must be known
 
 
 @pytest.fixture
@@ -144,6 +171,26 @@ def test_compiled_linear_with_strided_operands_and_bias(cpp_backend, launcher):
     for xi, wi, bi in runs:
         (got,) = exe([xi, wi, bi])
         _close(got, torch.relu(torch.addmm(bi, xi, wi.t())), 256)
+
+
+@pytest.mark.parametrize("launcher", [True, False])
+def test_compiled_weight_gradient_with_strided_operands(cpp_backend, launcher):
+    """The weight-gradient form compiled (Kiln's transpose kernel, then oneDNN), run on the shapes
+    it was compiled for and on strided operands (a sliced ``dy``, a transposed ``x``) and odd
+    sizes the kernel covers with partial tiles."""
+    config.update(launcher=launcher)
+    dy, x = torch.randn(1000, 250), torch.randn(1000, 300)
+    exe = compile_graph(capture(lambda dy, x: torch.mm(dy.t(), x), dy, x))
+    ops = [n.op for n in exe.graph.nodes]
+    assert OP in ops and "t_copy.default" in ops
+    runs = [
+        (dy, x),
+        (torch.randn(1000, 500)[:, 3:253], torch.randn(300, 1000).t()),
+        (torch.randn(1000, 250), torch.randn(1000, 300)),
+    ]
+    for dyi, xi in runs:
+        (got,) = exe([dyi, xi])
+        _close(got, dyi.t() @ xi, 1000)
 
 
 @pytest.mark.parametrize("shape", [(0, 256, 512), (512, 256, 0), (0, 10, 2048)])

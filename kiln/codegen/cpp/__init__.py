@@ -3,9 +3,9 @@ own passes (``fuse`` with this backend's :data:`CLAIMS`, then ``memory_plan``).
 
 Every ``fused`` node of the graph becomes one generated C++ function (so does each layer norm,
 forward and backward, see :mod:`kiln.codegen.cpp.layer_norm`, and each last-dim (log_)softmax
-backward, :mod:`kiln.codegen.cpp.softmax_backward`, and each 2-D max pool, forward and backward,
-:mod:`kiln.codegen.cpp.pool`); identical kernels are shared, and a kernel
-made of identical independent chains (horizontally fused per-parameter optimizer updates) emits
+backward, :mod:`kiln.codegen.cpp.softmax_backward`, each 2-D max pool, forward and backward,
+:mod:`kiln.codegen.cpp.pool`, and each 2-D transposing copy, :mod:`kiln.codegen.cpp.transpose`);
+identical kernels are shared, and a kernel made of identical independent chains (horizontally fused per-parameter optimizer updates) emits
 the chain once, looped over the lanes (:mod:`kiln.codegen.cpp.lanes`).
 A kernel built before (by an earlier graph, in this process or another sharing the cache) is
 loaded from the unit that holds it; the graph's new kernels go into one translation unit (two,
@@ -40,6 +40,7 @@ from kiln.codegen.cpp.layer_norm import emit_layer_norm, layer_norm_ok
 from kiln.codegen.cpp.ops import CTYPE, PRELUDE, supported
 from kiln.codegen.cpp.pool import emit_pool, pool_call, pool_ok
 from kiln.codegen.cpp.softmax_backward import emit_softmax_backward, softmax_backward_ok
+from kiln.codegen.cpp.transpose import emit_t_copy, t_copy_ok
 from kiln.config import config
 from kiln.ir.graph import Graph
 from kiln.ir.ops import fresh_buffer
@@ -66,6 +67,7 @@ _DIRECT = {
         nll_log_softmax_backward_ok,
         emit_nll_log_softmax_backward,
     ),
+    "t_copy.default": (t_copy_ok, emit_t_copy),
 }
 SPLIT_AT = 8  # more new kernels than this: two units, compiled by two g++ in parallel
 # or more new kernel source than this (characters; g++ -O2 takes ~0.1 s per 10,000 of them):

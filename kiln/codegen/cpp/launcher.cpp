@@ -72,7 +72,7 @@ bool g_timing = false;
 
 enum Kind : int { IN = 0, CONST = 1, KERNEL = 2, ATEN = 3, GETITEM = 4, WRITEBACK = 5, PYCALL = 6 };
 enum Mode : int { FULL = 0, ONE = 1, BCAST = 2, BCAST_INNER = 3 };
-enum OutK : int { O_FULL = 0, O_ROW = 1, O_ROWK = 2, O_COL = 3, O_COLK = 4 };
+enum OutK : int { O_FULL = 0, O_ROW = 1, O_ROWK = 2, O_COL = 3, O_COLK = 4, O_TRANS = 5 };
 enum ArgK : int { A_SLOT = 0, A_CONST = 1, A_TLIST = 2, A_OTLIST = 3, A_ILIST = 4, A_WRAPPED = 5 };
 
 struct Arg {
@@ -657,6 +657,12 @@ class Launcher {
           if (k.out_kinds[o] == O_COLK)
             for (int64_t d = 0; d + 1 < R; ++d) osh.push_back(1);
           if (R > 0) osh.push_back(shape[R - 1]);
+          break;
+        case O_TRANS:  // the last two dims swapped (a transposed copy)
+          TORCH_CHECK(R >= 2, "kiln kernel: a transposed output needs rank >= 2, got ", R);
+          osh.append(shape.begin(), shape.end() - 2);
+          osh.push_back(shape[R - 1]);
+          osh.push_back(shape[R - 2]);
           break;
       }
       const c10::ScalarType dt = k.out_dtypes[o];

@@ -42,7 +42,14 @@ from kiln.ir.semantics import resolve
 IN, CONST, KERNEL, ATEN, GETITEM, WRITEBACK, PYCALL = range(7)
 SLOT, ACONST, TLIST, OTLIST, ILIST, WRAPPED = range(6)
 _MODES = {"full": 0, "one": 1, "bcast": 2, "bcast_inner": 3}
-_OUT = {OutKind.FULL: 0, OutKind.ROW: 1, OutKind.ROWK: 2, OutKind.COL: 3, OutKind.COLK: 4}
+_OUT = {
+    OutKind.FULL: 0,
+    OutKind.ROW: 1,
+    OutKind.ROWK: 2,
+    OutKind.COL: 3,
+    OutKind.COLK: 4,
+    OutKind.TRANS: 5,
+}
 _FLOAT_TYPES = ("float", "Optional[float]")
 _TENSOR_TYPES = ("Tensor", "Optional[Tensor]")
 _INT_LISTS = ("List[int]", "Optional[List[int]]")
