@@ -49,9 +49,12 @@ medians, each call after a pointwise kernel that writes ``dY`` (as in a backward
     128x512x512      385 -> 352 us  (0.92)      128x512x128      110 -> 123 us  (1.12, slower)
 
 (MKL's own NN product of the copy, the copy included, took 0.92-1.07x its TN product's time:
-MKL gains nothing from it.)  So ``mm(t(d), b)`` with static ``O`` and ``I`` and ``O * M * I >=
-2^25`` (a symbolic ``M``: ``O * I >= 2^18``) becomes ``_linear_pointwise(t_copy(d), b.t(), ...)``;
-the copy lives until the product is done.
+MKL gains nothing from it.)  So ``mm(t(d), b)`` with static sizes and ``O * M * I >= 2^25``
+becomes ``_linear_pointwise(t_copy(d), b.t(), ...)`` where the copy (alive until the product is
+done) fits under the graph's own peak memory (:func:`kiln.passes.live_bytes.headroom`: at the
+start of a backward pass, where the saved activations are all alive, it usually does not, and the
+GEMM stays on MKL; without this check gpt-large's steady-step peak of tensor memory rose from
+eager's 115.3 MB to 116.5).  A graph with symbolic sizes gets no copies (its peak is unknown).
 ``KILN_DISABLE_PASSES=gemm_transposed`` leaves this case alone (the rest of the pass still runs).
 
 oneDNN reads ``a`` and ``w`` by stride (rows, columns and zero strides checked against ATen), but
@@ -80,6 +83,7 @@ from kiln.ir.graph import Graph, In, Node, TensorType
 from kiln.ir.ops import category, fresh_buffer
 from kiln.passes._util import Rewriter
 from kiln.passes.dce import dce
+from kiln.passes.live_bytes import headroom
 from kiln.passes.rewrite import Rule, apply_rules
 from kiln.passes.simplify import PERM_OPS, perm
 
@@ -91,7 +95,6 @@ MIN_KN_SYMBOLIC_M = 1 << 18  # K * N for a symbolic M (MIN_MACS at M = 64)
 MAX_SHORT_K, MIN_SHORT_K_OUT, MIN_SHORT_K_N = 32, 1 << 16, 512
 # A transposed left operand, copied row-major by Kiln's transpose kernel first (the docstring)
 MIN_MACS_TRANSPOSED = 1 << 25
-MIN_OUT_SYMBOLIC_K = 1 << 18  # O * I for a symbolic reduction (MIN_MACS_TRANSPOSED at M = 128)
 TRANSPOSE = "t_copy.default"
 
 
@@ -115,10 +118,8 @@ def _big_enough(m: object, k: object, n: object) -> bool:
 
 def _big_enough_transposed(m: object, k: object, n: object) -> bool:
     """Whether an ``m x n`` product over ``k`` pays for copying its transposed left operand."""
-    if not (_static(m) and _static(n)):
+    if not (_static(m) and _static(k) and _static(n)):
         return False
-    if not _static(k):
-        return m * n >= MIN_OUT_SYMBOLIC_K  # type: ignore[operator]
     return k > 0 and m * k * n >= MIN_MACS_TRANSPOSED  # type: ignore[operator]
 
 
@@ -152,9 +153,13 @@ def _fresh(rw: Rewriter, v: int) -> bool:
         return False
 
 
-def _rewritable(rw: Rewriter, n: Node, a: int, b: int) -> tuple[int, TensorType] | None:
+def _rewritable(
+    rw: Rewriter, n: Node, a: int, b: int, room: list[int] | None
+) -> tuple[int, TensorType] | None:
     """(left operand, ``b``'s type) if GEMM ``n`` of ``a`` and ``b`` goes to oneDNN (the module
-    docstring's rule); a transposed ``a`` is replaced by its row-major copy (a new node)."""
+    docstring's rule); a transposed ``a`` is replaced by its row-major copy (a new node) where
+    the copy fits under the graph's peak memory (``room``: per node of the graph being rewritten,
+    :func:`kiln.passes.live_bytes.headroom`)."""
     out, at, bt = n.type, rw.type(a), rw.type(b)
     if out is None or at is None or bt is None:
         return None
@@ -169,16 +174,18 @@ def _rewritable(rw: Rewriter, n: Node, a: int, b: int) -> tuple[int, TensorType]
     # not a pass of its own: "gemm_transposed" in KILN_DISABLE_PASSES leaves these on MKL (A/B)
     if "gemm_transposed" in config.disabled_passes or not _big_enough_transposed(m, k, cols):
         return None
+    if room is None or room[rw.current] < m * k * at.dtype.itemsize:  # type: ignore[operator]
+        return None  # the copy would raise the graph's peak memory (or sizes are symbolic)
     copy = rw.add(Node(TRANSPOSE, (d,), (In(0),), (), (TensorType((m, k), at.dtype),)))
     return copy, bt
 
 
-def mm_to_onednn(rw: Rewriter, n: Node) -> Node | None:
+def mm_to_onednn(rw: Rewriter, n: Node, room: list[int] | None = None) -> Node | None:
     """``mm(a, b)`` -> ``_linear_pointwise(a, b.t(), None, ...)`` (see the module docstring)."""
     if n.kwargs or n.args != (In(0), In(1)):
         return None
     a, b = n.inputs
-    ok = _rewritable(rw, n, a, b)
+    ok = _rewritable(rw, n, a, b, room)
     if ok is None:
         return None
     a, bt = ok
@@ -186,7 +193,7 @@ def mm_to_onednn(rw: Rewriter, n: Node) -> Node | None:
     return Node(OP, (a, w), (In(0), In(1), None, "none", [], ""), (), n.types)
 
 
-def addmm_to_onednn(rw: Rewriter, n: Node) -> Node | None:
+def addmm_to_onednn(rw: Rewriter, n: Node, room: list[int] | None = None) -> Node | None:
     """``addmm(bias, a, b)`` with a 1-D bias and ``beta = alpha = 1`` -> ``_linear_pointwise(a,
     b.t(), bias, ...)``."""
     if n.args[:3] != (In(0), In(1), In(2)) or len(n.args) > 3:
@@ -199,7 +206,7 @@ def addmm_to_onednn(rw: Rewriter, n: Node) -> Node | None:
         return None
     if tuple(bias_t.shape) != (n.type.shape[1],):  # type: ignore[union-attr]
         return None
-    ok = _rewritable(rw, n, a, b)
+    ok = _rewritable(rw, n, a, b, room)
     if ok is None:
         return None
     a, bt = ok
@@ -209,20 +216,22 @@ def addmm_to_onednn(rw: Rewriter, n: Node) -> Node | None:
     return Node(OP, (a, w, bias), (In(0), In(1), In(2), "none", [], ""), (), n.types)
 
 
-RULES: tuple[Rule, ...] = (
-    # mm(a, b) -> oneDNN inner product of a and b.t() (large; a transposed a copied row-major)
-    Rule("mm_to_onednn", ("mm.default",), mm_to_onednn),
-    # addmm(bias, a, b) -> the same with the bias added by oneDNN
-    Rule("addmm_to_onednn", ("addmm.default",), addmm_to_onednn),
-)
+def rules(room: list[int] | None) -> tuple[Rule, ...]:
+    """The pass's rules for one graph (``room``: its per-node memory headroom, or None)."""
+    return (
+        # mm(a, b) -> oneDNN inner product of a and b.t() (large; a transposed a copied row-major)
+        Rule("mm_to_onednn", ("mm.default",), lambda rw, n: mm_to_onednn(rw, n, room)),
+        # addmm(bias, a, b) -> the same with the bias added by oneDNN
+        Rule("addmm_to_onednn", ("addmm.default",), lambda rw, n: addmm_to_onednn(rw, n, room)),
+    )
 
 
 def gemm_library(g: Graph) -> Graph:
-    """Apply :data:`RULES` once (a rewritten node is never a candidate again); the transposes
+    """Apply :func:`rules` once (a rewritten node is never a candidate again); the transposes
     the rewritten GEMMs read no more are dropped."""
     if not available() or not any(n.op in ("mm.default", "addmm.default") for n in g.nodes):
         return g
-    out = apply_rules(g, RULES, max_iters=1)
+    out = apply_rules(g, rules(headroom(g)), max_iters=1)
     if out is g:
         return g
     metrics.incr("gemm_onednn", sum(n.op == OP for n in out.nodes))

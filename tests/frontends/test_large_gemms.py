@@ -105,9 +105,11 @@ def test_training_step_matches_eager(kind, mode):
         grads = [p.grad for p in mine.parameters()]
         params = [p.detach() for p in mine.parameters()]
 
-    # all six GEMMs ran on oneDNN: the forward's two layers, the backward's two input gradients
-    # and its two weight gradients (dY^T @ X, after Kiln's transposing copy of dY)
-    assert metrics.get("gemm_onednn") >= onednn + 6
+    # five of the six GEMMs ran on oneDNN: the forward's two layers, the backward's two input
+    # gradients and the first layer's weight gradient (dY^T @ X, after Kiln's transposing copy of
+    # dY); the second layer's, computed first, where the backward holds the most, stays on MKL:
+    # a copy there would raise the step's peak memory
+    assert metrics.get("gemm_onednn") >= onednn + 5
     _close(got, want, 512)
     _close(x_grad, x_ref.grad, 512)
     assert all(g.abs().max() > 0 for g in grads_ref)
