@@ -38,18 +38,21 @@ t(w))``).
 A transposed left operand ``a = t(d)`` (a weight gradient ``dY^T @ X``, the reduction over the
 rows of both) is slow on oneDNN as it stands (above: oneDNN reorders it) and ATen's transposing
 copy (``d.t().contiguous()``, ~6.5 GB/s) eats the gain, but Kiln's own transpose kernel
-(:mod:`kiln.codegen.cpp.transpose`, 3-4x ATen's copy) does not.  Measured, 2 threads, best of 4
+(:mod:`kiln.codegen.cpp.transpose`, 3-7x ATen's copy) does not.  Measured, 2 threads, best of 4
 medians, each call after a pointwise kernel that writes ``dY`` (as in a backward pass), MKL's
 ``mm(dY.t(), X)`` -> ``t_copy`` + oneDNN, O x M x I = ``dW``'s rows, the reduction, its columns:
 
-    2048x512x2048   22.9 -> 20.6 ms (0.90)      1024x1024x256   3.00 -> 2.77 ms (0.92)
-    2048x512x1024   12.2 -> 10.7 ms (0.88)      768x1024x256    2.06 -> 2.03 ms (0.99)
-    256x1024x1024   2.87 -> 2.62 ms (0.91)      256x1024x256     711 -> 701 us  (0.99)
-    512x512x128      426 -> 371 us  (0.87)      384x512x128      291 -> 288 us  (0.99)
-    128x512x512      385 -> 352 us  (0.92)      128x512x128      110 -> 123 us  (1.12, slower)
+    2048x512x2048   23.2 -> 20.4 ms (0.88)      1024x1024x256   2.97 -> 2.60 ms (0.88)
+    2048x512x1024   11.1 -> 10.2 ms (0.92)      768x1024x256    2.05 -> 1.92 ms (0.94)
+    256x1024x1024   2.83 -> 2.51 ms (0.89)      256x1024x256     715 -> 659 us  (0.92)
+    512x512x128      426 -> 356 us  (0.84)      384x512x128      292 -> 276 us  (0.95)
+    128x512x512      388 -> 353 us  (0.91)      512x256x128      220 -> 197 us  (0.90)
+    256x512x128      207 -> 203 us  (0.99)      256x256x256      192 -> 194 us  (1.01)
+    128x512x128      110 -> 121 us  (1.10, slower)
 
-(MKL's own NN product of the copy, the copy included, took 0.92-1.07x its TN product's time:
-MKL gains nothing from it.)  So ``mm(t(d), b)`` with static sizes and ``O * M * I >= 2^25``
+Break-even is near 2^24 multiply-adds; the rule takes 2^25 and up.  (MKL's own NN product of the
+copy, the copy included, took 0.88-1.03x its TN product's time, less
+than oneDNN gains.)  So ``mm(t(d), b)`` with static sizes and ``O * M * I >= 2^25``
 becomes ``_linear_pointwise(t_copy(d), b.t(), ...)`` where the copy (alive until the product is
 done) fits under the graph's own peak memory (:func:`kiln.passes.live_bytes.headroom`: at the
 start of a backward pass, where the saved activations are all alive, it usually does not, and the
