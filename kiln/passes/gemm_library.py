@@ -73,7 +73,8 @@ Needs: a typed graph (this pass is one of the C++ backend's own, after ``fuse``)
 values up to the summation order of the rewritten GEMMs; shapes and dtypes unchanged; nothing is
 rewritten where ``torch.ops.mkldnn`` is missing; transposes left unread are removed (``dce``).
 ``KILN_DISABLE_PASSES=gemm_library`` turns it off (every GEMM on ATen's MKL path, bit for bit eager's).  Each compiled graph's rewritten GEMMs
-are counted in ``kiln.metrics`` as ``gemm_onednn``.
+are counted in ``kiln.metrics`` as ``gemm_onednn``, the transposing copies made for them as
+``gemm_transposing_copies``.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ from kiln.passes._util import Rewriter
 from kiln.passes.dce import dce
 from kiln.passes.live_bytes import headroom
 from kiln.passes.rewrite import Rule, apply_rules
-from kiln.passes.simplify import PERM_OPS, perm
+from kiln.passes.simplify import PERM_OPS, RESHAPES, perm
 
 OP = "_linear_pointwise.default"
 MIN_MACS = 1 << 24  # multiply-adds below which MKL's lower call overhead wins (2 threads)
@@ -137,6 +138,65 @@ def _transposed(rw: Rewriter, v: int) -> int | None:
     return n.inputs[0] if perm(rw, n) == (1, 0) else None
 
 
+# Ops whose result is always contiguous: Kiln's kernels (fused, layer norm, softmax backward, the
+# loss backward, the transposing copy) and ATen's GEMMs, concatenation and contiguous copies
+_CONTIGUOUS_MAKERS = frozenset(
+    {
+        "fused",
+        "t_copy.default",
+        "mm.default",
+        "addmm.default",
+        "bmm.default",
+        "baddbmm.default",
+        OP,
+        "cat.default",
+        "embedding.default",
+        "native_layer_norm.default",
+        "native_layer_norm_backward.default",
+        "_softmax_backward_data.default",
+        "_log_softmax_backward_data.default",
+        "nll_log_softmax_backward.default",
+        "contiguous.default",
+    }
+)
+# Views after which the last dim still has stride 1 if it had before (a reshape that cannot view
+# copies, contiguous; one that can keeps the trailing stride)
+_KEEP_LAST_DIM = frozenset({*RESHAPES, "alias.default", "detach.default"})
+
+
+def _unit_last_stride(rw: Rewriter, v: int) -> bool:
+    """Whether value ``v`` is known to have a last dim of stride 1 (row-major rows, any row
+    stride: what oneDNN reads fast) whatever the graph inputs' layouts: made contiguous, then
+    only viewed in ways that keep that.  A graph input is not known: a saved activation can arrive
+    transposed (HF GPT-2's ``Conv1D`` weight gradients got ``x^T`` with strides (1, rows), which
+    oneDNN read several times slower than MKL)."""
+    for _ in range(32):
+        n = rw.node(v)
+        if n.op in _CONTIGUOUS_MAKERS:
+            return True
+        if n.op == "clone.default":
+            fmt = n.kwarg("memory_format")
+            if fmt is torch.contiguous_format:
+                return True
+            if fmt not in (None, torch.preserve_format):
+                return False
+        elif n.op == "getitem":
+            return rw.node(n.inputs[0]).op in _CONTIGUOUS_MAKERS
+        elif n.op == "slice.Tensor":  # (self, dim, start, end, step): a unit step keeps strides
+            if (n.args[4] if len(n.args) > 4 else n.kwarg("step", 1)) != 1:
+                return False
+        elif n.op in PERM_OPS:
+            p = perm(rw, n)
+            if p[-1] != len(p) - 1:
+                return False  # the last dim moved
+        elif n.op not in _KEEP_LAST_DIM:
+            return False
+        if not n.args or n.args[0] != In(0):
+            return False
+        v = n.inputs[0]
+    return False
+
+
 def _weight(rw: Rewriter, b: int, bt: TensorType) -> int:
     """``b.t()`` as a value: ``b``'s source if ``b`` is a transpose, else a new ``t`` node."""
     w = _transposed(rw, b)
@@ -173,7 +233,7 @@ def _rewritable(
     (m, k), (_, cols) = at.shape, bt.shape
     d = _transposed(rw, a)
     if d is None:
-        return (a, bt) if _big_enough(m, k, cols) else None
+        return (a, bt) if _unit_last_stride(rw, a) and _big_enough(m, k, cols) else None
     # not a pass of its own: "gemm_transposed" in KILN_DISABLE_PASSES leaves these on MKL (A/B)
     if "gemm_transposed" in config.disabled_passes or not _big_enough_transposed(m, k, cols):
         return None
@@ -238,4 +298,5 @@ def gemm_library(g: Graph) -> Graph:
     if out is g:
         return g
     metrics.incr("gemm_onednn", sum(n.op == OP for n in out.nodes))
+    metrics.incr("gemm_transposing_copies", sum(n.op == TRANSPOSE for n in out.nodes))
     return dce(out)

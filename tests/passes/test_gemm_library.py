@@ -23,12 +23,18 @@ def _ops(g) -> list[str]:
     return [n.op for n in g.nodes if n.op not in ("input", "constant")]
 
 
+def _rows(x):
+    """``x`` copied contiguous: a left operand whose layout the graph knows (a graph input's it
+    does not: it may arrive transposed)."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 def _linear(x, w, b):
-    return torch.addmm(b, x, w.t())
+    return torch.addmm(b, _rows(x), w.t())
 
 
 def _mm(a, b):
-    return torch.mm(a, b)
+    return torch.mm(_rows(a), b)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
@@ -43,8 +49,8 @@ def test_linear_becomes_one_onednn_call_on_the_weight_itself():
     out = verify(gemm_library(g))
     # the weight is read as it is (its transpose, read by nothing else, is dropped); the bias (a
     # graph input) through `contiguous`, which returns it unchanged when it already is
-    assert _ops(g) == ["permute.default", "addmm.default"]
-    assert _ops(out) == ["contiguous.default", OP]
+    assert _ops(g) == ["clone.default", "permute.default", "addmm.default"]
+    assert _ops(out) == ["clone.default", "contiguous.default", OP]
     lp = next(n for n in out.nodes if n.op == OP)
     assert out.nodes[lp.inputs[1]].op == "input"
     assert lp.args[3:] == ("none", [], "")
@@ -69,8 +75,40 @@ def test_mm_of_a_row_major_left_operand(shape):
     m, k, n = shape
     a, b = torch.randn(m, k), torch.randn(k, n)
     out = verify(gemm_library(capture(_mm, a, b)))
-    assert _ops(out) == ["t.default", OP]
+    assert _ops(out) == ["clone.default", "t.default", OP]
     _close(Interpreter(out)([a, b])[0], a @ b, k)
+
+
+@pytest.mark.parametrize(
+    "left",
+    [
+        lambda a: a,  # a graph input: its layout is not known when the graph is compiled
+        lambda a: torch.relu(a),  # ATen's elementwise ops keep their input's layout
+        lambda a: _rows(a).t().t().t().t() * 1,
+    ],
+)
+def test_left_operand_of_unknown_layout_stays_on_mkl(left):
+    """oneDNN reads a transposed left operand several times slower than MKL (HF GPT-2's weight
+    gradients got saved activations transposed at run time), so only a left operand known to have
+    rows of stride 1 (a kernel's, a GEMM's, a contiguous copy's, through views that keep that)
+    goes to oneDNN."""
+    a, b = torch.randn(512, 256), torch.randn(256, 512)
+    g = capture(lambda a, b: torch.mm(left(a), b), a, b)
+    assert gemm_library(g) is g
+
+
+def test_views_that_keep_unit_row_stride():
+    """Reshapes, unit-step slices and permutes that keep the last dim last keep a contiguous
+    value's rows of stride 1; the left operand reaches oneDNN through them."""
+    a, b = torch.randn(8, 64, 256), torch.randn(256, 512)
+
+    def f(a, b):
+        h = _rows(a).permute(1, 0, 2)[:, 1:7].reshape(-1, 256)
+        return torch.mm(h, b)
+
+    out = verify(gemm_library(capture(f, a, b)))
+    assert OP in _ops(out) and "mm.default" not in _ops(out)
+    _close(Interpreter(out)([a, b])[0], f(a, b), 256)
 
 
 @pytest.mark.parametrize(
@@ -164,10 +202,13 @@ def cpp_backend():
 @pytest.mark.parametrize("launcher", [True, False])
 def test_compiled_linear_with_strided_operands_and_bias(cpp_backend, launcher):
     """The graph is compiled for contiguous-looking inputs; at run time the operands come strided
-    and the bias expanded (stride 0: oneDNN would misread it without the `contiguous`)."""
+    (the left one through a ReLU kernel, which writes it contiguous) and the bias expanded
+    (stride 0: oneDNN would misread it without the `contiguous`)."""
     config.update(launcher=launcher)
     x, w, b = torch.randn(512, 256), torch.randn(384, 256), torch.randn(384)
-    exe = compile_graph(capture(lambda x, w, b: torch.relu(torch.addmm(b, x, w.t())), x, w, b))
+    exe = compile_graph(
+        capture(lambda x, w, b: torch.relu(torch.addmm(b, torch.relu(x), w.t())), x, w, b)
+    )
     assert OP in [n.op for n in exe.graph.nodes]
     runs = [
         (x, w, b),
@@ -176,7 +217,7 @@ def test_compiled_linear_with_strided_operands_and_bias(cpp_backend, launcher):
     ]
     for xi, wi, bi in runs:
         (got,) = exe([xi, wi, bi])
-        _close(got, torch.relu(torch.addmm(bi, xi, wi.t())), 256)
+        _close(got, torch.relu(torch.addmm(bi, torch.relu(xi), wi.t())), 256)
 
 
 @pytest.mark.parametrize("launcher", [True, False])
@@ -205,20 +246,27 @@ def test_zero_size_stays_on_aten(cpp_backend, shape):
     handed a zero-size GEMM), and the compiled graph gives ATen's (empty) result."""
     m, k, n = shape
     a, b = torch.randn(m, k), torch.randn(k, n)
-    exe = compile_graph(capture(_mm, a, b))
+    exe = compile_graph(capture(lambda a, b: torch.mm(torch.relu(a), b), a, b))
     assert OP not in [n.op for n in exe.graph.nodes]
     (got,) = exe([a, b])
     assert got.shape == (m, n)
-    assert torch.equal(got, torch.mm(a, b))
+    assert torch.equal(got, torch.mm(torch.relu(a), b))
 
 
 def test_disabled_by_name(cpp_backend):
+    a, b = torch.randn(512, 256), torch.randn(256, 512)
+
+    def f(a, b):
+        return torch.mm(torch.relu(a), b)
+
+    exe = compile_graph(capture(f, a, b))
+    assert OP in [n.op for n in exe.graph.nodes]  # on: oneDNN
     saved = config.disable_passes
     config.update(disable_passes="gemm_library")
     try:
-        a, b = torch.randn(512, 256), torch.randn(256, 512)
-        exe = compile_graph(capture(_mm, a, b))
+        clear_memory_cache()
+        exe = compile_graph(capture(f, a, b))
         assert OP not in [n.op for n in exe.graph.nodes]
-        assert torch.equal(exe([a, b])[0], torch.mm(a, b))  # ATen's GEMM, bit for bit
+        assert torch.equal(exe([a, b])[0], f(a, b))  # ATen's GEMM, bit for bit
     finally:
         config.update(disable_passes=saved)
