@@ -51,10 +51,13 @@ medians, each call after a pointwise kernel that writes ``dY`` (as in a backward
     128x512x128      110 -> 121 us  (1.10, slower)
 
 Break-even is near 2^24 multiply-adds; the rule takes 2^25 and up.  (MKL's own NN product of the
-copy, the copy included, took 0.88-1.03x its TN product's time, less
-than oneDNN gains.)  So ``mm(t(d), b)`` with static sizes and ``O * M * I >= 2^25``
-becomes ``_linear_pointwise(t_copy(d), b.t(), ...)`` where the copy (alive until the product is
-done) fits under the graph's own peak memory (:func:`kiln.passes.live_bytes.headroom`: at the
+copy, the copy included, took 0.88-1.03x its TN product's time, less than oneDNN gains.)  Larger
+copies, no longer in cache when the product reads them, gain little or lose: 8192x512x256 (a
+16 MiB copy) 12.3 -> 11.7 ms (0.95), 4096x1024x512 (16 MiB) 0.99, 50257x256x768 (a GPT-2 LM
+head, 49 MiB) 0.99, 30522x256x128 (BERT's masked-LM decoder, 30 MiB) 14.2 -> 15.2 ms (1.07).
+So ``mm(t(d), b)`` with static sizes, ``O * M * I >= 2^25`` and a copy of at most 4 MiB becomes
+``_linear_pointwise(t_copy(d), b.t(), ...)`` where the copy (alive until the product is done)
+fits under the graph's own peak memory (:func:`kiln.passes.live_bytes.headroom`: at the
 start of a backward pass, where the saved activations are all alive, it usually does not, and the
 GEMM stays on MKL; without this check gpt-large's steady-step peak of tensor memory rose from
 eager's 115.3 MB to 116.5).  A graph with symbolic sizes gets no copies (its peak is unknown).
@@ -99,6 +102,9 @@ MIN_KN_SYMBOLIC_M = 1 << 18  # K * N for a symbolic M (MIN_MACS at M = 64)
 MAX_SHORT_K, MIN_SHORT_K_OUT, MIN_SHORT_K_N = 32, 1 << 16, 512
 # A transposed left operand, copied row-major by Kiln's transpose kernel first (the docstring)
 MIN_MACS_TRANSPOSED = 1 << 25
+# ... and at most this big a copy (4 MiB: in cache when the product reads it; 16-49 MiB copies
+# measured 0.95-1.07x MKL's time, the docstring)
+MAX_COPY_BYTES = 1 << 22
 TRANSPOSE = "t_copy.default"
 
 
@@ -237,7 +243,10 @@ def _rewritable(
     # not a pass of its own: "gemm_transposed" in KILN_DISABLE_PASSES leaves these on MKL (A/B)
     if "gemm_transposed" in config.disabled_passes or not _big_enough_transposed(m, k, cols):
         return None
-    if room is None or room[rw.current] < m * k * at.dtype.itemsize:  # type: ignore[operator]
+    copy_bytes = m * k * at.dtype.itemsize  # type: ignore[operator]
+    if copy_bytes > MAX_COPY_BYTES:
+        return None
+    if room is None or room[rw.current] < copy_bytes:
         return None  # the copy would raise the graph's peak memory (or sizes are symbolic)
     copy = rw.add(Node(TRANSPOSE, (d,), (In(0),), (), (TensorType((m, k), at.dtype),)))
     return copy, bt
