@@ -28,7 +28,11 @@ The crossover at 2 threads is ~2^24 multiply-adds (512x64x512: 1.08x, 256x256x25
 ``mm(a, b)`` or ``addmm(bias, a, b)`` (``beta = alpha = 1``, a 1-D bias of the output's width) with
 static ``K`` and ``N``, ``K > 0`` (oneDNN cannot create a primitive for an empty reduction),
 ``M * K * N >= 2^24`` (a symbolic ``M`` counts as unknown: only ``K * N >= 2^18``, i.e. ``M >= 64``
-would do) or the short-reduction case above, and a left operand that is not a transposing view becomes
+would do) or the short-reduction case above, and a left operand known to have rows of stride 1
+(made by a Kiln kernel, a GEMM, ``cat`` or a contiguous copy, then only reshaped, sliced with unit
+steps or permuted with the last dim kept last; a graph input's layout is not known: AOTAutograd
+passes saved activations such as HF GPT-2's ``x^T`` as transposed views, and oneDNN took
+0.91-1.49x MKL's time with a transposed left operand) becomes
 
     _linear_pointwise.default(a, w, bias, "none", [], "")      with w = b.t()
 
