@@ -72,6 +72,47 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -
     return out
 
 
+def _mode_step(model: torch.nn.Module, mode: str, x: torch.Tensor) -> tuple:
+    """One AdamW step of ``model`` on ``x`` in ``mode`` ("compile" or "lazy"): the output, the
+    input's gradient, the parameters' gradients and the parameters after the step, on the CPU."""
+    if mode == "lazy":
+        dev = kiln.device()
+        model = model.to(dev)
+        xi = x.to(dev).requires_grad_(True)
+        got = _step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), xi)
+        kiln.mark_step()
+        return (
+            got.cpu(),
+            xi.grad.cpu(),
+            [p.grad.cpu() for p in model.parameters()],
+            [p.detach().cpu() for p in model.parameters()],
+        )
+    xi = x.clone().requires_grad_(True)
+    before = metrics.get("graphs_compiled")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    got = torch.compile(_step, backend="kiln")(model, opt, xi)
+    assert metrics.get("graphs_compiled") > before
+    return (
+        got,
+        xi.grad,
+        [p.grad for p in model.parameters()],
+        [p.detach() for p in model.parameters()],
+    )
+
+
+def _check_update(init: torch.nn.Module, grads: list, params: list) -> None:
+    """AdamW's first step is lr * g / (|g| + eps): a gradient a few ulp off moves an element whose
+    gradient is ~eps by a good part of a step, so the parameters are checked against eager's
+    AdamW applied to the mode's own gradients (a wrong gradient scale or a missed update shows;
+    the gradients themselves are compared with eager's by the caller)."""
+    init_opt = torch.optim.AdamW(init.parameters(), lr=1e-2)
+    for p, g in zip(init.parameters(), grads):
+        p.grad = g.clone()
+    init_opt.step()
+    for p, pr in zip(params, init.parameters()):
+        torch.testing.assert_close(p, pr.detach(), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("kind", ["2d", "3d", "transposed", "sliced"])
 @pytest.mark.parametrize("mode", ["compile", "lazy"])
 def test_training_step_matches_eager(kind, mode):
@@ -86,25 +127,7 @@ def test_training_step_matches_eager(kind, mode):
     grads_ref = [p.grad.clone() for p in ref.parameters()]
 
     onednn = metrics.get("gemm_onednn")
-    if mode == "lazy":
-        dev = kiln.device()
-        mine = mine.to(dev)
-        opt = torch.optim.AdamW(mine.parameters(), lr=1e-2)
-        xi = x.to(dev).requires_grad_(True)
-        got = _step(mine, opt, xi)
-        kiln.mark_step()
-        got, x_grad = got.cpu(), xi.grad.cpu()
-        grads = [p.grad.cpu() for p in mine.parameters()]
-        params = [p.detach().cpu() for p in mine.parameters()]
-    else:
-        opt = torch.optim.AdamW(mine.parameters(), lr=1e-2)
-        xi = x.clone().requires_grad_(True)
-        before = metrics.get("graphs_compiled")
-        got = torch.compile(_step, backend="kiln")(mine, opt, xi)
-        assert metrics.get("graphs_compiled") > before
-        x_grad = xi.grad
-        grads = [p.grad for p in mine.parameters()]
-        params = [p.detach() for p in mine.parameters()]
+    got, x_grad, grads, params = _mode_step(mine, mode, x)
 
     # at least three of the six GEMMs ran on oneDNN: the second layer's forward (its left operand
     # is the GELU kernel's output) and the backward's two input gradients. The first layer's
@@ -118,16 +141,7 @@ def test_training_step_matches_eager(kind, mode):
     assert all(g.abs().max() > 0 for g in grads_ref)
     for g, gr in zip(grads, grads_ref):
         _close(g, gr, 512)
-    # AdamW's first step is lr * g / (|g| + eps): a gradient a few ulp off moves an element whose
-    # gradient is ~eps by a good part of a step, so the parameters are checked against eager's
-    # AdamW applied to this mode's own gradients (a wrong gradient scale or a missed update
-    # shows; the gradients themselves are compared with eager's above)
-    init_opt = torch.optim.AdamW(init.parameters(), lr=1e-2)
-    for p, g in zip(init.parameters(), grads):
-        p.grad = g.clone()
-    init_opt.step()
-    for p, pr in zip(params, init.parameters()):
-        torch.testing.assert_close(p, pr.detach(), rtol=1e-6, atol=1e-7)
+    _check_update(init, grads, params)
 
 
 def test_expanded_bias_argument():
@@ -172,30 +186,10 @@ def test_weight_gradient_copies_match_eager(mode):
     x_ref = x.clone().requires_grad_(True)
     want = _step(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), x_ref)
     copies = metrics.get("gemm_transposing_copies")
-    if mode == "lazy":
-        dev = kiln.device()
-        mine = mine.to(dev)
-        xi = x.to(dev).requires_grad_(True)
-        got = _step(mine, torch.optim.AdamW(mine.parameters(), lr=1e-2), xi)
-        kiln.mark_step()
-        got, x_grad = got.cpu(), xi.grad.cpu()
-        grads = [p.grad.cpu() for p in mine.parameters()]
-        params = [p.detach().cpu() for p in mine.parameters()]
-    else:
-        xi = x.clone().requires_grad_(True)
-        opt = torch.optim.AdamW(mine.parameters(), lr=1e-2)
-        got = torch.compile(_step, backend="kiln")(mine, opt, xi)
-        x_grad = xi.grad
-        grads = [p.grad for p in mine.parameters()]
-        params = [p.detach() for p in mine.parameters()]
+    got, x_grad, grads, params = _mode_step(mine, mode, x)
     assert metrics.get("gemm_transposing_copies") > copies
     _close(got, want, 512)
     _close(x_grad, x_ref.grad, 512)
     for g, p in zip(grads, ref.parameters()):
         _close(g, p.grad, 512)
-    init_opt = torch.optim.AdamW(init.parameters(), lr=1e-2)
-    for p, g in zip(init.parameters(), grads):
-        p.grad = g.clone()
-    init_opt.step()
-    for p, pr in zip(params, init.parameters()):
-        torch.testing.assert_close(p, pr.detach(), rtol=1e-6, atol=1e-7)
+    _check_update(init, grads, params)
