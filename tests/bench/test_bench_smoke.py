@@ -1,4 +1,8 @@
-"""Smoke test of the benchmark harness (bench/run.py): one tiny workload, every mode, 3 steps.
+"""Smoke test of the benchmark harness (bench/run.py): a tiny workload, eager and Kiln modes, 3 steps.
+
+Inductor's mode is left out: its cold compiles (the run's own, a fresh process's and a warm
+process's) took 64 of this test's 76 s on a 2-core CI machine, and the harness compiles it
+through the same ``torch.compile(step, backend=mode)`` line as Kiln's compile mode, which runs here.
 
 Checks that the one command produces a row per mode with finite numbers, loss drift against eager,
 and a JSON file, and that the eager losses it reports are those of plain PyTorch training.  Kiln
@@ -22,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from bench.report import table  # noqa: E402
 from bench.workloads import WORKLOADS, build  # noqa: E402
 
-MODES = ["eager", "inductor", "kiln", "lazy"]
+MODES = ["eager", "kiln", "lazy"]
 PARAM_MB = sum(p.numel() * 4 for p in build("mlp", True, 0).model.parameters()) / 2**20
 
 
