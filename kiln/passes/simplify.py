@@ -312,6 +312,77 @@ def squeeze_of_reshape(rw: Rewriter, n: Node) -> Node | None:
     return Node(op, (src(inner),), (In(0), list(out.shape)), (), n.types)
 
 
+def _static_int(v: object) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def select_of_slice(rw: Rewriter, n: Node) -> Node | None:
+    """``squeeze(slice(x, d, i, i + 1), [d])`` -> ``select(x, d, i)``: the same view (offset and
+    strides) in one op.  ``unbind`` decomposes to the pair, and the optimizer forms' per-parameter
+    numbers (``one_each``) are an unbind: two view calls per parameter and number at run time."""
+    inner = rw.node(src(n))
+    if inner.op != "slice.Tensor" or inner.kwargs or not 1 <= len(inner.args) <= 5:
+        return None
+    x = src(inner)
+    xt, st, out = rw.type(x), inner.type, n.type
+    if xt is None or st is None or out is None or not xt.shape:
+        return None
+    rank = len(xt.shape)
+    d = _static_int(inner.args[1]) if len(inner.args) > 1 else 0
+    start = _static_int(inner.args[2]) if len(inner.args) > 2 else None
+    step = _static_int(inner.args[4]) if len(inner.args) > 4 else 1
+    if d is None or start is None or step != 1 or not -rank <= d < rank:
+        return None
+    d %= rank
+    size = xt.shape[d]
+    if not isinstance(size, int) or st.shape[d] != 1:
+        return None
+    i = start + size if start < 0 else start
+    if not 0 <= i < size:
+        return None
+    dims = n.args[1] if len(n.args) > 1 else None
+    if n.op == "squeeze.dim":
+        dims = [dims]
+    if n.kwargs or not isinstance(dims, (list, tuple)) or len(dims) != 1:
+        return None
+    sq = _static_int(dims[0])
+    if sq is None or not -rank <= sq < rank or sq % rank != d:
+        return None
+    if tuple(out.shape) != tuple(xt.shape[:d]) + tuple(xt.shape[d + 1 :]) or out.dtype != xt.dtype:
+        return None
+    return Node("select.int", (x,), (In(0), d, i), (), n.types)
+
+
+def stack_of_unsqueezes(rw: Rewriter, n: Node) -> Node | None:
+    """``cat([unsqueeze(x_0, d), unsqueeze(x_1, d), ...], d)`` -> ``stack([x_0, x_1, ...], d)``:
+    one ATen call instead of one per element plus the cat (``torch.stack`` is decomposed to the
+    former; the optimizer forms stack their parameters' step counters)."""
+    if n.kwargs or not 1 <= len(n.args) <= 2:
+        return None
+    items = n.args[0]
+    if not isinstance(items, (list, tuple)) or not items:
+        return None
+    if not all(isinstance(a, In) for a in items):
+        return None
+    views = [rw.node(n.inputs[a.k]) for a in items]
+    if not all(v.op == "unsqueeze.default" and len(v.args) == 2 and not v.kwargs for v in views):
+        return None
+    xs = [src(v) for v in views]
+    x_t = rw.type(xs[0])
+    if x_t is None or any(rw.type(x) != x_t for x in xs):
+        return None
+    rank = len(x_t.shape) + 1
+    d = n.args[1] if len(n.args) > 1 else 0
+    if _static_int(d) is None or not -rank <= d < rank:
+        return None
+    d %= rank
+    for v in views:
+        u = _static_int(v.args[1])
+        if u is None or not -rank <= u < rank or u % rank != d:
+            return None
+    return Node("stack.default", tuple(xs), ([In(k) for k in range(len(xs))], d), (), n.types)
+
+
 FILL = "fill.Scalar"
 FILL_READERS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor")
 
@@ -450,6 +521,10 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "squeeze_of_reshape", ("squeeze.dims", "squeeze.dim", "squeeze.default"), squeeze_of_reshape
     ),
+    # squeeze(slice(x, d, i, i + 1), [d]) -> select(x, d, i): one view call instead of two
+    Rule("select_of_slice", ("squeeze.dims", "squeeze.dim"), select_of_slice),
+    # cat of unsqueezes along the same new dim -> stack: one call instead of one per element
+    Rule("stack_of_unsqueezes", ("cat.default",), stack_of_unsqueezes),
     # op(fill(empty_like(x), c), y) -> op(full([], c), y): a literal to the fuser (SiLU backward)
     Rule("fill_operand", FILL_READERS, fill_operand),
     # fma(t1 / t2, v, x) -> addcdiv(x, t1, t2, value=v), the same for * and addcmul: Dynamo's

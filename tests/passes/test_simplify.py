@@ -493,3 +493,89 @@ def test_dynamo_fma_form_in_bf16_gives_eagers_addcdiv():
     got = Interpreter(out)([*xs, torch.tensor(0.5, dtype=torch.bfloat16)])[0]
     want = torch.addcdiv(xs[0], xs[1], xs[2], value=0.3)
     assert torch.equal(got, want)
+
+
+def test_unbind_becomes_selects_and_a_stack_of_unsqueezes_becomes_stack():
+    """The optimizer forms' per-parameter numbers: ``stack`` of 0-dim step counters (decomposed to
+    unsqueezes and a ``cat``) and ``unbind`` of the result (decomposed to slice + squeeze pairs)."""
+    g = capture(
+        lambda a, b, c: [u * 2 for u in torch.stack([a, b, c]).exp().unbind(0)],
+        torch.randn(()),
+        torch.randn(()),
+        torch.randn(()),
+    )
+    assert g.count(lambda n: n.op == "slice.Tensor") == 3, str(g)
+    assert g.count(lambda n: n.op == "cat.default") == 1, str(g)
+    check_pass(
+        lambda x: dce(simplify(x)),
+        g,
+        """
+        graph(%0: f32[], %1: f32[], %2: f32[]) {
+          %3 = stack.default([%0, %1, %2], 0) : f32[3]
+          %4 = exp.default(%3) : f32[3]
+          %5 = select.int(%4, 0, 0) : f32[]
+          %6 = select.int(%4, 0, 1) : f32[]
+          %7 = select.int(%4, 0, 2) : f32[]
+          %8 = mul.Tensor(%5, 2) : f32[]
+          %9 = mul.Tensor(%6, 2) : f32[]
+          %10 = mul.Tensor(%7, 2) : f32[]
+          return (%8, %9, %10)
+        }""",
+    )
+
+
+def test_selects_and_stacks_over_other_dims_sizes_and_layouts():
+    x = torch.randn(4, 3, 5)
+    for fn, ex, n_select in (
+        (lambda a: [u.exp() for u in a.unbind(1)], (x,), 3),  # a middle dim
+        (lambda a: [u.exp() for u in a.unbind(-1)], (x,), 5),  # a negative dim
+        (lambda a: a[:, -1:].squeeze(1).exp(), (x,), 1),  # a negative start
+        (lambda a: [u.exp() for u in a.transpose(0, 2).unbind(0)], (x,), 5),  # strided
+        (lambda a: [u.exp() for u in a.unbind(0)], (torch.randn(2, 0),), 2),  # zero-size rows
+    ):
+        g = capture(fn, *ex)
+        out = dce(simplify(g))
+        assert out.count(lambda n: n.op == "select.int") == n_select, str(out)
+        assert out.count(lambda n: n.op == "slice.Tensor") == 0, str(out)
+        verify(out)
+        same_results(g, out)
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    for fn, d in (
+        # torch decomposes stack along these dims to a viewed cat; the unsqueeze form by hand:
+        (lambda p, q: torch.cat([p.unsqueeze(1), q.unsqueeze(1)], 1).exp(), 1),
+        (lambda p, q: torch.cat([p.unsqueeze(-1), q.unsqueeze(2)], -1).exp(), 2),
+    ):
+        g = capture(fn, a, b)
+        out = dce(simplify(g))
+        stacks = [n for n in out.nodes if n.op == "stack.default"]
+        assert len(stacks) == 1 and stacks[0].args[1] == d, str(out)
+        verify(out)
+        same_results(g, out)
+
+
+def test_slices_and_cats_that_are_not_selects_or_stacks_stay():
+    x = torch.randn(4, 3)
+    for fn, ex in (
+        (lambda a: a[1:3].exp(), (x,)),  # two rows, nothing squeezed
+        (lambda a: a[::2][:1].squeeze(0).exp(), (x,)),  # a step of 2 before the unit slice
+        (
+            lambda a: a[:, 1:2].squeeze(1).exp(),
+            (torch.randn(4, 3),),
+        ),  # is a select: positive control
+    ):
+        g = capture(fn, *ex)
+        out = dce(simplify(g))
+        verify(out)
+        same_results(g, out)
+    g = capture(lambda a: a[:, 1:2].squeeze(1).exp(), x)
+    assert dce(simplify(g)).count(lambda n: n.op == "select.int") == 1
+    # a cat whose parts are unsqueezed along another dim than the cat's, or mixed with a plain
+    # tensor, is no stack
+    for fn, ex in (
+        (lambda p, q: torch.cat([p.unsqueeze(0), q.unsqueeze(0)], 1).exp(), (x, x)),
+        (lambda p, q: torch.cat([p.unsqueeze(0), q], 0).exp(), (x, torch.randn(2, 4, 3))),
+    ):
+        g = capture(fn, *ex)
+        out = dce(simplify(g))
+        assert out.count(lambda n: n.op == "stack.default") == 0, str(out)
+        same_results(g, out)
