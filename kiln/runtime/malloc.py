@@ -10,9 +10,15 @@ leaves more than the ~2 MB trim threshold free at the heap top, so the heap shri
 step and the next step takes a page fault (and a zeroed page) on every 4 KiB it writes: 640 faults
 per GPT-2 step here, ~1 ms of a ~12 ms step (``perf stat -e page-faults``).
 
-:func:`tune_malloc` sets both thresholds at once to the ceiling glibc's own adjustment would reach
-(mmap 32 MiB, trim 64 MiB), at the first compile in the process.  Values computed are unchanged;
-the process keeps up to 64 MiB of freed heap mapped instead of returning it.  Not done when
+:func:`tune_malloc` sets both thresholds at the first compile in the process: mmap at the ceiling
+glibc's own adjustment would reach (32 MiB, the most ``mallopt`` takes), trim at 1 GiB.  Values
+computed are unchanged; the process keeps up to 1 GiB of freed heap mapped instead of returning it
+(between steps; the peak RSS is the step's own, which it already reached).  Until 2026-12-05 the
+trim threshold was 64 MiB, twice the mmap threshold, as glibc pairs them: a 4-layer d=256 Llama
+step (bench ``llama-large``) frees more than that at the heap top, so in a process of its own
+compile mode took 14,650-14,900 minor page faults a step and ran 192-196 ms; with 256 MiB or 1 GiB,
+32-138 faults and 152-174 ms (five processes, 2 threads, the same peak RSS, 650-656 MB).  A process
+that ran eager steps first had kept its heap and hid it: 0 faults, 172 ms.  Not done when
 ``config.malloc_tuning`` is off (``KILN_MALLOC_TUNING=0``), when the C library is not glibc, when
 the user set glibc's own malloc variables (``MALLOC_*_`` or a ``glibc.malloc`` tunable), or when
 another allocator is preloaded (jemalloc, tcmalloc, mimalloc).
@@ -28,7 +34,9 @@ from kiln.config import config
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit glibc
-TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # what glibc's dynamic adjustment pairs with it
+# freed heap kept mapped at most: above a training step's own working set of freed buffers
+# (llama-large frees more than 64 MiB at the top in each step; see the module docstring)
+TRIM_THRESHOLD = 1 << 30
 
 _USER_VARS = (
     "MALLOC_MMAP_THRESHOLD_",
