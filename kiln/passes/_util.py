@@ -20,7 +20,7 @@ from functools import cached_property
 
 import torch
 
-from kiln.ir.graph import Graph, GraphBuilder, Node, TensorType
+from kiln.ir.graph import Graph, GraphBuilder, In, Node, TensorType
 from kiln.ir.ops import SIDE_EFFECTS, Category, category
 from kiln.ir.semantics import resolve
 
@@ -209,3 +209,48 @@ class Rewriter:
         if tuple(self.node(value).types) != tuple(cand.types) or len(cand.types) != 1:
             return False
         return not (self.is_output and self.node(value).op in META_VALUES)
+
+
+INT64_MAX = 9223372036854775807  # a slice's open end
+
+
+def static_dim(t: TensorType | None, d: object) -> tuple[int, int] | None:
+    """(normalized dim, static size) of dim ``d`` of ``t``, or None."""
+    if t is None or t.dtype is None or not isinstance(d, int) or isinstance(d, bool):
+        return None
+    rank = len(t.shape)
+    if not -rank <= d < rank:
+        return None
+    d %= rank
+    size = t.shape[d]
+    if not isinstance(size, int):
+        return None
+    return d, size
+
+
+def slice_range(start: object, end: object, size: int) -> tuple[int, int] | None:
+    """ATen's clamped ``[start, end)`` of a step-1 slice over ``size`` elements."""
+    if not isinstance(start, int) or not isinstance(end, int):
+        return None
+    if start < 0:
+        start += size
+    if end < 0:
+        end += size
+    start, end = min(max(start, 0), size), min(max(end, 0), size)
+    return start, max(start, end)
+
+
+def unit_slice_of(rw: Rewriter, v: int, d: int) -> tuple[int, int, int] | None:
+    """``(x, start, end)`` when value ``v`` is ``slice(x, d, start, end)`` with step 1."""
+    n = rw.node(v)
+    if n.op != "slice.Tensor" or not n.args or n.args[0] != In(0) or n.kwargs:
+        return None
+    args = list(n.args) + [0, None, None, 1][len(n.args) - 1 :]  # slice(x, dim, start, end, step)
+    if args[4] != 1:
+        return None
+    x = n.inputs[0]
+    dim = static_dim(rw.type(x), args[1])
+    if dim is None or dim[0] != d:
+        return None
+    r = slice_range(args[2] or 0, INT64_MAX if args[3] is None else args[3], dim[1])
+    return None if r is None else (x, r[0], r[1])

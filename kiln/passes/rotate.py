@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from kiln.ir.graph import Graph, In, Node, TensorType
-from kiln.passes._util import Rewriter
+from kiln.passes._util import INT64_MAX, Rewriter, slice_range, static_dim, unit_slice_of
 from kiln.passes.dce import dce, keep_only
 from kiln.passes.rewrite import Rule, apply_rules
 
@@ -55,7 +55,6 @@ _ZERO_FILLS = (
     "zeros_like.default",
     "new_zeros.default",  # the lazy recorders' slice_backward: new_zeros + slice_scatter
 )
-INT64_MAX = 9223372036854775807
 _SLICE_BACKWARD = "opaque.aten::slice_backward.default"
 # views: a node of one of these ops is a function of its input and its arguments alone
 _VIEWS = frozenset(
@@ -77,32 +76,6 @@ _VIEWS = frozenset(
 _SAME_DEPTH = 8  # view nodes compared down a chain at most
 
 
-def _static_dim(t: TensorType | None, d: object) -> tuple[int, int] | None:
-    """(normalized dim, static size) of dim ``d`` of ``t``, or None."""
-    if t is None or t.dtype is None or not isinstance(d, int) or isinstance(d, bool):
-        return None
-    rank = len(t.shape)
-    if not -rank <= d < rank:
-        return None
-    d %= rank
-    size = t.shape[d]
-    if not isinstance(size, int):
-        return None
-    return d, size
-
-
-def _range(start: object, end: object, size: int) -> tuple[int, int] | None:
-    """ATen's clamped ``[start, end)`` of a step-1 slice over ``size`` elements."""
-    if not isinstance(start, int) or not isinstance(end, int):
-        return None
-    if start < 0:
-        start += size
-    if end < 0:
-        end += size
-    start, end = min(max(start, 0), size), min(max(end, 0), size)
-    return start, max(start, end)
-
-
 def _same_value(rw: Rewriter, a: int, b: int, depth: int = _SAME_DEPTH) -> bool:
     """Whether values ``a`` and ``b`` are the same tensor: one value, or view nodes with equal
     ops, arguments and types over inputs that are the same tensor (module docstring)."""
@@ -116,22 +89,6 @@ def _same_value(rw: Rewriter, a: int, b: int, depth: int = _SAME_DEPTH) -> bool:
     if na.args != nb.args or na.kwargs != nb.kwargs or na.types != nb.types:
         return False
     return _same_value(rw, na.inputs[0], nb.inputs[0], depth - 1)
-
-
-def _slice_of(rw: Rewriter, v: int, d: int) -> tuple[int, int, int] | None:
-    """``(x, start, end)`` when value ``v`` is ``slice(x, d, start, end)`` with step 1."""
-    n = rw.node(v)
-    if n.op != "slice.Tensor" or not n.args or n.args[0] != In(0) or n.kwargs:
-        return None
-    args = list(n.args) + [0, None, None, 1][len(n.args) - 1 :]  # slice(x, dim, start, end, step)
-    if args[4] != 1:
-        return None
-    x = n.inputs[0]
-    dim = _static_dim(rw.type(x), args[1])
-    if dim is None or dim[0] != d:
-        return None
-    r = _range(args[2] or 0, INT64_MAX if args[3] is None else args[3], dim[1])
-    return None if r is None else (x, r[0], r[1])
 
 
 def _is_zero_fill(rw: Rewriter, v: int, t: TensorType) -> bool:
@@ -165,10 +122,10 @@ def scatter_pair_to_cat(rw: Rewriter, n: Node) -> Node | None:
                 return None
             # slice_scatter(zeros, src, dim, start, end, step)
             args = list(s.args) + [0, None, None, 1][len(s.args) - 2 :]
-        dim = _static_dim(t, args[2])
+        dim = static_dim(t, args[2])
         if dim is None or args[5] != 1:
             return None
-        r = _range(args[3] or 0, INT64_MAX if args[4] is None else args[4], dim[1])
+        r = slice_range(args[3] or 0, INT64_MAX if args[4] is None else args[4], dim[1])
         src = s.inputs[args[1].k]
         st = rw.type(src)
         if r is None or st is None or st.dtype != t.dtype:
@@ -199,7 +156,7 @@ def _segment(rw: Rewriter, v: int, d: int) -> tuple[int, int, int, bool] | None:
         if n.kwargs or n.args != (In(0),):
             return None
         v = n.inputs[0]
-    s = _slice_of(rw, v, d)
+    s = unit_slice_of(rw, v, d)
     return None if s is None else (*s, neg)
 
 
@@ -213,7 +170,7 @@ def rotation_of_slices(rw: Rewriter, n: Node) -> Node | None:
     if not all(isinstance(a, In) for a in items):
         return None
     t = n.type
-    dim = _static_dim(t, n.args[1] if len(n.args) > 1 else 0)
+    dim = static_dim(t, n.args[1] if len(n.args) > 1 else 0)
     if dim is None:
         return None
     d, size = dim
@@ -264,7 +221,7 @@ def roll_of_product(rw: Rewriter, n: Node) -> Node | None:
     t = n.type
     if ra is None or t is None or rw.old_users(n.inputs[0]) != 1:
         return None
-    dim = _static_dim(t, ra[1])
+    dim = static_dim(t, ra[1])
     m = rw.node(n.inputs[0])
     if dim is None or m.op != "mul.Tensor" or m.kwargs or len(m.args) != 2:
         return None

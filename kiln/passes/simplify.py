@@ -32,7 +32,7 @@ import torch
 from kiln.config import config
 from kiln.ir.graph import Graph, In, Node, TensorType
 from kiln.ir.ops import Category
-from kiln.passes._util import Rewriter, cat_of
+from kiln.passes._util import Rewriter, cat_of, static_dim, unit_slice_of
 from kiln.passes.rewrite import Rule, apply_rules
 
 PERM_OPS = ("permute.default", "transpose.int", "t.default")
@@ -320,35 +320,24 @@ def select_of_slice(rw: Rewriter, n: Node) -> Node | None:
     """``squeeze(slice(x, d, i, i + 1), [d])`` -> ``select(x, d, i)``: the same view (offset and
     strides) in one op.  ``unbind`` decomposes to the pair, and the optimizer forms' per-parameter
     numbers (``one_each``) are an unbind: two view calls per parameter and number at run time."""
-    inner = rw.node(src(n))
-    if inner.op != "slice.Tensor" or inner.kwargs or not 1 <= len(inner.args) <= 5:
-        return None
-    x = src(inner)
-    xt, st, out = rw.type(x), inner.type, n.type
-    if xt is None or st is None or out is None or not xt.shape:
-        return None
-    rank = len(xt.shape)
-    d = _static_int(inner.args[1]) if len(inner.args) > 1 else 0
-    start = _static_int(inner.args[2]) if len(inner.args) > 2 else None
-    step = _static_int(inner.args[4]) if len(inner.args) > 4 else 1
-    if d is None or start is None or step != 1 or not -rank <= d < rank:
-        return None
-    d %= rank
-    size = xt.shape[d]
-    if not isinstance(size, int) or st.shape[d] != 1:
-        return None
-    i = start + size if start < 0 else start
-    if not 0 <= i < size:
-        return None
     dims = n.args[1] if len(n.args) > 1 else None
     if n.op == "squeeze.dim":
         dims = [dims]
     if n.kwargs or not isinstance(dims, (list, tuple)) or len(dims) != 1:
         return None
-    sq = _static_int(dims[0])
-    if sq is None or not -rank <= sq < rank or sq % rank != d:
+    sliced = rw.type(src(n))
+    sq = static_dim(sliced, dims[0])
+    if sq is None or sq[1] != 1:
         return None
-    if tuple(out.shape) != tuple(xt.shape[:d]) + tuple(xt.shape[d + 1 :]) or out.dtype != xt.dtype:
+    d = sq[0]
+    s = unit_slice_of(rw, src(n), d)
+    if s is None or s[2] - s[1] != 1:
+        return None
+    x, i, _ = s
+    xt, out = rw.type(x), n.type
+    if xt is None or out is None or out.dtype != xt.dtype:
+        return None
+    if tuple(out.shape) != tuple(xt.shape[:d]) + tuple(xt.shape[d + 1 :]):
         return None
     return Node("select.int", (x,), (In(0), d, i), (), n.types)
 
