@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 from kiln import metrics
+from kiln.ir import matmul_strided
 
 
 class Category(enum.Enum):
@@ -464,6 +465,14 @@ defop(
     Category.MATMUL,
     impl=lambda op: torch.ops.mkldnn._linear_pointwise.default,
     namespace="mkldnn",
+)
+# A batched product reading its operands through their strides, its result in a chosen layout
+# (schema, reference kernel, shape rule and gradients in kiln.ir.matmul_strided)
+defop(
+    "matmul_strided",
+    Category.MATMUL,
+    impl=lambda op: matmul_strided.OP,
+    namespace="kiln",
 )
 defop("writeback", Category.META, impl=lambda op: writeback, side_effects=True)
 

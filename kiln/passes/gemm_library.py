@@ -148,7 +148,7 @@ def _transposed(rw: Rewriter, v: int) -> int | None:
     return n.inputs[0] if perm(rw, n) == (1, 0) else None
 
 
-# Ops whose result is always contiguous: Kiln's kernels (fused, layer norm, softmax backward, the
+# Ops whose result always has unit last stride (all but one are contiguous): Kiln's kernels (fused, layer norm, softmax backward, the
 # loss backward, the transposing copy) and ATen's GEMMs, concatenation and contiguous copies
 _CONTIGUOUS_MAKERS = frozenset(
     {
@@ -167,6 +167,8 @@ _CONTIGUOUS_MAKERS = frozenset(
         "_log_softmax_backward_data.default",
         "nll_log_softmax_backward.default",
         "contiguous.default",
+        # dense in its ``order``, which always keeps the last dim innermost
+        "matmul_strided.default",
     }
 )
 # Views after which the last dim still has stride 1 if it had before (a reshape that cannot view

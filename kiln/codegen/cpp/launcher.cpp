@@ -29,6 +29,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include "matmul_strided.h"
+
 namespace py = pybind11;
 using c10::IValue;
 

@@ -20,6 +20,7 @@ from types import ModuleType
 
 from kiln.codegen.cpp.extension import Extension, extension_dir
 from kiln.config import config
+from kiln.ir import matmul_strided  # noqa: F401 - the op's schema, before the kernel registers
 
 SOURCE = Path(__file__).with_name("launcher.cpp")
 CFLAGS = ["-O2", "-w"]
@@ -29,7 +30,10 @@ class LauncherUnavailable(RuntimeError):
     pass
 
 
-_EXT = Extension("kiln_launcher", SOURCE, CFLAGS, "native graph launcher")
+# the CPU kernel of kiln::matmul_strided, registered when the launcher loads (the op's schema
+# and reference kernel: kiln.ir.matmul_strided, imported above so the schema comes first)
+HEADERS = (Path(__file__).with_name("matmul_strided.h"),)
+_EXT = Extension("kiln_launcher", SOURCE, CFLAGS, "native graph launcher", HEADERS)
 
 
 def _build(name: str, source: str, so: Path) -> tuple[ModuleType, float]:

@@ -59,6 +59,7 @@ from kiln.frontends.compile.optimizer_trace import install as _quiet_optimizer_t
 from kiln.frontends.compile.options import compile_options
 from kiln.frontends.compile.partition import min_cut_keeping_mutated_reads
 from kiln.frontends.compile.short_attention import sdpa_to_chain
+from kiln.frontends.compile.strided_matmul import strided_matmuls
 from kiln.ir.graph import Graph
 from kiln.ir.ops import keep_whole_ops
 from kiln.lowering.decompositions import DECOMPOSITIONS
@@ -232,6 +233,8 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
             sdpa_gqa(gm)
         if "short_attention" not in config.disabled_passes:
             sdpa_to_chain(gm)
+        if "strided_matmul" not in config.disabled_passes:
+            strided_matmuls(gm)
         if torch.is_grad_enabled() and detached_across_parts(gm):
             # outputs of separate autograd graphs (a GAN step): AOTAutograd would make them one
             # node, whose backward the first loss.backward() frees (autograd_parts.py)

@@ -58,8 +58,10 @@ import torch.fx
 import torch.nn.functional as F
 
 from kiln import metrics
+from kiln.config import config
 from kiln.frontends.compile.attention import _f32_4d, _long_keys, _val, uses_autocast
 from kiln.frontends.compile.rewrite_done import finish
+from kiln.ir import matmul_strided
 
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -82,11 +84,19 @@ def _attention_chain(
     """SDPA as the chain (module docstring); ``mask`` a bool mask or None."""
     b, h, length, e = q.shape
     groups = h // k.size(1)
+    # The products read q/k/v through their strides (no head copies) and y comes out dense as
+    # (B, L, H, E), the layout the model's transpose(1, 2) back reads (kiln.ir.matmul_strided).
+    # Not under grouped-query heads: the taller query below is a view where q is dense (a Kiln
+    # kernel's output) and its result (B, KV, groups * L, E) has no layout that is (B, L, H, E)
+    # too; splitting the heads instead (k and v with a stride-0 groups dim) measured 1-2% slower
+    # on the Llama workload (the k/v gradients then need a sum over the groups)
+    strided = groups == 1 and "strided_matmul" not in config.disabled_passes
     if groups != 1:
         # grouped-query attention: query head h reads k/v head h // groups, so each k/v head's
         # query heads become one taller query (rows r = g * L + i): k and v are read as they are
         q = q.reshape(b, k.size(1), groups * length, e)
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    kt = k.transpose(-2, -1)
+    scores = (matmul_strided.OP(q, kt) if strided else torch.matmul(q, kt)) * scale
     if causal:
         rows = torch.arange(q.size(-2), device=q.device) % length
         cols = torch.arange(k.size(-2), device=q.device)
@@ -99,7 +109,8 @@ def _attention_chain(
     if mask is not None:  # a bool mask may mask a whole row
         dead = (~mask).all(dim=-1, keepdim=True)
         scores = torch.where(dead, 0.0, scores)  # no -inf row into the softmax: no NaN
-    y = torch.matmul(torch.softmax(scores, dim=-1), v)
+    p = torch.softmax(scores, dim=-1)
+    y = matmul_strided.OP(p, v, [0, 2, 1, 3]) if strided else torch.matmul(p, v)
     if dead is not None:
         y = y * (~dead).to(y.dtype)  # SDPA: 0 for a row with nothing to attend to
     return y.reshape(b, h, length, v.size(-1)) if groups != 1 else y
