@@ -61,6 +61,7 @@ from kiln import metrics
 from kiln.config import config
 from kiln.frontends.compile.attention import _f32_4d, _long_keys, _val, uses_autocast
 from kiln.frontends.compile.rewrite_done import finish
+from kiln.frontends.compile.strided_matmul import _no_user_hooks
 from kiln.ir import matmul_strided
 
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
@@ -198,7 +199,7 @@ def sdpa_to_chain(gm: torch.fx.GraphModule) -> int:
         fake_mode = getattr(q, "fake_mode", None)
         ex = torch.fx.node.map_arg(args, _val)
         try:
-            with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            with fake_mode if fake_mode is not None else contextlib.nullcontext(), _no_user_hooks():
                 example = _CHAIN(*ex)
         except Exception as e:  # noqa: BLE001 - the call stays SDPA, which raises its own error
             metrics.fallback(f"sdpa_to_chain ({type(e).__name__}: {e})")
