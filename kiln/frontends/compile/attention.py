@@ -63,7 +63,6 @@ switched off with ``KILN_DISABLE_PASSES=attention``; each rewrite counted in
 
 from __future__ import annotations
 
-import contextlib
 import math
 import operator
 from typing import Any
@@ -73,7 +72,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from kiln import metrics
-from kiln.frontends.compile.rewrite_done import finish
+from kiln.frontends.compile.rewrite_done import example_values, finish
 
 _MATMUL = (torch.matmul, operator.matmul)
 _MUL = (operator.mul, torch.mul)
@@ -240,7 +239,7 @@ def _rewrite(g: torch.fx.Graph, m: _Match, new: list[torch.fx.Node]) -> None:
         n.meta["stack_trace"] = last.meta.get("stack_trace")
         # Dynamo's metadata: AOTAutograd's cache needs it on every tensor a method is called on
         ex_args, ex_kwargs = torch.fx.node.map_arg((args, kwargs), _val)
-        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        with example_values(fake_mode):
             n.meta["example_value"] = fn(*ex_args, **ex_kwargs)
         new.append(n)
         return n

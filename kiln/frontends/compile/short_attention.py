@@ -49,7 +49,6 @@ inputs, forward and gradients); the node's metadata recomputed for the new op; o
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any
 
@@ -60,8 +59,7 @@ import torch.nn.functional as F
 from kiln import metrics
 from kiln.config import config
 from kiln.frontends.compile.attention import _f32_4d, _long_keys, _val, uses_autocast
-from kiln.frontends.compile.rewrite_done import finish
-from kiln.frontends.compile.strided_matmul import _no_user_hooks
+from kiln.frontends.compile.rewrite_done import example_values, finish
 from kiln.ir import matmul_strided
 
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
@@ -199,7 +197,7 @@ def sdpa_to_chain(gm: torch.fx.GraphModule) -> int:
         fake_mode = getattr(q, "fake_mode", None)
         ex = torch.fx.node.map_arg(args, _val)
         try:
-            with fake_mode if fake_mode is not None else contextlib.nullcontext(), _no_user_hooks():
+            with example_values(fake_mode):
                 example = _CHAIN(*ex)
         except Exception as e:  # noqa: BLE001 - the call stays SDPA, which raises its own error
             metrics.fallback(f"sdpa_to_chain ({type(e).__name__}: {e})")

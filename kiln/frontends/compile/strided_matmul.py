@@ -32,7 +32,6 @@ Needs: a Dynamo FX graph with ``example_value`` metadata.  Guarantees: ``torch.m
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from typing import Any
 
@@ -41,7 +40,7 @@ import torch.fx
 
 from kiln import metrics
 from kiln.frontends.compile.attention import _val, uses_autocast
-from kiln.frontends.compile.rewrite_done import finish
+from kiln.frontends.compile.rewrite_done import example_values, finish
 from kiln.ir.matmul_strided import OP
 
 _MATMUL = (operator.matmul, torch.matmul)
@@ -113,14 +112,6 @@ def _reader_order(n: torch.fx.Node, rank: int) -> list[int] | None:
     return p
 
 
-def _no_user_hooks() -> contextlib.AbstractContextManager:
-    """Identity saved-tensor hooks over the caller's: the op's autograd saves its (fake) operands
-    while the example value is computed, and a user's ``saved_tensors_hooks`` (a memory probe
-    reading storages) must not run on fake tensors (it raised, and the product stayed
-    ``torch.matmul``)."""
-    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-
-
 def strided_matmuls(gm: torch.fx.GraphModule) -> int:
     """Rewrite every matched product of ``gm`` in place; returns how many."""
     g = gm.graph
@@ -140,7 +131,7 @@ def strided_matmuls(gm: torch.fx.GraphModule) -> int:
         args = (ops[0], ops[1], order)
         fake_mode = getattr(a, "fake_mode", None)
         try:
-            with fake_mode if fake_mode is not None else contextlib.nullcontext(), _no_user_hooks():
+            with example_values(fake_mode):
                 example = OP(a, b, order)
         except Exception as e:  # noqa: BLE001 - the product stays torch.matmul
             metrics.fallback(f"strided_matmul ({type(e).__name__}: {e})")
