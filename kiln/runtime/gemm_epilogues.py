@@ -20,7 +20,9 @@ are the measured decisions of this code base:
   saved for the backward, so the fused call would still have to write it: kept as addmm + one
   pointwise kernel.
 * attention: hand-written softmax attention is rewritten to ATen's flash kernels before
-  AOTAutograd (:mod:`kiln.frontends.compile.attention`); they read q/k/v by stride.
+  AOTAutograd (:mod:`kiln.frontends.compile.attention`); they read q/k/v by stride.  Over short
+  keys, the chain's products (and any rank-4 product) are ``kiln::matmul_strided``
+  (:mod:`kiln.ir.matmul_strided`), which reads the heads by stride too.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ GEMMS = frozenset(
         "bmm.default",
         "baddbmm.default",
         "_linear_pointwise.default",
+        "matmul_strided.default",
         "_scaled_dot_product_flash_attention_for_cpu.default",
         "_scaled_dot_product_flash_attention_for_cpu_backward.default",
     }
@@ -82,6 +85,8 @@ def _library(g: Graph, n: Node) -> str:
         return "oneDNN inner product (gemm_library: large float32, row-major left operand)"
     if op.startswith("_scaled_dot_product"):
         return "ATen flash attention"
+    if op == "matmul_strided.default":
+        return "MKL grouped batch GEMM (kiln::matmul_strided: operands read by stride, no copies)"
     return "ATen (MKL sgemm for float32)"
 
 

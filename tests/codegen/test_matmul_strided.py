@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from kiln.codegen.cpp import launcher
 from kiln.ir import matmul_strided as ms
@@ -181,3 +182,43 @@ def test_a_gradient_is_written_in_its_operands_layout():
     kb = _operand("broadcast", (2, 3), 4, 8, g)
     assert ms.layout_of(kb) is None
     assert ms.product(q, kb, kb).is_contiguous()
+
+
+@pytest.mark.parametrize("launcher_on", [True, False])
+def test_a_kiln_graph_runs_it_on_both_executors_and_explain_lists_it(launcher_on):
+    """Lowered from ATen to a Kiln node (``order`` a constant argument), compiled by the C++
+    backend and run by the native launcher or the Python executor, on head views and on other
+    layouts than the ones it was captured with; ``kiln explain``'s GEMM list names it."""
+    from kiln.config import config
+    from kiln.frontends.compile.fx import fx_to_kiln
+    from kiln.runtime.compiler import compile_graph
+    from kiln.runtime.gemm_epilogues import gemm_epilogues
+
+    if launcher_on:
+        _native()
+    saved = config.launcher
+    config.update(launcher=launcher_on)
+    try:
+        g = torch.Generator().manual_seed(4)
+        q, k = _operand("heads", (2, 3), 6, 4, g), _operand("heads", (2, 3), 6, 4, g)
+
+        def f(q, k):
+            s = OP(q, k.transpose(-2, -1), [0, 2, 1, 3])
+            return (s.transpose(1, 2) * 2.0,)
+
+        gm = make_fx(f)(q, k)
+        graph, _ = fx_to_kiln(gm)
+        (rec,) = gemm_epilogues(graph)
+        assert rec["op"] == "matmul_strided.default" and "no copies" in rec["library"]
+        exe = compile_graph(graph)
+        assert "matmul_strided.default" in [n.op for n in exe.graph.nodes]
+        for qi, ki in [
+            (q, k),
+            (q.contiguous(), k.contiguous()),
+            (q, k.transpose(1, 2).contiguous().transpose(1, 2)),
+        ]:
+            (out,) = exe([qi, ki])
+            torch.testing.assert_close(out, f(qi, ki)[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out, (qi @ ki.transpose(-2, -1)).transpose(1, 2) * 2.0)
+    finally:
+        config.update(launcher=saved)
