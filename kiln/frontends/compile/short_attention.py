@@ -19,6 +19,10 @@ chain's ATen ops, and AOTAutograd's cache accepts the op (the key holds this fil
     s = s.masked_fill(~causal | ~bool_mask, -inf)
     p = softmax(s, -1);  y = p @ v
 
+Both products are ``kiln::matmul_strided`` (:mod:`kiln.ir.matmul_strided`): q/k/v are read through
+their strides and y comes out laid out as (B, L, H, E), so no head is copied forward or backward
+(under grouped-query heads ``torch.matmul``, see ``_attention_chain``).
+
 SDPA's semantics are kept where they differ from a naive chain: the causal mask is aligned top
 left (query i sees keys 0..i, as SDPA's ``is_causal``); under ``enable_gqa`` query head h reads
 k/v head ``h // n`` (each k/v head's n query heads are stacked into one taller query, so k and v
