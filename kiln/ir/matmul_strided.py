@@ -36,17 +36,18 @@ _LIB.define("matmul_strided(Tensor a, Tensor b, int[]? order=None) -> Tensor")
 
 
 def out_shape(a: torch.Tensor, b: torch.Tensor) -> list:
-    """The result's shape; ValueError for operands the op does not take."""
+    """The result's shape; ValueError for operands the op does not take (the C++ kernel raises
+    the same messages)."""
     if a.dim() < 3 or a.dim() != b.dim():
         raise ValueError(
             f"matmul_strided takes two operands of the same rank >= 3, got {a.dim()} and {b.dim()}"
         )
     if a.shape[:-2] != b.shape[:-2]:
-        raise ValueError(
-            f"matmul_strided: batch dims differ: {list(a.shape[:-2])} vs {list(b.shape[:-2])}"
-        )
+        raise ValueError(f"matmul_strided: batch dims differ: {list(a.shape)} @ {list(b.shape)}")
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"matmul_strided: {list(a.shape)} @ {list(b.shape)}: inner dims differ")
+    if a.dtype != b.dtype:
+        raise ValueError("matmul_strided: the operands' dtypes differ; convert one to the other's")
     return [*a.shape[:-1], b.shape[-1]]
 
 
@@ -58,7 +59,8 @@ def valid_order(order: Sequence[int] | None, rank: int) -> list[int]:
     o = [int(d) for d in order]
     if sorted(o) != list(range(rank)) or o[-1] != rank - 1:
         raise ValueError(
-            f"matmul_strided: order {o} is not a permutation of the {rank} dims ending in the last"
+            f"matmul_strided: order {o} is not a permutation of the operands' dims ending in the "
+            "last"
         )
     return o
 

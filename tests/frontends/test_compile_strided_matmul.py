@@ -181,11 +181,49 @@ def test_training_equals_eager(b, t, c, h, rewrites):
     assert_same_training(got, (want[0], want[1], replayed))
 
 
-def test_zero_size_batch():
+@pytest.mark.parametrize("batch,t", [(0, 5), (2, 0)], ids=["no_batch", "no_tokens"])
+def test_zero_size(batch, t):
     torch._dynamo.reset()
-    q, k, v = (z[:0] for z in _heads(b=2))
+    q, k, v = (z.requires_grad_() for z in _heads(b=batch, t=t))
     got = torch.compile(_attend, backend="kiln")(q, k, v)
-    assert got.shape == _attend(q, k, v).shape == (0, 5, 12)
+    want = _attend(q, k, v)
+    assert got.shape == want.shape == (batch, t, 12)
+    grads = torch.autograd.grad(got.sum(), (q, k, v))
+    for g, w in zip(grads, torch.autograd.grad(want.sum(), (q, k, v))):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w)
+
+
+def test_whole_step_with_the_default_optimizer_equals_eager():
+    """Forward, backward and AdamW's step (its default foreach path) in one compiled function."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(32, 4, 16), _Block(32, 4, 16))
+    eager_model = copy.deepcopy(model)
+    replay_model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(3, 16, 32, generator=g) for _ in range(3)]
+
+    def step(model, opt, x):
+        loss = _loss(model, x)
+        loss.backward()
+        opt.step()
+        return loss
+
+    before = metrics.counters().get("strided_matmuls", 0)
+    cstep = torch.compile(step, backend="kiln")
+    runs = []
+    for mdl, fn in ((model, cstep), (eager_model, step)):
+        opt = torch.optim.AdamW(mdl.parameters(), lr=1e-2)
+        losses, grads = [], []
+        for x in xs:
+            losses.append(fn(mdl, opt, x).detach())
+            grads.append([p.grad.detach().clone() for p in mdl.parameters()])
+            opt.zero_grad()
+        runs.append((torch.stack(losses), grads, [p.detach().clone() for p in mdl.parameters()]))
+    assert metrics.counters().get("strided_matmuls", 0) - before == 4
+    got, want = runs
+    assert_same_training(got, (want[0], want[1], _replayed(replay_model, got[1])))
 
 
 @pytest.mark.parametrize(

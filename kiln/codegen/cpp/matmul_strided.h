@@ -102,8 +102,8 @@ inline at::Tensor matmul_strided_cpu(const at::Tensor& a, const at::Tensor& b,
               "matmul_strided: batch dims differ: ", a.sizes(), " @ ", b.sizes());
   TORCH_CHECK(a.size(-1) == b.size(-2), "matmul_strided: ", a.sizes(), " @ ", b.sizes(),
               ": inner dims differ");
-  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "matmul_strided: dtypes differ: ",
-              a.scalar_type(), " and ", b.scalar_type());
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(),
+              "matmul_strided: the operands' dtypes differ; convert one to the other's");
   const std::vector<int64_t> o = checked_order(order, nd);
   std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end());
   shape[nd - 1] = b.size(-1);
