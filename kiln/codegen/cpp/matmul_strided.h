@@ -116,11 +116,12 @@ inline at::Tensor matmul_strided_cpu(const at::Tensor& a, const at::Tensor& b,
   const int64_t M = a.size(-2), K = a.size(-1), N = b.size(-1);
   if (out.numel() == 0) return out;
   if (K == 0) return out.zero_();
-  BatchFn fn = a.scalar_type() == at::kFloat ? batch_gemm() : nullptr;
-  if (fn == nullptr || !fits_int(M) || !fits_int(N) || !fits_int(K)) {
+  auto reference = [&]() -> at::Tensor {  // at::matmul, copied into the asked-for layout
     out.copy_(at::matmul(a, b));
     return out;
-  }
+  };
+  BatchFn fn = a.scalar_type() == at::kFloat ? batch_gemm() : nullptr;
+  if (fn == nullptr || !fits_int(M) || !fits_int(N) || !fits_int(K)) return reference();
   at::Tensor x = a, y = b;
   int ta = 0, tb = 0;
   int64_t lda = 0, ldb = 0;
@@ -133,16 +134,9 @@ inline at::Tensor matmul_strided_cpu(const at::Tensor& a, const at::Tensor& b,
     blas_view(K, N, y.stride(-2), y.stride(-1), tb, ldb);
   }
   const int64_t ldc = M == 1 ? std::max<int64_t>(1, N) : out.stride(-2);
-  if (!fits_int(lda) || !fits_int(ldb) || !fits_int(ldc)) {
-    out.copy_(at::matmul(a, b));
-    return out;
-  }
   int64_t batch = 1;
   for (int64_t d = 0; d < nd - 2; ++d) batch *= shape[d];
-  if (!fits_int(batch)) {
-    out.copy_(at::matmul(a, b));
-    return out;
-  }
+  if (!fits_int(lda) || !fits_int(ldb) || !fits_int(ldc) || !fits_int(batch)) return reference();
   std::vector<const float*> ap(batch), bp(batch);
   std::vector<float*> cp(batch);
   const float* xa = x.data_ptr<float>();

@@ -66,7 +66,7 @@ def _takes(a: Any, b: Any) -> bool:
         return False
     if a.dtype != torch.float32 or b.dtype != torch.float32 or a.dim() < 4 or b.dim() != a.dim():
         return False
-    if a.is_complex() or a.layout != torch.strided or b.layout != torch.strided:
+    if a.layout != torch.strided or b.layout != torch.strided:
         return False
     if not all(isinstance(s, int) for s in (*a.shape, *b.shape)):
         return False
