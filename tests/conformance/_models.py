@@ -14,7 +14,7 @@ import torch
 import transformers
 from torch import nn
 
-BATCH, SEQ, VOCAB, IMAGE = 2, 8, 128, 16
+BATCH, SEQ, VOCAB, IMAGE, MELS = 2, 8, 128, 16, 16
 
 Batch = dict[str, torch.Tensor]
 
@@ -86,6 +86,15 @@ def _seq2seq_batch(g: torch.Generator) -> Batch:
     return {
         "input_ids": torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
         "labels": torch.randint(2, VOCAB, (BATCH, SEQ // 2), generator=g),
+    }
+
+
+def _audio_batch(g: torch.Generator) -> Batch:
+    """Log-mel features (``MELS`` bins, ``2 * SEQ`` frames: the encoder's convolutions halve them)
+    and decoder labels."""
+    return {
+        "input_features": torch.randn(BATCH, MELS, 2 * SEQ, generator=g),
+        "labels": torch.randint(3, VOCAB, (BATCH, SEQ // 2), generator=g),
     }
 
 
@@ -199,6 +208,58 @@ def vit() -> nn.Module:
     return _hf("ViTForImageClassification", cfg)
 
 
+def mistral() -> nn.Module:
+    cfg = transformers.MistralConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=32, sliding_window=4, **_LM,
+    )  # fmt: skip
+    return _hf("MistralForCausalLM", cfg)
+
+
+def gemma2() -> nn.Module:
+    cfg = transformers.Gemma2Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=64, max_position_embeddings=32, sliding_window=4, **_LM,
+    )  # fmt: skip
+    return _hf("Gemma2ForCausalLM", cfg)
+
+
+def qwen3() -> nn.Module:
+    cfg = transformers.Qwen3Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=64, max_position_embeddings=32, **_LM,
+    )  # fmt: skip
+    return _hf("Qwen3ForCausalLM", cfg)
+
+
+def deberta_v2() -> nn.Module:
+    cfg = transformers.DebertaV2Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32, relative_attention=True, pos_att_type=["p2c", "c2p"],
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, vocab_size=VOCAB,
+    )  # fmt: skip
+    return _hf("DebertaV2ForMaskedLM", cfg)
+
+
+def whisper() -> nn.Module:
+    cfg = transformers.WhisperConfig(
+        encoder_layers=1, decoder_layers=1, d_model=32, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=MELS,
+        max_source_positions=SEQ, max_target_positions=SEQ, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=1, **_LM,
+    )  # fmt: skip
+    return _hf("WhisperForConditionalGeneration", cfg)
+
+
+def swin() -> nn.Module:
+    cfg = transformers.SwinConfig(
+        image_size=IMAGE, patch_size=2, embed_dim=16, depths=[2, 1], num_heads=[2, 4],
+        window_size=4, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        drop_path_rate=0.0,
+    )  # fmt: skip
+    return _hf("SwinForImageClassification", cfg)
+
+
 MODELS: dict[str, Spec] = {
     "gpt2": Spec(gpt2, _lm_batch, "decoder LM, learned positions, tied head, GELU(tanh) in Python"),
     "llama": Spec(llama, _lm_batch, "decoder LM, rotary, grouped-query attention, untied head"),
@@ -216,4 +277,16 @@ MODELS: dict[str, Spec] = {
     "t5": Spec(t5, _seq2seq_batch, "encoder-decoder, relative position bias, untied head"),
     "vit": Spec(vit, _image_batch, "vision transformer, patch embedding convolution"),
     "cnn": Spec(SmallCNN, _image_batch, "convolutional network with batch norm"),
+    "mistral": Spec(mistral, _lm_batch, "decoder LM, sliding-window attention, GQA"),
+    "gemma2": Spec(
+        gemma2, _lm_batch, "decoder LM, logit soft-capping, sliding/global layers, sandwich norms"
+    ),
+    "qwen3": Spec(qwen3, _lm_batch, "decoder LM, per-head RMSNorm of queries and keys, GQA"),
+    "deberta_v2": Spec(
+        deberta_v2, _lm_batch, "encoder MLM, disentangled relative-position attention"
+    ),
+    "whisper": Spec(
+        whisper, _audio_batch, "speech encoder-decoder, convolutional stem, cross-attention"
+    ),
+    "swin": Spec(swin, _image_batch, "vision, shifted-window attention, relative position bias"),
 }

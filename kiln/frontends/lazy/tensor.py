@@ -16,6 +16,7 @@ How each op is handled (``_dispatch``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,6 +61,26 @@ _OWN_DECOMPS: dict[Any, Any] = {
     # recorded whole and run by ATen (or a Kiln formula), never decomposed
     **{op: f for op, f in REDUCED_FLOAT_DECOMPOSITIONS.items() if not op_name(op)[1]},
 }
+
+
+def _index_put_checked(
+    self: torch.Tensor,
+    indices: Any,
+    values: torch.Tensor,
+    accumulate: bool = False,
+    unsafe: bool = False,
+) -> torch.Tensor:
+    """``_index_put_impl_`` -- what advanced indexing's backward (``w[idx]``'s gradient, an
+    accumulating write into zeros) calls -- as ``index_put_``: the same write (``unsafe`` only
+    lets ATen skip its index bounds checks, which the recorded ``index_put`` keeps), recorded like
+    any in-place op instead of running on ATen (a counted fallback until 2026-12-05: Swin's
+    relative position bias table, Whisper's decoder positions)."""
+    return aten.index_put_.default(self, indices, values, accumulate)
+
+
+# In-place ops recorded as another in-place op with other arguments (the in-place path records
+# an op's functional variant with the op's own arguments), by both recorders
+REDIRECTS: dict[Any, Callable[..., Any]] = {aten._index_put_impl_.default: _index_put_checked}
 
 
 def _wait_at_once(x: torch.Tensor) -> torch.Tensor:
@@ -611,6 +632,9 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if f.inplace_view:
         return _inplace_view(func, args, kwargs)
     if f.mutated:
+        redirect = REDIRECTS.get(func)
+        if redirect is not None:
+            return redirect(*args, **kwargs)
         fn = f.functional
         if fn is None or "out" in kwargs or func._overloadname.endswith("out"):
             return _eager(func, args, kwargs, f"op:{name}")

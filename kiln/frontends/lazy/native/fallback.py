@@ -55,6 +55,7 @@ from kiln.frontends.lazy.tensor import (
     _BIT_VIEWS,
     CPU_OPERANDS_OK,
     FILLS,
+    REDIRECTS,
     _facts,
     _with_defaults,
     check_inplace_cast,
@@ -277,6 +278,9 @@ class Handler:
         split = _SPLIT_VIEWS.get(func)
         if split is not None:  # one view per piece: table views (chain links), aliasing kept
             return split(*args, **kwargs)
+        redirect = REDIRECTS.get(func) if f.mutated else None
+        if redirect is not None and _device_active():
+            return redirect(*args, **kwargs)
         if (
             f.mutated
             and f.functional is not None
