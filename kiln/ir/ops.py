@@ -29,9 +29,11 @@ fuses by category.  A handful of ops are Kiln's own (defined in :mod:`kiln.ir.se
 from __future__ import annotations
 
 import enum
+import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -354,6 +356,10 @@ PYOPS: dict[str, Callable[..., Any]] = {
     "sym_not": operator.not_,
     "sym_float": float,
     "sym_int": int,
+    "trunc": math.trunc,
+    "floor": math.floor,
+    "ceil": math.ceil,
+    "sqrt": math.sqrt,
 }
 
 

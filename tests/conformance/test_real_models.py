@@ -86,14 +86,6 @@ MODEL_FALLBACKS: dict[str, dict[str, str]] = {
     },
 }
 
-MODEL_FALLBACKS["swin"] = {
-    # the pooler's adaptive_avg_pool1d over a transposed view: ATen restrides the mean's result
-    # with as_strided_ (the input suggests channels-last) and as_strided's backward writes
-    # through as_strided views of zeros; the lazy device runs as_strided on ATen
-    "as_strided": "lazy: ATen's adaptive average pool restrides its result (and its backward)",
-    "copy_": "lazy: as_strided's backward copies into an as_strided view",
-}
-
 # Known wrong or failing (model, mode) pairs: strict xfail with the measured problem.
 XFAIL: dict[tuple[str, str], str] = {}
 

@@ -29,8 +29,22 @@ from kiln.runtime.writebacks import Update, add_writebacks
 # of it; as an opaque node it ran through Python on every call, and ``dce`` kept it when nothing
 # read it
 _AS = {torch.ops.aten.lift_fresh_copy.default: torch.ops.aten.clone.default}
+_CONVERT = torch.ops.prims.convert_element_type.default
 _PYOP_NAMES = {v: k for k, v in PYOPS.items()}
 _PYOP_NAMES.update({operator.mul: "mul", operator.add: "add", operator.sub: "sub"})
+# torch's symbolic-number functions and the math functions Dynamo records on symbolic numbers
+# (``x.size(1) ** 0.5`` traces ``sym_float``, ``int(n / 2)`` ``math.trunc``, ``math.sqrt(n)``
+# ``torch._sym_sqrt``), computed as their builtins on the numbers the graph gets
+_PYOP_NAMES.update(
+    {
+        torch.sym_float: "sym_float",
+        torch.sym_int: "sym_int",
+        torch.sym_max: "sym_max",
+        torch.sym_min: "sym_min",
+        torch.sym_not: "sym_not",
+        torch._sym_sqrt: "sqrt",
+    }
+)
 
 
 class UnsupportedGraph(Exception):
@@ -81,6 +95,18 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
                 pending.append((node.args[0], node.args[1]))
                 updated.add(node.args[0])
                 env[node] = env[node.args[1]]  # the value after the copy (types checked)
+            elif tgt is _CONVERT and len(node.args) == 2 and not node.kwargs:
+                # prims.convert_element_type(x, dtype) (left by torch's decompositions of
+                # number-to-tensor conversions in graphs with symbolic sizes): the dtype cast
+                # Kiln lowers, ``_to_copy(x, dtype=dtype)`` (an ATen fallback before 2026-12-05)
+                n = lower_call(
+                    torch.ops.aten._to_copy.default,
+                    node.args[:1],
+                    {"dtype": node.args[1]},
+                    ref_of,
+                    types_of(val, numbers_in_sequences=True),
+                )
+                env[node] = b.add(n)
             elif isinstance(tgt, torch._ops.OpOverload):
                 n = lower_call(
                     _AS.get(tgt, tgt),

@@ -50,6 +50,7 @@ from kiln.frontends.lazy.native.outops import cpu_device as _cpu_device
 from kiln.frontends.lazy.native.outops import is_out as _is_out
 from kiln.frontends.lazy.native.outops import writes_outputs as _writes_outputs
 from kiln.frontends.lazy.native.outops import written as _written
+from kiln.frontends.lazy.native.strided_views import as_strided_by_views
 from kiln.frontends.lazy.shapes import infer_typed
 from kiln.frontends.lazy.tensor import (
     _BIT_VIEWS,
@@ -293,6 +294,10 @@ class Handler:
         if op.foreach is not None and _device_active():
             # a functional foreach op: per-tensor ops (lazy/foreach.py), as on the Python device
             out = record_split(op.foreach, args, kwargs, _call)
+            if out is not None:
+                return out
+        if func is aten.as_strided.default and _device_active() and self.mod.is_native(args[0]):
+            out = as_strided_by_views(self.mod, *args, **kwargs)
             if out is not None:
                 return out
         if f.mutated or f.view:
