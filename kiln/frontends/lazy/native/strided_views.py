@@ -45,6 +45,8 @@ def as_strided_by_views(
     got = mod.view_chain(x)
     if got is None or got[1]:  # a storage shared with a view made on the values, or a view
         return None
+    if mod.geo_of(got[0]) != mod.geo_of(x):  # (a base tensor has its storage's geometry)
+        return None
     dims = [i for i, s in enumerate(size) if s != 1]
     order = sorted(dims, key=lambda i: -stride[i])
     want = 1
