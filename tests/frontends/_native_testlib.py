@@ -56,6 +56,26 @@ def device_recorder(name: str) -> Iterator[None]:
         kiln.config.update(lazy_recorder=before)
 
 
+def on_kiln_device(fn, *tensors: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """``fn`` of ``tensors`` moved to the kiln device, then ``mark_step``: (its result on the CPU,
+    ``kiln.metrics.counters()`` of that step alone)."""
+    dev = kiln.device()
+    kiln.metrics.reset()
+    out = fn(*(t.to(dev) for t in tensors))
+    kiln.mark_step()
+    return out.cpu(), kiln.metrics.counters()
+
+
+def raised(fn, *args) -> str:
+    """``type: message`` of what ``fn(*args)`` (then ``mark_step``) raised; fails if nothing."""
+    try:
+        fn(*args)
+        kiln.mark_step()
+    except Exception as e:  # noqa: BLE001 - the message is what is compared
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError(f"{fn} raised nothing")
+
+
 def run_native(fn, *inputs):
     """``fn`` on native tensors holding ``inputs``: (CPU results, the cut)."""
     xs = [native.tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]

@@ -31,8 +31,10 @@ def test_scale_from_a_symbolic_size_compiles_with_gradients() -> None:
 
     cf = torch.compile(f, backend="kiln", dynamic=True)
     kiln.metrics.reset()
-    for n in (3, 7, 12):
-        x = torch.randn(4, n, requires_grad=True)
+    # odd sizes, a transposed (non-contiguous) x, and no rows at all
+    for rows, n, transposed in ((4, 3, False), (4, 7, True), (0, 12, False), (5, 12, True)):
+        x = torch.randn(n, rows).t() if transposed else torch.randn(rows, n)
+        x.requires_grad_()
         w = torch.randn(n, 5, requires_grad=True)
         want = f(x, w)
         gx, gw = torch.autograd.grad(want, (x, w))
@@ -42,7 +44,7 @@ def test_scale_from_a_symbolic_size_compiles_with_gradients() -> None:
         torch.testing.assert_close(cx, gx, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(cw, gw, rtol=1e-5, atol=1e-6)
     assert _fallbacks() == {}
-    assert kiln.metrics.get("graphs_executed") >= 6
+    assert kiln.metrics.get("graphs_executed") >= 8
 
 
 @pytest.mark.parametrize(
@@ -62,8 +64,8 @@ def test_sym_functions_of_sizes(fn) -> None:
     cf = torch.compile(fn, backend="kiln", dynamic=True)
     kiln.metrics.reset()
     for n in (2, 5, 9):
-        x = torch.randn(n, 3)
-        assert torch.equal(cf(x), fn(x)), n
+        for x in (torch.randn(n, 3), torch.randn(3, n).t()):  # contiguous and transposed
+            assert torch.equal(cf(x), fn(x)), n
     assert _fallbacks() == {}
 
 

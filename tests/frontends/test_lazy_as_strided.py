@@ -7,17 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _native_testlib import on_kiln_device as _run
+from _native_testlib import raised
 
 import kiln
-
-
-def _run(fn, *tensors: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    dev = kiln.device()
-    kiln.metrics.reset()
-    out = fn(*(t.to(dev) for t in tensors))
-    kiln.mark_step()
-    return out.cpu(), kiln.metrics.counters()
-
 
 # (size, stride) of a (2, 3, 4) value's 24 elements read densely in another order
 DENSE = [
@@ -61,6 +54,32 @@ def test_other_layouts_match_eager(size: tuple, stride: tuple, offset: int) -> N
 
     got, _ = _run(fn, x)
     assert torch.equal(got, fn(x))
+
+
+@pytest.mark.parametrize(
+    ("x", "size", "stride"),
+    [
+        (torch.randn(0, 4), (4, 0), (1, 4)),  # no elements
+        (torch.randn(4, 6).t(), (4, 6), (6, 1)),  # a transposed source: its storage's order
+        (torch.randn(4, 6)[:, ::2], (2, 2), (1, 3)),  # a strided source
+    ],
+    ids=["size0", "transposed", "strided"],
+)
+def test_zero_size_and_non_contiguous_sources(x: torch.Tensor, size: tuple, stride: tuple) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x.as_strided(size, stride) * 1
+
+    got, _ = _run(fn, x)
+    # ``.to(device)`` copies a tensor into a storage of its own, as ``clone`` does (a strided
+    # source's copy is dense): ``as_strided`` reads that storage, on any device
+    assert torch.equal(got, fn(x.clone()))
+
+
+def test_out_of_storage_raises_eagers_error() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).as_strided((5, 4), (4, 1))
+
+    assert raised(fn, torch.randn(16).to(kiln.device())) == raised(fn, torch.randn(16))
 
 
 def test_view_of_a_view_is_not_taken_for_its_storage() -> None:

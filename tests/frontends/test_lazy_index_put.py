@@ -10,18 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _native_testlib import on_kiln_device as _on_device
+from _native_testlib import raised
 
 import kiln
 
 aten = torch.ops.aten
-
-
-def _on_device(fn, *tensors: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    dev = kiln.device()
-    kiln.metrics.reset()
-    out = fn(*(t.to(dev) for t in tensors))
-    kiln.mark_step()
-    return out.cpu(), kiln.metrics.counters()
 
 
 @pytest.mark.parametrize("accumulate", [True, False])
@@ -63,9 +57,35 @@ def test_indexing_gradient_matches_eager_without_fallback() -> None:
     assert counters["fallbacks"] == {}, counters["fallbacks"]
 
 
-def test_index_put_impl_out_of_bounds_raises() -> None:
+def test_zero_size_and_non_contiguous_operands() -> None:
+    def fn(x: torch.Tensor, i: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return aten._index_put_impl_(x, (i,), v, True, True)
+
+    cases = [
+        (torch.randn(6, 3), torch.tensor([], dtype=torch.long), torch.randn(0, 3)),  # no index
+        (torch.randn(6, 0), torch.tensor([1, 4]), torch.randn(2, 0)),  # no columns
+        # a transposed destination and strided values
+        (torch.randn(3, 6).t(), torch.tensor([5, 0, 5]), torch.randn(3, 6)[:, ::2]),
+    ]
+    for x, idx, v in cases:
+        want = fn(x.clone(), idx, v)
+        got, counters = _on_device(fn, x, idx, v)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert counters["fallbacks"] == {}, counters["fallbacks"]
+
+
+@pytest.mark.parametrize(
+    ("idx", "values"),
+    [
+        (torch.tensor([0, 12]), torch.ones(2, 3)),  # an index out of range
+        (torch.tensor([0, 1]), torch.ones(3, 3)),  # values of the wrong shape
+    ],
+    ids=["out_of_bounds", "shape_mismatch"],
+)
+def test_bad_arguments_raise_eagers_error(idx: torch.Tensor, values: torch.Tensor) -> None:
+    def fn(x: torch.Tensor, i: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return aten._index_put_impl_(x, (i,), v, True, True)
+
     dev = kiln.device()
-    x = torch.zeros(6, 3).to(dev)
-    with pytest.raises(IndexError, match="out of bounds"):
-        aten._index_put_impl_(x, (torch.tensor([0, 12]).to(dev),), torch.ones(2, 3).to(dev), True)
-        kiln.mark_step()
+    want = raised(fn, torch.zeros(6, 3), idx, values)
+    assert raised(fn, torch.zeros(6, 3).to(dev), idx.to(dev), values.to(dev)) == want
