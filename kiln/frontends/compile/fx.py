@@ -13,6 +13,7 @@ writebacks never read a value another one has overwritten.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,13 +24,28 @@ from kiln.ir.semantics import PYOPS, types_of, value_type
 from kiln.lowering.aten import Ref, lower_call
 from kiln.runtime.writebacks import Update, add_writebacks
 
-# ATen ops lowered as another op with the same arguments and the same result:
-# ``lift_fresh_copy`` (how a tensor built from Python values inside the frame enters the graph,
-# e.g. T5's position buckets or a transformers ``DynamicCache``'s empty keys) is ATen's ``clone``
-# of it; as an opaque node it ran through Python on every call, and ``dce`` kept it when nothing
-# read it
-_AS = {torch.ops.aten.lift_fresh_copy.default: torch.ops.aten.clone.default}
-_CONVERT = torch.ops.prims.convert_element_type.default
+aten = torch.ops.aten
+
+
+def _as_to_copy(args: tuple, kwargs: dict) -> tuple[Any, tuple, dict] | None:
+    """``prims.convert_element_type(x, dtype)`` -> ``_to_copy(x, dtype=dtype)``."""
+    if len(args) != 2 or kwargs:
+        return None
+    return aten._to_copy.default, args[:1], {"dtype": args[1]}
+
+
+# Ops lowered as the ATen op that computes the same result, with its arguments:
+# - ``lift_fresh_copy`` (how a tensor built from Python values inside the frame enters the graph,
+#   e.g. T5's position buckets or a transformers ``DynamicCache``'s empty keys) is ATen's
+#   ``clone`` of it; as an opaque node it ran through Python on every call, and ``dce`` kept it
+#   when nothing read it;
+# - ``prims.convert_element_type`` (left by torch's decompositions of number-to-tensor
+#   conversions in graphs with symbolic sizes) is the dtype cast ``_to_copy`` (an ATen fallback
+#   before 2026-12-05).
+_AS: dict[Any, Callable[[tuple, dict], tuple[Any, tuple, dict] | None]] = {
+    aten.lift_fresh_copy.default: lambda args, kwargs: (aten.clone.default, args, kwargs),
+    torch.ops.prims.convert_element_type.default: _as_to_copy,
+}
 _PYOP_NAMES = {v: k for k, v in PYOPS.items()}
 _PYOP_NAMES.update({operator.mul: "mul", operator.add: "add", operator.sub: "sub"})
 # torch's symbolic-number functions and the math functions Dynamo records on symbolic numbers
@@ -95,26 +111,11 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
                 pending.append((node.args[0], node.args[1]))
                 updated.add(node.args[0])
                 env[node] = env[node.args[1]]  # the value after the copy (types checked)
-            elif tgt is _CONVERT and len(node.args) == 2 and not node.kwargs:
-                # prims.convert_element_type(x, dtype) (left by torch's decompositions of
-                # number-to-tensor conversions in graphs with symbolic sizes): the dtype cast
-                # Kiln lowers, ``_to_copy(x, dtype=dtype)`` (an ATen fallback before 2026-12-05)
-                n = lower_call(
-                    torch.ops.aten._to_copy.default,
-                    node.args[:1],
-                    {"dtype": node.args[1]},
-                    ref_of,
-                    types_of(val, numbers_in_sequences=True),
-                )
-                env[node] = b.add(n)
             elif isinstance(tgt, torch._ops.OpOverload):
-                n = lower_call(
-                    _AS.get(tgt, tgt),
-                    node.args,
-                    dict(node.kwargs),
-                    ref_of,
-                    types_of(val, numbers_in_sequences=True),
-                )
+                as_ = _AS.get(tgt)
+                call = as_(node.args, dict(node.kwargs)) if as_ is not None else None
+                func, args, kwargs = call or (tgt, node.args, dict(node.kwargs))
+                n = lower_call(func, args, kwargs, ref_of, types_of(val, numbers_in_sequences=True))
                 env[node] = b.add(n)
             elif tgt in _PYOP_NAMES:
                 ins = tuple(env[a] for a in node.args if isinstance(a, torch.fx.Node))

@@ -11,11 +11,11 @@ gradient through ``as_strided`` views of a flat buffer of zeros -- two syncs a s
 Where ``x`` is its storage's base tensor (no view chain), claims the contiguous row-major layout
 from offset 0, and the call asks for a dense, non-overlapping layout of exactly ``x``'s elements
 from offset 0, the storage's element order is ``x``'s logical order, so the call equals logical
-views of ``x``'s value: ``x.view(-1)``, a ``view`` to the asked dims sorted by stride, a
-``permute`` back, an ``unsqueeze`` for each size-1 dim -- table views, whatever the buffer's
-physical layout.  (The size-1 dims' strides are then unsqueeze's, not the asked ones: no element
-is addressed through them.)  Every other call (a view's storage, an offset, overlapping or
-partial layouts) returns None and runs as before.
+views of ``x``'s value: a ``view`` to the asked dims sorted by stride, a ``permute`` back, an
+``unsqueeze`` for each size-1 dim -- table views, whatever the buffer's physical layout.  (The
+size-1 dims' strides are then unsqueeze's, not the asked ones: no element is addressed through
+them.)  Every other call (a view's storage, an offset, overlapping or partial layouts) returns
+None and runs as before.
 """
 
 from __future__ import annotations
@@ -56,11 +56,8 @@ def as_strided_by_views(
         want *= size[i]
     if want != n:
         return None
-    y = x.view(-1).view([size[i] for i in order])
-    if order:
-        y = y.permute(sorted(range(len(order)), key=lambda k: order[k]))
-    else:
-        y = y.view([])
+    # the asked dims by stride, then back in their order (x is contiguous: any view of its size)
+    y = x.view([size[i] for i in order]).permute(sorted(range(len(order)), key=order.__getitem__))
     for i, s in enumerate(size):
         if s == 1:
             y = y.unsqueeze(i)
