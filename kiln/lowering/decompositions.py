@@ -16,6 +16,16 @@ fp16, elements off eager's before (both modes unless noted):
                            arguments, the result rounded once (``_in_float``); in float32 it is
                            torch's decomposition as it is
 
+  native_batch_norm_backward, native_group_norm_backward
+                           (bf16 / fp16 input): kept whole, not decomposed.  ATen's CPU forward
+                           kernels return their saved mean and inverse std in float32 when the
+                           input is bf16 / fp16 and a weight, bias or running statistic is float32
+                           (what autocast gives a norm after a convolution), where torch's meta
+                           functions, and so the traced graphs, say the input's dtype; torch's
+                           decomposition of the backward then read float32 memory as bf16
+                           (garbage gradients, NaN after one step).  ATen's backward kernel takes
+                           the statistics as its forward made them, as in eager.
+
 Not here: ``logit``, ``logit_backward``, ``special_entr``, ``xlogy``, ``xlog1py`` are 2,100-2,700
 elements off eager in bf16 / fp16 too, but their ATen kernels round inside (``c10::BFloat16``
 arithmetic and math functions), so neither torch's decomposition nor the op computed in float
@@ -56,6 +66,23 @@ def _in_float(decomp: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def _kept_for_reduced_input(decomp: Callable[..., Any]) -> Callable[..., Any]:
+    """``decomp``, declined (``NotImplemented``: the traced graph keeps the ATen op) where the
+    op's input (argument 1 of the norm backwards) is bf16 / fp16."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        x = args[1] if len(args) > 1 else kwargs.get("input")
+        if isinstance(x, torch.Tensor) and x.dtype in _REDUCED:
+            return NotImplemented
+        return decomp(*args, **kwargs)
+
+    return run
+
+
+# Norm backwards whose saved statistics may be float32 where the graph says the input's dtype
+_STATS_READERS = (aten.native_batch_norm_backward.default, aten.native_group_norm_backward.default)
+
+
 def _table() -> dict[Any, Callable[..., Any]]:
     torch_table = core_aten_decompositions()
     own: dict[Any, Callable[..., Any]] = {aten.native_dropout_backward.default: _dropout_backward}
@@ -63,6 +90,8 @@ def _table() -> dict[Any, Callable[..., Any]]:
         op = getattr(aten.softshrink, name)
         if op in torch_table:
             own[op] = _in_float(torch_table[op])
+    for op in _STATS_READERS:
+        own[op] = _kept_for_reduced_input(torch_table[op])
     return own
 
 
