@@ -113,6 +113,7 @@ def build(g: Graph) -> tuple[Callable[[Sequence], list], dict]:
             continue
         name = "kiln_" + hashlib.sha256(src.encode()).hexdigest()[:16]
         spec.name = name
+        spec.in_dtypes = [in_types[k].dtype for k in spec.tensor_inputs]
         spec.source = src.replace("KILN_KERNEL", name)
         unique.setdefault(name, spec.source)
         specs[i] = spec

@@ -115,6 +115,9 @@ class KernelSpec:
     scalar_inputs: list[int]  # positions of Python-number inputs
     out_kinds: list[OutKind]  # per output
     out_dtypes: list[torch.dtype] = field(default_factory=list)
+    # per tensor input: the dtype the graph says it has, which the kernel's C++ reads it as
+    # (checked per call: another dtype raises rather than being read as this one)
+    in_dtypes: list[torch.dtype] = field(default_factory=list)
     members: tuple = ()
     source: str = ""
     sr: bool = False  # rounds stochastically: takes a random key after the scalars in D

@@ -47,6 +47,20 @@ def new_output(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 _NEW_OUTPUT = new_output
 
 
+class KernelInputDtypeError(RuntimeError):
+    """A generated kernel got a tensor of another dtype than its graph says (its C++ would read
+    the memory as the graph's dtype)."""
+
+
+def dtype_mismatch(spec: KernelSpec, p: int, got: torch.dtype) -> KernelInputDtypeError:
+    return KernelInputDtypeError(
+        f"kiln kernel {spec.name}: tensor input {p} is {got}, but the graph says "
+        f"{spec.in_dtypes[p]} (an ATen call returned another dtype than torch's shape function "
+        "said, a Kiln bug to report); KILN_BACKEND=interpreter runs the graph without generated "
+        "kernels"
+    )
+
+
 def make_fused_call(
     spec: KernelSpec, fn: Any, plan: tuple | None, slots: dict, final: frozenset = frozenset()
 ) -> Callable:
@@ -79,8 +93,13 @@ def make_fused_call(
     out_plan = plan or tuple(None for _ in outs)
     geometry: dict[tuple, tuple] = {}  # sizes + strides -> (int array, output shapes)
 
+    in_dtypes = spec.in_dtypes
+
     def call(ins: Sequence[Any]) -> list[torch.Tensor]:
         ts = [ins[k] for k in tin]
+        for p, dt in enumerate(in_dtypes):
+            if ts[p].dtype != dt:
+                raise dtype_mismatch(spec, p, ts[p].dtype)
         for p in full:
             if not ts[p].is_contiguous():
                 ts[p] = ts[p].contiguous()

@@ -97,6 +97,8 @@ struct Kernel {
   std::vector<int64_t> static_shape;
   std::vector<int> out_kinds;
   std::vector<c10::ScalarType> out_dtypes;
+  // per tensor input: the dtype the graph says (the C++ reads it as that); empty: unchecked
+  std::vector<c10::ScalarType> in_dtypes;
   // per output: -1 new buffer, -2 - q: in place over input slot q, s >= 0: plan slot s
   std::vector<int64_t> out_plan;
   // per output: the last use of its plan slot in the program: the buffer leaves the slot with
@@ -333,6 +335,12 @@ class Launcher {
         }
         k.out_plan = ints_of(t[11]);
         k.single = t[12].cast<bool>();
+        if (t.size() > 13) {
+          for (auto d : t[13]) {
+            TORCH_CHECK(THPDtype_Check(d.ptr()), "kiln launcher: expected a torch.dtype");
+            k.in_dtypes.push_back(reinterpret_cast<THPDtype*>(d.ptr())->scalar_type);
+          }
+        }
         break;
       }
       case ATEN: {
@@ -417,7 +425,7 @@ class Launcher {
         vals[in.node] = in.value;
         return;
       case KERNEL:
-        vals[in.node] = kernel(in.kernel, vals);
+        vals[in.node] = kernel(in.kernel, vals, in.node);
         return;
       case ATEN:
         if (in.below_autograd) {
@@ -597,11 +605,19 @@ class Launcher {
     return at::empty(shape, at::TensorOptions().dtype(dt));
   }
 
-  IValue kernel(Kernel& k, std::vector<IValue>& vals) {
+  IValue kernel(Kernel& k, std::vector<IValue>& vals, int64_t node) {
     const size_t nt = k.tensors.size();
+    const bool checked = k.in_dtypes.size() == nt;
     c10::SmallVector<at::Tensor, 8> ts;
     for (size_t p = 0; p < nt; ++p) {
       at::Tensor t = vals[k.tensors[p]].toTensor();
+      // another dtype than the graph says would be read as the graph's (executor.py's message)
+      TORCH_CHECK(!checked || t.scalar_type() == k.in_dtypes[p], "kiln kernel at node ", node,
+                  ": tensor input ", p, " is ", t.scalar_type(), ", but the graph says ",
+                  k.in_dtypes[p],
+                  " (an ATen call returned another dtype than torch's shape function said, a "
+                  "Kiln bug to report); KILN_BACKEND=interpreter runs the graph without "
+                  "generated kernels");
       if (k.modes[p] == FULL) {
         if (!t.is_contiguous()) t = t.contiguous();
       } else if (k.modes[p] == BCAST_INNER) {
