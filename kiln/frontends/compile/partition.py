@@ -6,7 +6,9 @@ Needs: a joint graph from AOTAutograd (with its descriptors: ``InputMutationAOTO
 output names an input whose mutation the epilogue applies; a ``copy_`` into a placeholder is one
 kept in the graph).
 Guarantees: every forward node that reads such an input -- directly or through views -- is
-marked ``MUST_SAVE`` (saved where the backward needs it, never recomputed); nothing else changes.
+marked ``MUST_SAVE`` (saved where the backward needs it, never recomputed), and so are the
+elements (``getitem``) of such a node's tuple of outputs, as a tuple itself is never saved;
+nothing else changes.
 
 Why: the mutation reaches the input in the forward (``copy_``) or right after it (the epilogue),
 so a backward that recomputes ``1 + 1 / (n + 1)`` from a buffer ``n`` the forward incremented
@@ -17,6 +19,7 @@ nothing where the backward does not need them (batch norm's running statistics).
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -85,6 +88,14 @@ def keep_reads_of_mutated_inputs(graph: torch.fx.Graph) -> int:
             elif node.target is not torch.ops.aten.copy_.default and node not in backward:
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 marked += 1
+                if isinstance(node.meta.get("val"), (tuple, list)):
+                    # a tuple is not saved, its elements are: they must be saved too, or a
+                    # checkpointed region's policy (recompute) contradicts this one (batch norm
+                    # in training reads its running statistics)
+                    for user in node.users:
+                        if user.target is operator.getitem and user not in backward:
+                            user.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                            marked += 1
     return marked
 
 
