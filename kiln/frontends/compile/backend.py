@@ -22,10 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from functorch.compile import (
-    default_partition,
-    make_boxed_func,
-)
+from functorch.compile import make_boxed_func
 from torch._decomp import core_aten_decompositions
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
@@ -57,7 +54,10 @@ from kiln.frontends.compile.logger_calls import install as _move_logging_calls
 from kiln.frontends.compile.optimizer_forms import install as _optimizer_forms
 from kiln.frontends.compile.optimizer_trace import install as _quiet_optimizer_trace
 from kiln.frontends.compile.options import compile_options
-from kiln.frontends.compile.partition import min_cut_keeping_mutated_reads
+from kiln.frontends.compile.partition import (
+    min_cut_keeping_mutated_reads,
+    saving_all_but_checkpointed,
+)
 from kiln.frontends.compile.short_attention import sdpa_to_chain
 from kiln.frontends.compile.strided_matmul import strided_matmuls
 from kiln.ir.graph import Graph
@@ -172,7 +172,9 @@ def _aot_backend(options: dict[str, Any]) -> Callable:
         decompositions=_DECOMPS,
         # what the forward saves for backward: Inductor's choice (recompute cheap pointwise work,
         # save less) or AOTAutograd's default (save every value backward reads)
-        partition_fn=min_cut_keeping_mutated_reads if config.recompute else default_partition,
+        partition_fn=min_cut_keeping_mutated_reads
+        if config.recompute
+        else saving_all_but_checkpointed,
         # in-place updates of inputs (the optimizer's parameters and state) stay in the graph as
         # copy_ nodes -> Kiln ``writeback`` nodes, so kernels can write the new values in place
         keep_inference_input_mutations=True,

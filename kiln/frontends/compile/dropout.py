@@ -11,7 +11,8 @@ saves both ``x`` and its copy: on the tiny GPT 1 MB more peak tensor memory than
 
 Matched: ``torch.nn.functional.dropout`` / ``torch.dropout`` calls (``nn.Dropout`` is inlined by
 Dynamo into the former) whose probability is the Python number 0 (any ``training``/``inplace``:
-each returns its input, the same tensor object).
+each returns its input, the same tensor object), also inside the subgraphs of higher-order ops
+(``torch.utils.checkpoint``'s body).
 
 Needs: a Dynamo FX graph.  Guarantees: eager's values and aliasing (the same tensor flows on);
 off with ``KILN_DISABLE_PASSES=dropout``; each call removed counted as ``dropout_p0_removed``.
@@ -41,8 +42,7 @@ def _is_dropout(n: torch.fx.Node) -> bool:
     return n.op == "call_function" and n.target in _DROPOUT
 
 
-def drop_zero_dropout(gm: torch.fx.GraphModule) -> int:
-    """Replace every ``dropout`` with probability 0 by its input; returns how many."""
+def _drop_in(gm: torch.fx.GraphModule) -> int:
     g = gm.graph
     found = 0
     for n in list(g.nodes):
@@ -58,3 +58,11 @@ def drop_zero_dropout(gm: torch.fx.GraphModule) -> int:
         g.erase_node(n)
         found += 1
     return finish(gm, found, "dropout_p0_removed")
+
+
+def drop_zero_dropout(gm: torch.fx.GraphModule) -> int:
+    """Replace every ``dropout`` with probability 0 by its input, in the graph and in the
+    subgraphs its higher-order ops call (an activation checkpoint's body: left there, the random
+    op made AOTAutograd save and replay RNG states, ``run_and_save_rng_state``, which Kiln does
+    not lower, so the whole graph ran on ATen); returns how many."""
+    return sum(_drop_in(m) for _, m in gm.named_modules() if isinstance(m, torch.fx.GraphModule))

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from kiln.frontends.compile import sdpa_no_draws
 from kiln.ir.graph import Graph, GraphBuilder, In, Node
 from kiln.ir.semantics import PYOPS, types_of, value_type
 from kiln.lowering.aten import Ref, lower_call
@@ -45,6 +46,9 @@ def _as_to_copy(args: tuple, kwargs: dict) -> tuple[Any, tuple, dict] | None:
 _AS: dict[Any, Callable[[tuple, dict], tuple[Any, tuple, dict] | None]] = {
     aten.lift_fresh_copy.default: lambda args, kwargs: (aten.clone.default, args, kwargs),
     torch.ops.prims.convert_element_type.default: _as_to_copy,
+    # SDPA without dropout, untagged as random in a checkpointed region (sdpa_no_draws.py): ATen's
+    # kernel with ``dropout_p=0``
+    sdpa_no_draws.OP: sdpa_no_draws.as_aten,
 }
 _PYOP_NAMES = {v: k for k, v in PYOPS.items()}
 _PYOP_NAMES.update({operator.mul: "mul", operator.add: "add", operator.sub: "sub"})

@@ -25,12 +25,13 @@ from typing import Any
 import torch
 import torch._functorch.config as functorch_config
 import torch.fx
-from functorch.compile import min_cut_rematerialization_partition
+from functorch.compile import default_partition, min_cut_rematerialization_partition
 from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 from torch.utils.checkpoint import CheckpointPolicy
 
 from kiln.frontends.compile.constant_recompute import mark_constant_values
 from kiln.frontends.compile.joint_cse import joint_cse
+from kiln.frontends.compile.sdpa_no_draws import untag_draw_free_sdpa
 
 
 def _mutated_inputs(graph: torch.fx.Graph) -> list[torch.fx.Node]:
@@ -105,10 +106,22 @@ def min_cut_keeping_mutated_reads(
     """:func:`min_cut_rematerialization_partition` after :func:`keep_reads_of_mutated_inputs`,
     with Kiln's CSE of the joint graph in place of the partitioner's own (which imports
     Inductor's lowering: :mod:`kiln.frontends.compile.joint_cse`), values computed from no input
-    recomputed (:mod:`kiln.frontends.compile.constant_recompute`)."""
+    recomputed (:mod:`kiln.frontends.compile.constant_recompute`), checkpointed attention without
+    dropout recomputed without random-state replay (:mod:`kiln.frontends.compile.sdpa_no_draws`)."""
     keep_reads_of_mutated_inputs(joint.graph)
+    untag_draw_free_sdpa(joint.graph)
     if functorch_config.cse:
         joint_cse(joint.graph)
     mark_constant_values(joint.graph)  # recomputed and folded in both graphs, never saved
     with functorch_config.patch(cse=False):
         return min_cut_rematerialization_partition(joint, joint_inputs, **kw)
+
+
+def saving_all_but_checkpointed(
+    joint: torch.fx.GraphModule, joint_inputs: Any, **kw: Any
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """AOTAutograd's :func:`default_partition` (``KILN_RECOMPUTE=0``: the forward saves what the
+    backward reads, a checkpointed region's values aside), checkpointed attention without dropout
+    recomputed without random-state replay (:mod:`kiln.frontends.compile.sdpa_no_draws`)."""
+    untag_draw_free_sdpa(joint.graph)
+    return default_partition(joint, joint_inputs, **kw)
