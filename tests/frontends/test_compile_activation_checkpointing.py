@@ -64,10 +64,18 @@ class _Net(nn.Module):
         return F.cross_entropy(self.head(h.mean((2, 3))), y)
 
 
-def _train(model: _Net, compiled: bool) -> tuple[list[torch.Tensor], list[dict], dict]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+Batch = tuple[torch.Tensor, torch.Tensor]
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+
+def _train(
+    model: nn.Module, batches: list[Batch], compiled: bool, lr: float = 0.05
+) -> tuple[list[torch.Tensor], list[dict], dict]:
+    """SGD steps (AdamW would turn a key bias's rounding-noise gradient, 0 in exact arithmetic,
+    into full-size steps of either sign: tests/conformance/_training.py); the losses, every
+    step's gradients and the final state."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
         loss = model(x, y)
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -78,22 +86,28 @@ def _train(model: _Net, compiled: bool) -> tuple[list[torch.Tensor], list[dict],
     if compiled:
         torch._dynamo.reset()
         step = torch.compile(step, backend="kiln")
-    g = torch.Generator().manual_seed(1)
     losses, grads = [], []
-    for _ in range(3):
-        x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g)
+    for x, y in batches:
         loss, grad = step(x, y)
         losses.append(loss)
         grads.append(grad)
     return losses, grads, copy.deepcopy(model.state_dict())
 
 
+def _images() -> list[Batch]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g))
+        for _ in range(3)
+    ]
+
+
 @pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
 def test_a_checkpointed_batch_norm_block_compiles_and_matches_eager(mode: str) -> None:
     torch.manual_seed(0)
     base = _Net(mode)
-    want_losses, want_grads, want_state = _train(copy.deepcopy(base), compiled=False)
-    got_losses, got_grads, got_state = _train(copy.deepcopy(base), compiled=True)
+    want_losses, want_grads, want_state = _train(copy.deepcopy(base), _images(), False)
+    got_losses, got_grads, got_state = _train(copy.deepcopy(base), _images(), True)
     for got, want in zip(got_losses, want_losses):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     for step, (got, want) in enumerate(zip(got_grads, want_grads)):
@@ -104,7 +118,7 @@ def test_a_checkpointed_batch_norm_block_compiles_and_matches_eager(mode: str) -
     # the running statistics: updated once a step, as without checkpointing
     unchecked = copy.deepcopy(base)
     unchecked.mode = "none"
-    _, _, once = _train(unchecked, compiled=False)
+    _, _, once = _train(unchecked, _images(), False)
     for name, buf in once.items():
         if "running" in name or "num_batches" in name:
             torch.testing.assert_close(got_state[name], buf, msg=name)
@@ -144,40 +158,20 @@ class _AttentionNet(nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 
 
-def _train_attention(model: nn.Module, compiled: bool) -> tuple[list, list, dict]:
-    # SGD: AdamW would turn the key bias's rounding-noise gradient (0 in exact arithmetic) into
-    # full-size steps of either sign (tests/conformance/_training.py)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-    def step(ids: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        loss = model(ids, y)
-        loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        return loss.detach(), grads
-
-    if compiled:
-        torch._dynamo.reset()
-        step = torch.compile(step, backend="kiln")
+def _tokens() -> list[Batch]:
     g = torch.Generator().manual_seed(2)
-    losses, grads = [], []
-    for _ in range(3):
-        ids = torch.randint(0, 50, (4, 12), generator=g)
-        loss, grad = step(ids, ids.roll(-1, 1))
-        losses.append(loss)
-        grads.append(grad)
-    return losses, grads, copy.deepcopy(model.state_dict())
+    ids = [torch.randint(0, 50, (4, 12), generator=g) for _ in range(3)]
+    return [(x, x.roll(-1, 1)) for x in ids]
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["min_cut", "save_all"])
 def test_checkpointed_sdpa_compiles_into_kiln_graphs_and_matches_eager(recompute: bool) -> None:
     torch.manual_seed(0)
     base = _AttentionNet()
-    want_losses, want_grads, want_state = _train_attention(copy.deepcopy(base), compiled=False)
+    want_losses, want_grads, want_state = _train(copy.deepcopy(base), _tokens(), False, lr=0.1)
     kiln.metrics.reset()
     with kiln.config.scoped(recompute=recompute, disk_cache=False):
-        got_losses, got_grads, got_state = _train_attention(copy.deepcopy(base), compiled=True)
+        got_losses, got_grads, got_state = _train(copy.deepcopy(base), _tokens(), True, lr=0.1)
     counters = kiln.metrics.counters()
     assert not counters.get("fallbacks"), counters.get("fallbacks")  # no graph ran on ATen
     assert counters.get("sdpa_rng_wrappers_avoided", 0) >= 2  # forward calls of both blocks
