@@ -24,7 +24,10 @@ fp16, elements off eager's before (both modes unless noted):
                            functions, and so the traced graphs, say the input's dtype; torch's
                            decomposition of the backward then read float32 memory as bf16
                            (garbage gradients, NaN after one step).  ATen's backward kernel takes
-                           the statistics as its forward made them, as in eager.
+                           the statistics as its forward made them, as in eager.  Also kept whole
+                           for a channels-last input: ATen's kernel reads it as stored, where the
+                           decomposition's per-channel broadcasts made Kiln's kernels copy every
+                           operand to contiguous (README: channels-last convolutional nets).
 
 Not here: ``logit``, ``logit_backward``, ``special_entr``, ``xlogy``, ``xlog1py`` are 2,100-2,700
 elements off eager in bf16 / fp16 too, but their ATen kernels round inside (``c10::BFloat16``
@@ -66,13 +69,19 @@ def _in_float(decomp: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def _channels_last(x: torch.Tensor) -> bool:
+    return x.dim() in (4, 5) and not x.is_contiguous() and x.is_contiguous(
+        memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+    )
+
+
 def _kept_for_reduced_input(decomp: Callable[..., Any]) -> Callable[..., Any]:
     """``decomp``, declined (``NotImplemented``: the traced graph keeps the ATen op) where the
-    op's input (argument 1 of the norm backwards) is bf16 / fp16."""
+    op's input (argument 1 of the norm backwards) is bf16 / fp16 or channels-last."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         x = args[1] if len(args) > 1 else kwargs.get("input")
-        if isinstance(x, torch.Tensor) and x.dtype in _REDUCED:
+        if isinstance(x, torch.Tensor) and (x.dtype in _REDUCED or _channels_last(x)):
             return NotImplemented
         return decomp(*args, **kwargs)
 

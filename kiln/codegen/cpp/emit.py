@@ -121,6 +121,10 @@ class KernelSpec:
     members: tuple = ()
     source: str = ""
     sr: bool = False  # rounds stochastically: takes a random key after the scalars in D
+    # one flat loop, element i of every output from element i of every full input (no
+    # broadcast, no roll): the inputs may share any one dense layout (channels-last), read as
+    # stored, the outputs made in it
+    flat: bool = False
 
 
 def _mode(shape: tuple, it: tuple) -> str:
@@ -476,6 +480,7 @@ class _Emitter:
             self.rows_end()
             return
         if not self.bcast:
+            self.spec.flat = not self.spec.sr  # stochastic rounding draws by element index
             # "parallel:" matters: a bare if() on a combined construct also switches simd off,
             # which left every kernel below PARALLEL_MIN scalar (one libm call per element).
             self.w(f"  #pragma omp parallel for simd if(parallel: N >= {PARALLEL_MIN})")

@@ -47,6 +47,46 @@ def new_output(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 _NEW_OUTPUT = new_output
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its storage span exactly once (a dense, non-overlapping
+    layout: some order of its dims is contiguous)."""
+    if t.numel() == 0:
+        return False
+    expected = 1
+    for size, stride in sorted(
+        ((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def shared_layout(full: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
+    """The strides a flat kernel's full inputs share where that is one dense layout other than
+    contiguous (channels-last): they are read as stored and the outputs made in that layout, as
+    eager's elementwise ops keep it; None otherwise (the inputs are made contiguous)."""
+    if not full:
+        return None
+    t0 = full[0]
+    if t0.is_contiguous() or not _dense(t0):
+        return None
+    strides = t0.stride()
+    if any(t.shape != t0.shape or t.stride() != strides for t in full[1:]):
+        return None
+    return strides
+
+
+def laid_out_output(shape: tuple, dtype: torch.dtype, layout: tuple | None) -> torch.Tensor:
+    if layout is None:
+        return new_output(shape, dtype)
+    return new_output(shape, dtype).as_strided(shape, layout)
+
+
+def is_laid_out(t: torch.Tensor, layout: tuple | None) -> bool:
+    return t.is_contiguous() if layout is None else t.stride() == layout
+
+
 class KernelInputDtypeError(RuntimeError):
     """A generated kernel got a tensor of another dtype than its graph says (its C++ would read
     the memory as the graph's dtype)."""
@@ -94,15 +134,18 @@ def make_fused_call(
     geometry: dict[tuple, tuple] = {}  # sizes + strides -> (int array, output shapes)
 
     in_dtypes = spec.in_dtypes
+    flat = spec.flat
 
     def call(ins: Sequence[Any]) -> list[torch.Tensor]:
         ts = [ins[k] for k in tin]
         for p, dt in enumerate(in_dtypes):
             if ts[p].dtype != dt:
                 raise dtype_mismatch(spec, p, ts[p].dtype)
-        for p in full:
-            if not ts[p].is_contiguous():
-                ts[p] = ts[p].contiguous()
+        layout = shared_layout([ts[p] for p in full]) if flat else None
+        if layout is None:
+            for p in full:
+                if not ts[p].is_contiguous():
+                    ts[p] = ts[p].contiguous()
         for p in inner:
             t = ts[p]
             if t.stride(-1) != 1 and t.shape[-1] != 1:
@@ -131,15 +174,20 @@ def make_fused_call(
         for o, (osh, (_, dt)) in enumerate(zip(out_shapes, outs)):
             slot = out_plan[o]
             if slot is None:
-                buf = new_output(osh, dt)
+                buf = laid_out_output(osh, dt, layout)
             elif isinstance(slot, tuple):  # InPlace ("arg", q): update input q in place
                 buf = ins[slot[1]]
-                if not (buf.is_contiguous() and buf.shape == osh and buf.dtype == dt):
-                    buf = new_output(osh, dt)  # the writeback copies instead
+                if not (is_laid_out(buf, layout) and buf.shape == osh and buf.dtype == dt):
+                    buf = laid_out_output(osh, dt, layout)  # the writeback copies instead
             else:
                 buf = slots.get(slot)
-                if buf is None or buf.shape != osh or buf.dtype != dt:
-                    buf = new_output(osh, dt)
+                if (
+                    buf is None
+                    or buf.shape != osh
+                    or buf.dtype != dt
+                    or not is_laid_out(buf, layout)
+                ):
+                    buf = laid_out_output(osh, dt, layout)
                     slots[slot] = buf
                 if o in final:
                     del slots[slot]

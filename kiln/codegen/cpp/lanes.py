@@ -182,7 +182,10 @@ def lane_kernel(spec: KernelSpec, node: Node, in_types: list, in_slots: tuple) -
     kernel = FusedKernel.of(node)
     if not lanes_ok(kernel.kind, spec.input_modes, len(spec.scalar_inputs), kernel.body, spec.sr):
         return None
-    return lane_source(spec, node, in_types, kernel.body, kernel.outputs, in_slots)
+    src = lane_source(spec, node, in_types, kernel.body, kernel.outputs, in_slots)
+    # element i of a lane's outputs from element i of its inputs, every input of one shape
+    spec.flat = src is not None
+    return src
 
 
 def lane_source(

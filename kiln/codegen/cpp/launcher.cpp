@@ -99,6 +99,7 @@ struct Kernel {
   std::vector<c10::ScalarType> out_dtypes;
   // per tensor input: the dtype the graph says (the C++ reads it as that); empty: unchecked
   std::vector<c10::ScalarType> in_dtypes;
+  bool flat = false;  // KernelSpec.flat: element i from element i, any one dense layout
   // per output: -1 new buffer, -2 - q: in place over input slot q, s >= 0: plan slot s
   std::vector<int64_t> out_plan;
   // per output: the last use of its plan slot in the program: the buffer leaves the slot with
@@ -341,6 +342,7 @@ class Launcher {
             k.in_dtypes.push_back(reinterpret_cast<THPDtype*>(d.ptr())->scalar_type);
           }
         }
+        k.flat = t.size() > 14 && t[14].cast<bool>();
         break;
       }
       case ATEN: {
@@ -605,9 +607,37 @@ class Launcher {
     return at::empty(shape, at::TensorOptions().dtype(dt));
   }
 
+  // an output in the layout ``strides`` (dense): a flat kernel writes it in storage order
+  at::Tensor new_output(c10::IntArrayRef shape, c10::IntArrayRef strides, c10::ScalarType dt) {
+    if (alloc_ != nullptr) return new_output(shape, dt).as_strided(shape, strides);
+    return at::empty_strided(shape, strides, at::TensorOptions().dtype(dt));
+  }
+
+  // The strides every full input of a flat kernel shares where that is one dense layout other
+  // than contiguous (channels-last); empty otherwise (the inputs are made contiguous).
+  c10::SmallVector<int64_t, 8> shared_layout(const Kernel& k, const std::vector<IValue>& vals) {
+    c10::SmallVector<int64_t, 8> none;
+    if (!k.flat) return none;
+    const at::Tensor* first = nullptr;
+    for (size_t p = 0; p < k.tensors.size(); ++p) {
+      if (k.modes[p] != FULL) continue;
+      const at::Tensor& t = vals[k.tensors[p]].toTensor();
+      if (first == nullptr) {
+        if (t.is_contiguous() || !t.is_non_overlapping_and_dense()) return none;
+        first = &t;
+      } else if (t.sizes() != first->sizes() || t.strides() != first->strides()) {
+        return none;
+      }
+    }
+    if (first == nullptr) return none;
+    return c10::SmallVector<int64_t, 8>(first->strides().begin(), first->strides().end());
+  }
+
   IValue kernel(Kernel& k, std::vector<IValue>& vals, int64_t node) {
     const size_t nt = k.tensors.size();
     const bool checked = k.in_dtypes.size() == nt;
+    const c10::SmallVector<int64_t, 8> layout = shared_layout(k, vals);
+    const bool flat_layout = !layout.empty();
     c10::SmallVector<at::Tensor, 8> ts;
     for (size_t p = 0; p < nt; ++p) {
       at::Tensor t = vals[k.tensors[p]].toTensor();
@@ -619,7 +649,7 @@ class Launcher {
                   "Kiln bug to report); KILN_BACKEND=interpreter runs the graph without "
                   "generated kernels");
       if (k.modes[p] == FULL) {
-        if (!t.is_contiguous()) t = t.contiguous();
+        if (!flat_layout && !t.is_contiguous()) t = t.contiguous();
       } else if (k.modes[p] == BCAST_INNER) {
         if (t.dim() > 0 && t.stride(-1) != 1 && t.size(-1) != 1) t = t.contiguous();
       }
@@ -686,18 +716,26 @@ class Launcher {
       const c10::ScalarType dt = k.out_dtypes[o];
       const int64_t plan = k.out_plan[o];
       at::Tensor buf;
+      // the layout the kernel writes: contiguous, or (a flat kernel) its inputs' shared one
+      auto laid_out = [&](const at::Tensor& b) {
+        return flat_layout ? b.strides() == c10::IntArrayRef(layout) : b.is_contiguous();
+      };
+      auto fresh = [&]() {
+        return flat_layout ? new_output(osh, layout, dt) : new_output(osh, dt);
+      };
       if (plan == -1) {
-        buf = new_output(osh, dt);
+        buf = fresh();
       } else if (plan <= -2) {  // update input slot q in place (the writeback then skips the copy)
         const IValue& v = vals[-2 - plan];
         if (v.isTensor()) buf = v.toTensor();
-        if (!(buf.defined() && buf.is_contiguous() && buf.sizes() == c10::IntArrayRef(osh) &&
+        if (!(buf.defined() && laid_out(buf) && buf.sizes() == c10::IntArrayRef(osh) &&
               buf.scalar_type() == dt))
-          buf = new_output(osh, dt);
+          buf = fresh();
       } else {
         at::Tensor& s = slots_[plan];
-        if (!s.defined() || s.sizes() != c10::IntArrayRef(osh) || s.scalar_type() != dt)
-          s = new_output(osh, dt);
+        if (!s.defined() || s.sizes() != c10::IntArrayRef(osh) || s.scalar_type() != dt ||
+            !laid_out(s))
+          s = fresh();
         buf = s;
         if (k.out_final[o]) s = at::Tensor();
       }

@@ -9,7 +9,8 @@ call without Python.  Instruction tuples are ``(kind, node, frees, ...)``:
   KERNEL    function pointer, tensor-input slots, input modes, scalar slots, rank, static shape
             (or None), output kinds, output dtypes, output placements (-1 new buffer, -2 - n in
             place over node n, s >= 0 memory-plan slot s), single output?, the tensor inputs'
-            dtypes (checked per call)
+            dtypes (checked per call), flat? (KernelSpec.flat: full inputs sharing one dense
+            layout are read as stored, the outputs made in that layout)
   ATEN      schema name, overload, one argument spec per schema argument, fallback op (a view's
             reshape) or None, unit last stride? (tensor arguments whose last stride is not 1 are
             copied first: the flash-attention kernels), the Python call and input nodes (used
@@ -152,6 +153,7 @@ def _kernel_instr(x: Any, inp: Sequence[int], single: bool, slot_ids: dict) -> t
         placements,
         single,
         list(spec.in_dtypes),
+        spec.flat,
     )
 
 
