@@ -29,6 +29,7 @@ from kiln.codegen.cpp.emit import KernelSpec
 from kiln.codegen.cpp.program import build_program
 from kiln.config import config
 from kiln.ir.graph import Graph
+from kiln.ir.layout import dense_order
 from kiln.ir.kernel import OutKind
 from kiln.ir.semantics import last_uses, writeback
 from kiln.precision.rounding import key_halves, next_key
@@ -47,21 +48,6 @@ def new_output(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 _NEW_OUTPUT = new_output
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill its storage span exactly once (a dense, non-overlapping
-    layout: some order of its dims is contiguous)."""
-    if t.numel() == 0:
-        return False
-    expected = 1
-    for size, stride in sorted(
-        ((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]
-    ):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def shared_layout(full: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
     """The strides a flat kernel's full inputs share where that is one dense layout other than
     contiguous (channels-last): they are read as stored and the outputs made in that layout, as
@@ -69,7 +55,7 @@ def shared_layout(full: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
     if not full:
         return None
     t0 = full[0]
-    if t0.is_contiguous() or not _dense(t0):
+    if t0.is_contiguous() or not t0.numel() or dense_order(t0.shape, t0.stride()) is None:
         return None
     strides = t0.stride()
     if any(t.shape != t0.shape or t.stride() != strides for t in full[1:]):

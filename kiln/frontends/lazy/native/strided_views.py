@@ -20,10 +20,13 @@ None and runs as before.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from kiln.ir.layout import dense_order
 
 
 def as_strided_by_views(
@@ -47,14 +50,8 @@ def as_strided_by_views(
         return None
     if mod.geo_of(got[0]) != mod.geo_of(x):  # (a base tensor has its storage's geometry)
         return None
-    dims = [i for i, s in enumerate(size) if s != 1]
-    order = sorted(dims, key=lambda i: -stride[i])
-    want = 1
-    for i in reversed(order):  # dense and non-overlapping: each stride the product inside it
-        if stride[i] != want:
-            return None
-        want *= size[i]
-    if want != n:
+    order = dense_order(size, stride)
+    if order is None or math.prod(size) != n:  # a dense layout of exactly x's elements
         return None
     # the asked dims by stride, then back in their order (x is contiguous: any view of its size)
     y = x.view([size[i] for i in order]).permute(sorted(range(len(order)), key=order.__getitem__))
