@@ -65,6 +65,35 @@ def test_signatures_tell_int_bool_and_float_arguments_apart():
         torch.testing.assert_close(li.sum(dim, keep).cpu(), xi.sum(dim, keep))
 
 
+@pytest.mark.parametrize("order", [1, -1], ids=["int-first", "float-first"])
+def test_factories_of_equal_int_float_bool_and_complex_values_keep_their_dtypes(order):
+    """``6 == 6.0 == 6+0j`` and ``1 == True`` as dictionary keys; the shape-inference cache once
+    answered ``arange(7)`` with the float32 meta of an earlier ``arange(7.0)`` (and ``full`` with
+    the dtype of whichever fill came first), silently making int indices floats."""
+    calls = [
+        (torch.arange, (7,), {}),
+        (torch.arange, (7.0,), {}),
+        (torch.arange, (1, 7), {}),
+        (torch.arange, (1.0, 7.0), {}),
+        (torch.full, ((3,), 5), {}),
+        (torch.full, ((3,), 5.0), {}),
+        (torch.full, ((3,), 5 + 0j), {}),
+        (torch.full, ((2,), 1), {}),
+        (torch.full, ((2,), True), {}),
+        (torch.full, ((2,), 1.0), {}),
+        (torch.scalar_tensor, (1,), {}),
+        (torch.scalar_tensor, (True,), {}),
+    ][::order]
+    for fn, args, kw in calls * 2:
+        got, want = fn(*args, **kw, device=dev), fn(*args, **kw)
+        assert got.dtype == want.dtype, (fn.__name__, args)
+        assert torch.equal(got.cpu(), want), (fn.__name__, args)
+    xb = torch.tensor([True, False])  # bool + True is bool, bool + 1 is int64
+    for s in (True, 1, True, 1.0)[::order]:
+        got, want = (xb.to(dev) + s).cpu(), xb + s
+        assert got.dtype == want.dtype and torch.equal(got, want), s
+
+
 def test_a_recipe_is_keyed_on_geometry_not_values():
     a, b = torch.randn(3, 4), torch.randn(4, 3).t()  # same shape, other strides
     la, lb = a.to(dev), b.to(dev)

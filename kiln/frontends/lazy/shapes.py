@@ -49,15 +49,22 @@ def _bare(exc: Exception) -> Exception:
 
 
 def _sig(a: Any, has_tensor: bool) -> Any:
+    t = type(a)
+    if t is int:
+        return a
+    if t is float or t is bool or t is complex:
+        # A top-level float beside a tensor never changes the output's shape or dtype.  Other
+        # scalars keep their type: 6, 6.0, True and 6+0j are equal dictionary keys, but
+        # ``arange(6)`` is int64 and ``arange(6.0)`` float32, ``full(s, True)`` bool.
+        return _FLOAT if t is float and has_tensor else (t, a)
     if isinstance(a, torch.Tensor):
         m = getattr(a, "_meta", None)
         if m is not None:  # a lazy tensor (always on the kiln device): its meta says it all
             return (m.shape, m.stride(), m.storage_offset(), m.dtype)
         return (a.shape, a.stride(), a.storage_offset(), a.dtype, a.device.type)
     if isinstance(a, (list, tuple)):
-        return tuple(_sig(x, has_tensor) for x in a)
-    if type(a) is float and has_tensor:
-        return _FLOAT
+        # floats in a list are kept (``upsample_*.vec``'s scale factors size the output)
+        return tuple(_sig(x, False) for x in a)
     if isinstance(a, torch.device):
         return str(a)
     return a
