@@ -95,7 +95,7 @@ def profile_mode(name: str, mode: str, steps: int, warmup: int) -> tuple[dict, l
         for b in wl.batches[warmup : warmup + steps]:
             r.run(b)
     native = ""
-    if mode == "kiln":  # the same steps again, unprofiled, timed node by node on the launcher
+    if mode in ("kiln", "kiln-bf16"):  # the same steps again, unprofiled, node by node
         with node_times() as nt:
             for b in wl.batches[warmup + steps :]:
                 r.run(b)
