@@ -31,6 +31,33 @@ class CorruptCacheEntry(RuntimeError):
     pass
 
 
+class CacheDirError(RuntimeError):
+    """The compile cache folder cannot hold files (a file in its place, no permission, ...)."""
+
+
+_usable_dirs: set[str] = set()
+
+
+def check_cache_dir(root: str) -> None:
+    """Make sure ``root`` (``config.cache_dir``) is a folder Kiln can write, once per folder and
+    process: compiled graphs, C++ kernels and AOTAutograd's entries all live there, so an unusable
+    one fails at the first compile with what to change, not deep inside a cache read."""
+    if root in _usable_dirs:
+        return
+    try:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=root, prefix=".probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise CacheDirError(
+            f"Kiln's compile cache folder {root} cannot be used ({e}); Kiln keeps compiled "
+            "graphs and C++ kernels there: set KILN_CACHE_DIR (kiln.config.cache_dir) to a "
+            "writable folder"
+        ) from e
+    _usable_dirs.add(root)
+
+
 @functools.lru_cache(maxsize=1)
 def code_fingerprint() -> str:
     """Hash of the compiler's own source (passes, lowering, IR, code generator): a changed pass
@@ -100,6 +127,7 @@ class DiskCache:
     atomically."""
 
     def __init__(self, root: str | os.PathLike, folder: str = "graphs") -> None:
+        check_cache_dir(str(root))
         self.root = Path(root) / folder
         self._reported: set[str] = set()
 

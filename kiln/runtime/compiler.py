@@ -23,7 +23,7 @@ from kiln.config import config
 from kiln.ir.graph import Graph
 from kiln.passes.pipeline import run_pipeline
 from kiln.runtime import explain
-from kiln.runtime.cache import DiskCache, MemoryCache, cache_key
+from kiln.runtime.cache import DiskCache, MemoryCache, cache_key, check_cache_dir
 from kiln.runtime.collectives import check_waits
 from kiln.runtime.malloc import tune_malloc
 
@@ -70,6 +70,7 @@ def compile_graph(g: Graph) -> Executable:
         metrics.incr("cache_hits_memory")
         return exe
     check_waits(g)  # before anything runs: a collective used before its wait_tensor
+    check_cache_dir(config.cache_dir)  # kernels are built there even without the disk cache
     tune_malloc()  # once per process (kiln/runtime/malloc.py)
     with metrics.span(f"kiln::compile {g.hash[:12]}"):
         exe = _compile(g, key)

@@ -91,10 +91,39 @@ def test_processes_share_the_cache(tmp_path):
 
     for _ in range(2):
         out = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", script],
+            check=False,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert out.returncode == 0, out.stderr
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     assert runs[0]["graphs_compiled"] >= 1 and runs[0]["cache_hits_disk"] == 0
     assert runs[1]["graphs_compiled"] == 0 and runs[1]["cache_hits_disk"] >= 1
     assert runs[0]["y"] == pytest.approx(runs[1]["y"])
+
+
+def test_an_unusable_cache_folder_fails_at_the_first_compile_naming_the_setting(tmp_path):
+    """A file where the cache folder should be raised ``NotADirectoryError`` from deep inside a
+    cache read (lazy device) or AOTAutograd's wrapper (compile mode); now both name the folder
+    and the setting to change, and a usable folder afterwards compiles."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    old = kiln.config.cache_dir
+    compiler.clear_memory_cache()
+    try:
+        kiln.config.update(cache_dir=str(blocker / "kiln"))
+        with pytest.raises(RuntimeError, match=r"cannot be used .*set KILN_CACHE_DIR"):
+            compiler.compile_graph(_graph(3.0))
+        f = torch.compile(lambda x: torch.tanh(x) * 3.5, backend="kiln")
+        with pytest.raises(Exception, match=r"compile cache folder .* cannot be used"):
+            f(torch.ones(3))
+        kiln.config.update(cache_dir=str(tmp_path / "ok"))
+        exe = compiler.compile_graph(_graph(3.0))
+        torch.testing.assert_close(exe([torch.ones(4)])[0], torch.full((4,), 3.0))
+    finally:
+        kiln.config.update(cache_dir=old)
+        compiler.clear_memory_cache()
+        torch._dynamo.reset()
