@@ -1,13 +1,15 @@
 """``torch.save`` / ``torch.load`` of kiln tensors.
 
 Saving: a kiln tensor pickles as the CPU tensor it holds (pending lazy work runs first), a kiln
-parameter as a CPU ``nn.Parameter``.  The file is an ordinary PyTorch checkpoint: it loads without
+parameter as a CPU ``nn.Parameter``; tensors that share a storage on the device share it in the
+file (views stay views).  The file is an ordinary PyTorch checkpoint: it loads without
 Kiln, or with Kiln and no ``map_location``, as CPU tensors (as ``xm.save`` files do for PyTorch/XLA).
 
 Loading onto the device: ``torch.load(f, map_location="kiln")`` (also ``"kiln:0"``,
 ``torch.device("kiln")``, or a dict mapping locations to kiln) loads to the CPU and moves every
 tensor, parameter and module of the result to the kiln device, keeping tensors that were shared
-in the file shared.  Kiln's device has no storages of its own that PyTorch's storage
+in the file shared (the same tensor twice: one kiln tensor; views of one storage: kiln views of
+one storage).  Kiln's device has no storages of its own that PyTorch's storage
 deserializers could fill, so this is done around ``torch.load``; every other ``map_location`` goes
 to PyTorch unchanged.  A kiln location that does not exist (``"kiln:7"``) raises, naming the valid
 ones, and a storage that would still be restored to kiln some other way (a callable) raises
@@ -26,13 +28,26 @@ _installed = False
 
 
 def reduce_lazy(t: torch.Tensor, protocol: int) -> tuple:
-    """``LazyTensor.__reduce_ex__``: pickle the materialized CPU value."""
-    cpu = t.detach().cpu()
+    """``LazyTensor.__reduce_ex__``: pickle the materialized CPU value, as a view of the host
+    buffer that holds the tensor's storage (not a copy), so that kiln tensors sharing a storage
+    (``x`` and ``x[2:4]``) share it in the file, as CPU tensors do."""
+    cpu = _host_view(t).detach()
     if getattr(t, "_is_param", False):
         return (torch._utils._rebuild_parameter, (cpu, t.requires_grad, OrderedDict()))
     if t.requires_grad:
         cpu.requires_grad_(True)
     return cpu.__reduce_ex__(protocol)
+
+
+def _host_view(t: torch.Tensor) -> torch.Tensor:
+    """The CPU tensor viewing the host buffer of ``t``'s storage (pending work runs first, a
+    forced sync counted as ``save``)."""
+    from kiln.frontends.lazy import native
+    from kiln.frontends.lazy.tensor import LazyTensor, materialize
+
+    if isinstance(t, LazyTensor):
+        return materialize(t, "save")
+    return native.value_for(t, "save")
 
 
 def _kiln_target(map_location: Any) -> torch.device | None:
@@ -59,12 +74,54 @@ def _kiln_target(map_location: Any) -> torch.device | None:
     return None
 
 
-def _to_kiln(obj: Any, dev: torch.device, memo: dict[int, Any]) -> Any:
+def _by_storage(obj: Any, groups: dict[int, list[torch.Tensor]], seen: set[int]) -> None:
+    """The loaded CPU tensors in ``obj``'s dicts, lists and tuples, by the storage they view."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu" and obj.layout == torch.strided:
+            groups.setdefault(obj.untyped_storage().data_ptr(), []).append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _by_storage(v, groups, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _by_storage(v, groups, seen)
+
+
+def _shared_views(obj: Any, dev: torch.device) -> dict[int, torch.Tensor]:
+    """Kiln views (by ``id`` of the loaded tensor) for tensors that share a storage in the file:
+    the storage moves once and each tensor becomes a view of it, so that ``x`` and ``x[2:4]``
+    loaded together stay aliased, as ``torch.load`` keeps them on the CPU.  Tensors alone on
+    their storage (or sharing one with another dtype) move by themselves."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    _by_storage(obj, groups, set())
+    views: dict[int, torch.Tensor] = {}
+    for ptr, ts in groups.items():
+        dtypes = {t.dtype for t in ts}
+        if len(ts) < 2 or ptr == 0 or len(dtypes) != 1:
+            continue
+        storage = ts[0].untyped_storage()
+        n = storage.nbytes() // ts[0].element_size()
+        flat = torch.empty(0, dtype=ts[0].dtype).set_(storage, 0, (n,), (1,)).to(dev)
+        for t in ts:
+            views[id(t)] = flat.as_strided(t.size(), t.stride(), t.storage_offset())
+    return views
+
+
+def _to_kiln(obj: Any, dev: torch.device, memo: dict[int, Any], views: dict[int, Any]) -> Any:
     key = id(obj)
     if key in memo:
         return memo[key]
-    if isinstance(obj, torch.nn.Parameter):
-        out: Any = torch.nn.Parameter(obj.detach().to(dev), requires_grad=obj.requires_grad)
+    if isinstance(obj, torch.Tensor) and key in views:
+        out: Any = views[key]
+        if isinstance(obj, torch.nn.Parameter):
+            out = torch.nn.Parameter(out, requires_grad=obj.requires_grad)
+        else:
+            out.requires_grad_(obj.requires_grad)
+    elif isinstance(obj, torch.nn.Parameter):
+        out = torch.nn.Parameter(obj.detach().to(dev), requires_grad=obj.requires_grad)
     elif isinstance(obj, torch.Tensor):
         out = obj.detach().to(dev).requires_grad_(obj.requires_grad)
     elif isinstance(obj, torch.nn.Module):
@@ -72,14 +129,14 @@ def _to_kiln(obj: Any, dev: torch.device, memo: dict[int, Any]) -> Any:
     elif isinstance(obj, dict):
         out = type(obj)() if type(obj) in (dict, OrderedDict) else obj
         memo[key] = out
-        items = [(k, _to_kiln(v, dev, memo)) for k, v in obj.items()]
+        items = [(k, _to_kiln(v, dev, memo, views)) for k, v in obj.items()]
         for k, v in items:
             out[k] = v
         return out
     elif isinstance(obj, list):
-        out = [_to_kiln(v, dev, memo) for v in obj]
+        out = [_to_kiln(v, dev, memo, views) for v in obj]
     elif isinstance(obj, tuple):
-        vals = [_to_kiln(v, dev, memo) for v in obj]
+        vals = [_to_kiln(v, dev, memo, views) for v in obj]
         out = type(obj)(*vals) if hasattr(obj, "_fields") else type(obj)(vals)
     else:
         out = obj
@@ -94,7 +151,7 @@ def _wrap_load(orig: Any) -> Any:
         if dev is None:
             return orig(f, map_location, *args, **kwargs)
         obj = orig(f, "cpu", *args, **kwargs)
-        return _to_kiln(obj, dev, {})
+        return _to_kiln(obj, dev, {}, _shared_views(obj, dev))
 
     load.__kiln_wrapped__ = orig  # type: ignore[attr-defined]
     return load
