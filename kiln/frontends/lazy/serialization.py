@@ -27,27 +27,16 @@ import torch
 _installed = False
 
 
-def reduce_lazy(t: torch.Tensor, protocol: int) -> tuple:
-    """``LazyTensor.__reduce_ex__``: pickle the materialized CPU value, as a view of the host
-    buffer that holds the tensor's storage (not a copy), so that kiln tensors sharing a storage
-    (``x`` and ``x[2:4]``) share it in the file, as CPU tensors do."""
-    cpu = _host_view(t).detach()
+def reduce_lazy(t: torch.Tensor, host: torch.Tensor, protocol: int) -> tuple:
+    """``__reduce_ex__`` of a kiln tensor ``t`` whose value is ``host``: the CPU tensor viewing
+    the host buffer that holds ``t``'s storage (pending work run), not a copy, so that kiln
+    tensors sharing a storage (``x`` and ``x[2:4]``) share it in the file, as CPU tensors do."""
+    cpu = host.detach()
     if getattr(t, "_is_param", False):
         return (torch._utils._rebuild_parameter, (cpu, t.requires_grad, OrderedDict()))
     if t.requires_grad:
         cpu.requires_grad_(True)
     return cpu.__reduce_ex__(protocol)
-
-
-def _host_view(t: torch.Tensor) -> torch.Tensor:
-    """The CPU tensor viewing the host buffer of ``t``'s storage (pending work runs first, a
-    forced sync counted as ``save``)."""
-    from kiln.frontends.lazy import native
-    from kiln.frontends.lazy.tensor import LazyTensor, materialize
-
-    if isinstance(t, LazyTensor):
-        return materialize(t, "save")
-    return native.value_for(t, "save")
 
 
 def _kiln_target(map_location: Any) -> torch.device | None:

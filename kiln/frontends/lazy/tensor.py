@@ -202,7 +202,7 @@ class LazyTensor(torch.Tensor):
         """Pickled (``torch.save``) as the CPU tensor it holds: see lazy/serialization.py."""
         from kiln.frontends.lazy.serialization import reduce_lazy
 
-        return reduce_lazy(self, protocol)
+        return reduce_lazy(self, materialize(self, "save"), protocol)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002
         v = materialize(self, "print")

@@ -201,7 +201,7 @@ def _wrap_reduce(orig: Any) -> Any:
         from kiln.frontends.lazy.serialization import reduce_lazy
 
         if self.device.type == "kiln" and native.is_native(self):
-            return reduce_lazy(self, proto)
+            return reduce_lazy(self, native.value_for(self, "save"), proto)
         return orig(self, proto)
 
     _reduce_ex_internal.__kiln_wrapped__ = orig  # type: ignore[attr-defined]
