@@ -92,7 +92,7 @@ if torch.distributed.is_available():
     # that waits when first used (``_wrap_tensor_autograd``); while tracing they wait at once
     # instead.  A lazy step is a trace: record the wait (the wrapper, replayed, would hand the
     # graph's next kernel a tensor without storage).
-    import torch.distributed._functional_collectives  # noqa: F401 - defines the wrapper op
+    import torch.distributed._functional_collectives  # (defines the wrapper op)
 
     _OWN_DECOMPS[torch.ops._c10d_functional._wrap_tensor_autograd.default] = _wait_at_once
 
@@ -155,7 +155,7 @@ class LazyTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, meta: torch.Tensor, st: T.Storage, chain: tuple = ()) -> "LazyTensor":
+    def __new__(cls, meta: torch.Tensor, st: T.Storage, chain: tuple = ()) -> LazyTensor:  # noqa: PYI034
         r = torch.Tensor._make_wrapper_subclass(
             cls,
             meta.shape,
@@ -181,8 +181,8 @@ class LazyTensor(torch.Tensor):
 
     @data.setter
     def data(self, new: torch.Tensor) -> None:
-        if not isinstance(new, LazyTensor):
-            raise RuntimeError(
+        if not isinstance(new, LazyTensor):  # RuntimeError, as eager's device mismatch
+            raise RuntimeError(  # noqa: TRY004
                 f"kiln: `.data =` on a kiln tensor takes a kiln tensor, got one on {new.device}; "
                 "move it first (`t.to('kiln')`)"
             )
@@ -204,13 +204,13 @@ class LazyTensor(torch.Tensor):
 
         return reduce_lazy(self, materialize(self, "save"), protocol)
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: ARG002
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
         v = materialize(self, "print")
         body = repr(v)
         return body[:-1] + f", device='{DEVICE}')" if body.endswith(")") else body
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         with T._lock:
             try:
                 out = _dispatch(func, args, kwargs or {})
@@ -463,20 +463,20 @@ class _Facts:
     """What ``_dispatch`` needs to know about one ATen overload, worked out once."""
 
     __slots__ = (
-        "func",
-        "name",
         "composite",
-        "view",
-        "inplace_view",
-        "mutated",
-        "functional",
-        "identity",
         "decomp",
+        "fast_view",
+        "func",
+        "functional",
+        "host_scalars",
+        "identity",
+        "inplace_view",
         "lift",
+        "mutated",
+        "name",
         "plain",
         "split",
-        "fast_view",
-        "host_scalars",
+        "view",
     )
 
     def __init__(self, func: Any) -> None:
