@@ -26,13 +26,29 @@ SCALINGS = ("tensorwise", "rowwise")
 _EPS = 1e-12
 
 
-def _fake_quant(x: torch.Tensor, fmt: FloatFormat, rowwise: bool) -> torch.Tensor:
-    """``x`` (2-D, float32) through ``fmt`` with a dynamic scale, back in float32."""
+@torch.library.custom_op("kiln::fp8_fake_quant", mutates_args=(), device_types="cpu")
+def _fake_quant_op(
+    x: torch.Tensor, ebits: int, mbits: int, bias: int, encoding: str, rowwise: bool
+) -> torch.Tensor:
+    """``x`` (2-D, float32, CPU) through the format with a dynamic scale, back in float32: one
+    op to PyTorch, so that Dynamo and the lazy device take it whole (their graphs call it on the
+    CPU buffers when they run) instead of tracing the generated kernels' raw pointers."""
     if x.numel() == 0:
         return x.clone()
+    fmt = FloatFormat(f"e{ebits}m{mbits}b{bias}", ebits, mbits, bias, encoding)
     amax = x.abs().amax(dim=-1) if rowwise else x.abs().amax()
     scale = fmt.max / amax.clamp_min(_EPS)
     return dequantize(quantize(x, fmt, scale, saturate=True), fmt, scale)
+
+
+@_fake_quant_op.register_fake
+def _(x: torch.Tensor, ebits: int, mbits: int, bias: int, encoding: str, rowwise: bool):
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device)
+
+
+def _fake_quant(x: torch.Tensor, fmt: FloatFormat, rowwise: bool) -> torch.Tensor:
+    """``x`` (2-D, float32) through ``fmt`` with a dynamic scale, back in float32."""
+    return _fake_quant_op(x, fmt.ebits, fmt.mbits, fmt.bias, fmt.encoding, rowwise)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -69,8 +85,11 @@ def fp8_linear(
     """``F.linear`` with fp8 (E4M3 / E5M2) numerics; the result has ``x``'s dtype."""
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
-    if x.device.type != "cpu" or weight.device.type != "cpu":
-        raise ValueError("fp8_linear runs on CPU tensors (Kiln's fp8 kernels are CPU kernels)")
+    if {x.device.type, weight.device.type} - {"cpu", "kiln"}:
+        raise ValueError(
+            f"fp8_linear runs on CPU and kiln tensors (Kiln's fp8 kernels are CPU kernels), got "
+            f"{x.device} and {weight.device}"
+        )
     return _Fp8Linear.apply(x, weight, bias, scaling == "rowwise", x.dtype)
 
 
