@@ -150,7 +150,8 @@ at::Tensor value(const at::Tensor& t) {
   NativeImpl* x = native_of(t);
   TORCH_CHECK(x, "kiln native recorder: not a native kiln tensor");
   TORCH_CHECK(holds_value(*x->st),
-              "kiln native recorder: the tensor's value is pending: cut and run its step first");
+              "kiln native recorder: the tensor's value is pending: cut and run its step first",
+              kOneStepAtATime);
   at::Tensor v = x->st->data;
   for (int32_t rid : x->chain) {
     const Recipe& r = *recipes[rid];

@@ -170,7 +170,8 @@ std::shared_ptr<Cut> peek(const std::vector<at::Tensor>& xs) {
     const Storage& st = *x->st;
     TORCH_CHECK(in_trace(st) || st.data.defined(),
                 "kiln native recorder: this tensor's value belongs to a step that was cut "
-                "without it (it was not alive at the cut)");
+                "without it (it was not alive at the cut)",
+                kOneStepAtATime);
     if (in_trace(st) && st.pending) pending = true;
   }
   if (!pending) return nullptr;

@@ -7,6 +7,14 @@
 
 namespace {
 
+// Appended to the errors of a read of a tensor whose step is not (or no longer) in the trace:
+// what they mean when another thread cut that step and is running it.
+constexpr const char* kOneStepAtATime =
+    " (if other threads use the kiln device: its steps run one at a time, so drive a step's "
+    "recording, mark_step() and reads from one thread -- a loader thread that only moves batches "
+    "with .to(kiln) is fine -- or set KILN_LAZY_RECORDER=python, which serializes threads)";
+
+
 // One argument of a recipe's node template.
 struct Slot {
   enum Kind : uint8_t { TENSOR, LIFTED, CONST, TENSOR_LIST } kind;
@@ -92,7 +100,8 @@ int32_t read(NativeImpl* x) {
   } else {
     TORCH_CHECK(st.data.defined(),
                 "kiln native recorder: this tensor's value belongs to a step that was cut "
-                "without it (it was not alive at the cut)");
+                "without it (it was not alive at the cut)",
+                kOneStepAtATime);
     node = add_input(IValue(st.data), st.geo);
     st.gen = trace.gen;
     st.node = node;
