@@ -101,3 +101,27 @@ def test_compile_recompile_names_the_user_line():
     ((site, reason),) = metrics.counters()["recompile_reasons"]
     assert site.startswith(f"compile:{os.path.abspath(__file__)}:"), site
     assert reason.startswith("input 0 changed")
+
+
+def test_an_eval_loop_under_no_grad_is_not_a_recompile_of_the_training_graphs():
+    """Training a compiled model and evaluating it under ``no_grad`` each epoch makes training
+    graphs (forward, backward) and an inference graph at the same line: each kind is its own
+    recompile site, so nothing is counted (the inference graph, with the same number of inputs
+    as the training forward, was compared with it and counted, with the warning's advice to pad
+    inputs); a new batch size in training still is."""
+    torch._dynamo.reset()
+    metrics.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU())
+    compiled = torch.compile(model, backend="kiln", dynamic=False)
+    for _ in range(3):
+        model.train()
+        compiled(torch.randn(4, 6)).sum().backward()
+        model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x := torch.randn(4, 6)), model(x))
+    assert metrics.get("recompiles") == 0, metrics.counters()["recompile_reasons"]
+    model.train()
+    compiled(torch.randn(5, 6)).sum().backward()
+    reasons = metrics.counters()["recompile_reasons"]
+    assert reasons and all("#forward#" in site or "#backward#" in site for site, _ in reasons)

@@ -93,10 +93,15 @@ def _no_donated_buffers() -> None:
         ctx.fw_metadata.bw_donated_idxs = []
 
 
-def _kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> KilnOutputCode:
+def _kiln_compiler(
+    gm: torch.fx.GraphModule, example_inputs: list, kind: str = "forward"
+) -> KilnOutputCode:
+    """``kind``: which of AOTAutograd's graphs this is (``forward``, ``backward``, ``inference``).
+    Each kind is its own recompile site: an eval loop under ``no_grad`` (an inference graph)
+    after training (forward and backward graphs) is not a recompile of the training graphs."""
     _no_donated_buffers()
     # a different graph with the same input signature at one site is not a recompile
-    site, sig = _site(gm) + f"#{len(example_inputs)}", signature(example_inputs)
+    site, sig = _site(gm) + f"#{kind}#{len(example_inputs)}", signature(example_inputs)
     note_graph(site, sig)
     try:
         with metrics.fallbacks_counted() as fell:  # the lowering's: a cache hit counts them again
@@ -128,7 +133,7 @@ def _direct_builder(
 
     def build(lowered: tuple[Graph, OutSpec], inputs: list) -> Callable[[list], list]:
         g, out_spec = lowered
-        note_graph(_site(gm) + f"#{len(inputs)}", signature(inputs))
+        note_graph(_site(gm) + f"#inference#{len(inputs)}", signature(inputs))
         return make_runner(compile_graph(g), out_spec)
 
     return build
@@ -160,15 +165,17 @@ def _aot_backend(options: dict[str, Any]) -> Callable:
     ``options`` (torch.compile's, see :mod:`kiln.frontends.compile.options`) are in force for
     each of its compiles, also a backward AOTAutograd compiles at its first run."""
 
-    def kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> KilnOutputCode:
-        with config.scoped(**options):
-            return _kiln_compiler(gm, example_inputs)
+    def compiler(kind: str) -> SerializableAOTDispatchCompiler:
+        def kiln_compiler(gm: torch.fx.GraphModule, example_inputs: list) -> KilnOutputCode:
+            with config.scoped(**options):
+                return _kiln_compiler(gm, example_inputs, kind)
 
-    compiler = SerializableAOTDispatchCompiler(KilnOutputCode, kiln_compiler)
+        return SerializableAOTDispatchCompiler(KilnOutputCode, kiln_compiler)
+
     return aot_autograd(
-        fw_compiler=compiler,
-        bw_compiler=compiler,
-        inference_compiler=compiler,
+        fw_compiler=compiler("forward"),
+        bw_compiler=compiler("backward"),
+        inference_compiler=compiler("inference"),
         decompositions=_DECOMPS,
         # what the forward saves for backward: Inductor's choice (recompute cheap pointwise work,
         # save less) or AOTAutograd's default (save every value backward reads)
