@@ -103,6 +103,15 @@ def test_compile_recompile_names_the_user_line():
     assert reason.startswith("input 0 changed")
 
 
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn = torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.lin(x)))
+
+
 def test_an_eval_loop_under_no_grad_is_not_a_recompile_of_the_training_graphs():
     """Training a compiled model and evaluating it under ``no_grad`` each epoch makes training
     graphs (forward, backward) and an inference graph at the same line: each kind is its own
@@ -112,7 +121,7 @@ def test_an_eval_loop_under_no_grad_is_not_a_recompile_of_the_training_graphs():
     torch._dynamo.reset()
     metrics.reset()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU())
+    model = _Net()  # its forward is this file's line: the site (not a generic module's)
     compiled = torch.compile(model, backend="kiln", dynamic=False)
     for _ in range(3):
         model.train()
@@ -125,3 +134,4 @@ def test_an_eval_loop_under_no_grad_is_not_a_recompile_of_the_training_graphs():
     compiled(torch.randn(5, 6)).sum().backward()
     reasons = metrics.counters()["recompile_reasons"]
     assert reasons and all("#forward#" in site or "#backward#" in site for site, _ in reasons)
+    assert all(site.startswith(f"compile:{os.path.abspath(__file__)}:") for site, _ in reasons)
