@@ -34,6 +34,21 @@ def mse_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable:
     return step
 
 
+def loss_and_grads_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable:
+    """``step(x, y) -> (loss, {name: gradient})`` for a model that returns its loss: forward,
+    backward, the gradients copied, optimizer step, zero_grad."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        loss = model(x, y)
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        return loss.detach(), grads
+
+    return step
+
+
 def check_compiled_step_matches_eager(
     make_opt: Callable, compile_fn: Callable, steps: int = 4
 ) -> None:

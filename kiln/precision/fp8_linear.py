@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.precision.formats import E4M3, E5M2, FloatFormat
+from kiln.precision.formats import E4M3, E5M2, FloatFormat, fp8_format
 from kiln.precision.quant import dequantize, quantize
 
 SCALINGS = ("tensorwise", "rowwise")
@@ -27,28 +27,28 @@ _EPS = 1e-12
 
 
 @torch.library.custom_op("kiln::fp8_fake_quant", mutates_args=(), device_types="cpu")
-def _fake_quant_op(
-    x: torch.Tensor, ebits: int, mbits: int, bias: int, encoding: str, rowwise: bool
-) -> torch.Tensor:
-    """``x`` (2-D, float32, CPU) through the format with a dynamic scale, back in float32: one
-    op to PyTorch, so that Dynamo and the lazy device take it whole (their graphs call it on the
-    CPU buffers when they run) instead of tracing the generated kernels' raw pointers."""
+def _fake_quant_op(x: torch.Tensor, fmt: str, rowwise: bool) -> torch.Tensor:
+    """``x`` (2-D, float32, CPU) through the fp8 format named ``fmt`` with a dynamic scale, back
+    in float32: one op to PyTorch, so that Dynamo and the lazy device take it whole (their
+    graphs call it on the CPU buffers when they run) instead of tracing the generated kernels'
+    raw pointers."""
     if x.numel() == 0:
         return x.clone()
-    fmt = FloatFormat(f"e{ebits}m{mbits}b{bias}", ebits, mbits, bias, encoding)
+    f = fp8_format(fmt)
     amax = x.abs().amax(dim=-1) if rowwise else x.abs().amax()
-    scale = fmt.max / amax.clamp_min(_EPS)
-    return dequantize(quantize(x, fmt, scale, saturate=True), fmt, scale)
+    scale = f.max / amax.clamp_min(_EPS)
+    return dequantize(quantize(x, f, scale, saturate=True), f, scale)
 
 
 @_fake_quant_op.register_fake
-def _(x: torch.Tensor, ebits: int, mbits: int, bias: int, encoding: str, rowwise: bool):
+def _(x: torch.Tensor, fmt: str, rowwise: bool) -> torch.Tensor:
     return torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
 
 def _fake_quant(x: torch.Tensor, fmt: FloatFormat, rowwise: bool) -> torch.Tensor:
-    """``x`` (2-D, float32) through ``fmt`` with a dynamic scale, back in float32."""
-    return _fake_quant_op(x, fmt.ebits, fmt.mbits, fmt.bias, fmt.encoding, rowwise)
+    """``x`` (2-D, float32) through ``fmt`` (one of the named formats) with a dynamic scale, back
+    in float32."""
+    return _fake_quant_op(x, fmt.name, rowwise)
 
 
 class _Fp8Linear(torch.autograd.Function):

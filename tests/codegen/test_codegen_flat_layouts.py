@@ -19,6 +19,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from optim_cases import loss_and_grads_step
 from torch import nn
 
 import kiln
@@ -108,16 +109,9 @@ def test_a_channels_last_conv_net_trains_as_eager_and_keeps_its_layout(launcher:
 
     def train(compiled: bool) -> tuple[list, nn.Module]:
         model = copy.deepcopy(base)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            loss = model(x, y)
-            loss.backward()
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-            opt.step()
-            opt.zero_grad()
-            return loss.detach(), grads
-
+        step = loss_and_grads_step(
+            model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        )
         run = _compiled(step, launcher) if compiled else step
         return [run(x, y) for x, y in data], model
 

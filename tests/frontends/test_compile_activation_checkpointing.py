@@ -27,6 +27,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from optim_cases import loss_and_grads_step
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -73,16 +74,7 @@ def _train(
     """SGD steps (AdamW would turn a key bias's rounding-noise gradient, 0 in exact arithmetic,
     into full-size steps of either sign: tests/conformance/_training.py); the losses, every
     step's gradients and the final state."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        loss = model(x, y)
-        loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        return loss.detach(), grads
-
+    step = loss_and_grads_step(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
     if compiled:
         torch._dynamo.reset()
         step = torch.compile(step, backend="kiln")
