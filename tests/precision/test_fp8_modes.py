@@ -41,13 +41,16 @@ def _layer_run(layer: nn.Module, x: torch.Tensor, go: torch.Tensor, mode: str) -
     return [t.detach().cpu() for t in (out, x.grad, layer.weight.grad, layer.bias.grad)]
 
 
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "transposed"])
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("mode", ["compile", "lazy"])
-def test_one_fp8_layer_matches_eager_forward_and_gradients(mode, scaling):
+def test_one_fp8_layer_matches_eager_forward_and_gradients(mode, scaling, contiguous):
     torch._dynamo.reset()
     torch.manual_seed(0)
     layer = Fp8Linear(48, 24, scaling=scaling)
     x, go = torch.randn(3, 5, 48) * 4, torch.randn(3, 5, 24)
+    if not contiguous:
+        x = (torch.randn(5, 3, 48) * 4).transpose(0, 1)
     want = _layer_run(layer, x, go, "eager")
     before = metrics.counters()["fallbacks"].get("fp8_fake_quant", 0)
     got = _layer_run(layer, x, go, mode)
@@ -98,3 +101,13 @@ def test_an_fp8_mlp_trains_as_in_eager_in_both_modes(scaling):
         torch.testing.assert_close(runs[mode][0], runs["eager"][0], rtol=1e-5, atol=1e-6)
         for a, b in zip(runs[mode][1], runs["eager"][1]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_tensor_on_another_device_is_refused_naming_both_devices():
+    layer = Fp8Linear(8, 4)
+    with pytest.raises(ValueError) as e:
+        layer(torch.randn(2, 8, device="meta"))
+    assert str(e.value) == (
+        "fp8_linear runs on CPU and kiln tensors (Kiln's fp8 kernels are CPU kernels), got "
+        "meta and cpu"
+    )

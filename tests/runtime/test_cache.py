@@ -1,6 +1,7 @@
 """The compile cache: memory and disk hits, atomic entries, corrupt entries rebuilt."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ import kiln
 from kiln import metrics
 from kiln.ir.graph import GraphBuilder, In, Node, TensorType
 from kiln.runtime import compiler
-from kiln.runtime.cache import DiskCache, cache_key
+from kiln.runtime.cache import CacheDirError, DiskCache, cache_key
 
 
 def _graph(scale: float = 2.0):
@@ -114,11 +115,18 @@ def test_an_unusable_cache_folder_fails_at_the_first_compile_naming_the_setting(
     old = kiln.config.cache_dir
     compiler.clear_memory_cache()
     try:
-        kiln.config.update(cache_dir=str(blocker / "kiln"))
-        with pytest.raises(RuntimeError, match=r"cannot be used .*set KILN_CACHE_DIR"):
+        root = str(blocker / "kiln")
+        kiln.config.update(cache_dir=root)
+        message = (
+            f"Kiln's compile cache folder {root} cannot be used ([Errno 20] Not a directory: "
+            f"'{root}'); Kiln keeps compiled graphs and C++ kernels there: set KILN_CACHE_DIR "
+            "(kiln.config.cache_dir) to a writable folder"
+        )
+        with pytest.raises(CacheDirError) as e:
             compiler.compile_graph(_graph(3.0))
+        assert str(e.value) == message
         f = torch.compile(lambda x: torch.tanh(x) * 3.5, backend="kiln")
-        with pytest.raises(Exception, match=r"compile cache folder .* cannot be used"):
+        with pytest.raises(Exception, match=re.escape(message)):  # inside Dynamo's wrapper
             f(torch.ones(3))
         kiln.config.update(cache_dir=str(tmp_path / "ok"))
         exe = compiler.compile_graph(_graph(3.0))
