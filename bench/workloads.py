@@ -129,7 +129,16 @@ def _hf_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     return model(input_ids=x, labels=y).loss
 
 
-def _hf(kind: str, quick: bool, n: int, g: torch.Generator, large: bool = False) -> Workload:
+def _hf(
+    kind: str,
+    quick: bool,
+    n: int,
+    g: torch.Generator,
+    large: bool = False,
+    checkpointed: bool = False,
+) -> Workload:
+    """A ``transformers`` model; ``checkpointed``: with the library's default dropout and
+    gradient checkpointing on (its random ops replayed in backward), as fine-tuning recipes run it."""
     import transformers as tf
 
     layers, hidden, seq, batch = (
@@ -151,20 +160,25 @@ def _hf(kind: str, quick: bool, n: int, g: torch.Generator, large: bool = False)
             n_embd=hidden,
             n_layer=layers,
             n_head=4,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
+            **({} if checkpointed else {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
             bos_token_id=0,
             eos_token_id=0,
         )
         cls = tf.GPT2LMHeadModel
     elif kind == "bert":
-        cfg = tf.BertConfig(**common, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        drop = (
+            {}
+            if checkpointed
+            else {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+        )
+        cfg = tf.BertConfig(**common, **drop)
         cls = tf.BertForMaskedLM
     else:
         cfg = tf.LlamaConfig(**common, num_key_value_heads=2, attention_dropout=0.0)
         cls = tf.LlamaForCausalLM
     model = cls(cfg)  # the default attention implementation (SDPA), as users get it
+    if checkpointed:
+        model.gradient_checkpointing_enable()
     data = []
     for _ in range(n):
         ids = torch.randint(0, vocab, (batch, seq), generator=g)
@@ -177,11 +191,12 @@ def _hf(kind: str, quick: bool, n: int, g: torch.Generator, large: bool = False)
         data.append((ids, labels))
     head = "masked LM" if kind == "bert" else "causal LM"
     return Workload(
-        f"{kind}-large" if large else kind,
+        f"{kind}-large" if large else f"{kind}-ckpt" if checkpointed else kind,
         model,
         data,
         _hf_loss,
-        f"HF {cls.__name__} {layers}L d{hidden} ({head}), batch {batch}x{seq}",
+        f"HF {cls.__name__} {layers}L d{hidden} ({head}), batch {batch}x{seq}"
+        + (", dropout 0.1, gradient checkpointing" if checkpointed else ""),
     )
 
 
@@ -198,6 +213,9 @@ WORKLOADS: dict[str, Callable[[bool, int, torch.Generator], Workload]] = {
     "gpt-large": lambda q, n, g: _gpt(q, n, g, large=True),
     "llama-large": lambda q, n, g: _hf("llama", q, n, g, large=True),
     "cnn-large": lambda q, n, g: _cnn(q, n, g, large=True),
+    # not in a size class: fine-tuning set-ups (bench/step_cpu.py --workload gpt2-ckpt)
+    "gpt2-ckpt": lambda q, n, g: _hf("gpt2", q, n, g, checkpointed=True),
+    "bert-ckpt": lambda q, n, g: _hf("bert", q, n, g, checkpointed=True),
 }
 SIZES = {
     "small": ["mlp", "gpt", "cnn", "gpt2", "bert", "llama"],

@@ -482,5 +482,45 @@ defop(
 )
 defop("writeback", Category.META, impl=lambda op: writeback, side_effects=True)
 
+
+def _rng_saved(op: str) -> Callable[..., tuple]:
+    """``rng_saved.<aten op>``: AOTAutograd's ``run_and_save_rng_state(op, ...)`` on the CPU
+    (torch/_prims/rng_prims.py): the generator's state, then the random op's result, flattened
+    into one tuple ``(state, *outputs)``."""
+    inner = _aten(op[len("rng_saved.") :])
+
+    def run(*args: Any, **kwargs: Any) -> tuple:
+        state = torch.get_rng_state()
+        out = inner(*args, **kwargs)
+        return (state, *out) if isinstance(out, (tuple, list)) else (state, out)
+
+    return run
+
+
+def _rng_replayed(op: str) -> Callable[..., Any]:
+    """``rng_replayed.<aten op>``: AOTAutograd's ``run_with_rng_state(state, op, ...)`` on the
+    CPU: the random op run again from a saved state (the same draws), the generator's own state
+    restored after it."""
+    inner = _aten(op[len("rng_replayed.") :])
+
+    def run(state: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        current = torch.get_rng_state()
+        torch.set_rng_state(state)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            torch.set_rng_state(current)
+
+    return run
+
+
+# A random op of an activation checkpoint's region whose draws the backward's recomputation
+# replays (AOTAutograd's two wrappers; kiln/frontends/compile/rng_replay.py lowers them):
+# draws in the forward's order, never merged, dropped or moved.
+defop("rng_saved", _X, impl=_rng_saved, opaque_types=True, side_effects=True, namespace="kiln")
+defop(
+    "rng_replayed", _X, impl=_rng_replayed, opaque_types=True, side_effects=True, namespace="kiln"
+)
+
 # Ops whose value depends on data and which no pass may duplicate or drop.
 SIDE_EFFECTS: frozenset[str] = side_effect_ops()

@@ -177,3 +177,95 @@ def test_checkpointed_sdpa_compiles_into_kiln_graphs_and_matches_eager(recompute
             )
     for name, want in want_state.items():
         torch.testing.assert_close(got_state[name], want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class _RandomBlock(nn.Module):
+    """A checkpointed region that draws random numbers: dropout (``native_dropout``, two outputs),
+    SDPA with ``dropout_p > 0``, and a hand-written mask from ``rand_like`` (one output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.qkv, self.out = nn.LayerNorm(32), nn.Linear(32, 96), nn.Linear(32, 32)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        h = self.drop(self.out(a.transpose(1, 2).reshape(b, t, 32)))
+        return x + h * (torch.rand_like(h) > 0.1) / 0.9
+
+
+class _RandomNet(_AttentionNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_RandomBlock() for _ in range(2)])
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def _seeded_train(model: nn.Module, compiled: bool) -> tuple[list, list, dict, torch.Tensor]:
+    """:func:`_train` from one seed, and the generator's next draw after it."""
+    torch.manual_seed(1234)
+    losses, grads, state = _train(model, _tokens(), compiled, lr=0.1)
+    return losses, grads, state, torch.rand(4)
+
+
+def test_random_ops_in_a_checkpointed_region_compile_and_draw_eagers_numbers() -> None:
+    """The forward's draws and the backward's replay of them run in Kiln's graphs (until
+    2026-12-05 AOTAutograd's replay wrappers sent the whole graph to ATen): eager's losses,
+    gradients and parameters from the same seed, so the same masks, and the generator left where
+    eager leaves it."""
+    torch.manual_seed(0)
+    base = _RandomNet()
+    want_losses, want_grads, want_state, want_next = _seeded_train(copy.deepcopy(base), False)
+    kiln.metrics.reset()
+    with kiln.config.scoped(disk_cache=False):
+        got_losses, got_grads, got_state, got_next = _seeded_train(copy.deepcopy(base), True)
+    counters = kiln.metrics.counters()
+    assert not counters.get("fallbacks"), counters.get("fallbacks")  # no graph ran on ATen
+    torch.testing.assert_close(got_next, want_next, rtol=0, atol=0)
+    for got, want in zip(got_losses, want_losses):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    for step, (got, want) in enumerate(zip(got_grads, want_grads)):
+        for name in want:
+            torch.testing.assert_close(
+                got[name], want[name], rtol=1e-4, atol=1e-6, msg=f"step {step} grad {name}"
+            )
+    for name, want in want_state.items():
+        torch.testing.assert_close(got_state[name], want, rtol=1e-4, atol=1e-6, msg=name)
+    # the masks are random: another seed gives other losses
+    torch.manual_seed(99)
+    other, _, _ = _train(copy.deepcopy(base), _tokens(), True, lr=0.1)
+    assert not torch.equal(other[0], want_losses[0])
+
+
+def test_the_replay_ops_draw_again_what_was_drawn_and_restore_the_generator() -> None:
+    from kiln.ir.semantics import resolve
+
+    saved = resolve("rng_saved.aten::native_dropout.default")
+    replayed = resolve("rng_replayed.aten::native_dropout.default")
+    x = torch.randn(64)
+    state, out, mask = saved(x, 0.5, True)
+    after = torch.get_rng_state()
+    torch.rand(3)  # the generator moves on
+    moved = torch.get_rng_state()
+    again, again_mask = replayed(state, x, 0.5, True)
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+    assert torch.equal(again_mask, mask) and not mask.all() and mask.any()
+    assert torch.equal(torch.get_rng_state(), moved)  # restored, not left at the replay's end
+    assert not torch.equal(after, moved)
+    one = resolve("rng_saved.aten::rand.default")
+    state, r = one([5], device=torch.device("cpu"), pin_memory=False)
+    torch.testing.assert_close(
+        resolve("rng_replayed.aten::rand.default")(
+            state, [5], device=torch.device("cpu"), pin_memory=False
+        ),
+        r,
+        rtol=0,
+        atol=0,
+    )

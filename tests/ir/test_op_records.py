@@ -34,7 +34,7 @@ def test_every_record_says_what_the_op_is():
     assert "_scaled_dot_product_flash_attention_for_cpu" in keep_whole_ops()
     assert functional_variant("normal_.default") == "normal_functional.default"
     assert functional_variant("add_.Tensor") is None  # the name says it: add.Tensor
-    assert SIDE_EFFECTS == {"opaque", "writeback"}
+    assert SIDE_EFFECTS == {"opaque", "writeback", "rng_saved", "rng_replayed"}
     with pytest.raises(KeyError, match="unknown Kiln op"):
         record("no_such_op.default")
 

@@ -3,7 +3,8 @@
 Placeholders become ``input`` nodes (tensors) or ``scalar`` nodes (SymInt / Python numbers), tensor
 attributes (``get_attr``, constants lifted by Dynamo) become ``constant`` nodes, ATen
 calls go through :func:`kiln.lowering.lower_call`, integer arithmetic on symbolic sizes becomes
-``pyop`` nodes.  The output spec says, per output position, which graph output fills it or which
+``pyop`` nodes, AOTAutograd's random-number replay wrappers of an activation checkpoint's region
+``rng_saved`` / ``rng_replayed`` nodes (:mod:`kiln.frontends.compile.rng_replay`).  The output spec says, per output position, which graph output fills it or which
 constant (``None`` for a gradient that does not exist).  ``copy_`` into a placeholder (an input
 mutation AOTAutograd kept in the graph, e.g. an optimizer's parameter update) becomes a
 ``writeback`` node; a source that aliases an input is cloned first, before any writeback, so that
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from kiln.frontends.compile import sdpa_no_draws
+from kiln.frontends.compile import rng_replay, sdpa_no_draws
 from kiln.ir.graph import Graph, GraphBuilder, In, Node
 from kiln.ir.semantics import PYOPS, types_of, value_type
 from kiln.lowering.aten import Ref, lower_call
@@ -86,8 +87,12 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
     b = GraphBuilder()
     env: dict[torch.fx.Node, int] = {}
 
+    nested: dict[torch.fx.Node, rng_replay.Nested] = {}  # getitem(rng_saved, 1): several values
+
     def ref_of(x: Any) -> Ref | None:
         if isinstance(x, torch.fx.Node):
+            if x in nested:
+                raise UnsupportedGraph(f"{x.name} (a random op's several outputs) used whole")
             return Ref(env[x])
         return None
 
@@ -95,6 +100,7 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
     outputs: list[int] = []
     pending: list[tuple[torch.fx.Node, torch.fx.Node]] = []  # copy_(dst placeholder, src)
     updated: set[torch.fx.Node] = set()
+    several: set[torch.fx.Node] = set()  # rng_saved wrappers of ops with several outputs
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         _check_on_cpu(node, val)
@@ -109,7 +115,12 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
             if updated and any(a in updated for a in reads):
                 # writebacks run at the end: a read of an updated input would see its old value
                 raise UnsupportedGraph(f"{node.name} reads a graph input after updating it")
-            if tgt is operator.getitem:
+            if tgt is operator.getitem and node.args[0] in nested:
+                src = nested[node.args[0]]
+                env[node] = b.getitem(src.node, src.offset + node.args[1])
+            elif tgt is operator.getitem and node.args[0] in several and node.args[1] == 1:
+                nested[node] = rng_replay.Nested(env[node.args[0]], 1)  # flat after the state
+            elif tgt is operator.getitem:
                 env[node] = b.getitem(env[node.args[0]], node.args[1])
             elif _is_input_copy(node):
                 pending.append((node.args[0], node.args[1]))
@@ -121,6 +132,13 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
                 func, args, kwargs = call or (tgt, node.args, dict(node.kwargs))
                 n = lower_call(func, args, kwargs, ref_of, types_of(val, numbers_in_sequences=True))
                 env[node] = b.add(n)
+            elif tgt in rng_replay.WRAPPERS:
+                try:
+                    env[node], many = rng_replay.lower(node, b, env)
+                except rng_replay.Unsupported as e:
+                    raise UnsupportedGraph(str(e)) from e
+                if many and tgt is rng_replay.run_and_save_rng_state:
+                    several.add(node)
             elif tgt in _PYOP_NAMES:
                 ins = tuple(env[a] for a in node.args if isinstance(a, torch.fx.Node))
                 k = iter(range(len(ins)))
@@ -145,6 +163,10 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
         elif node.op == "output":
             _writebacks(b, env, pending, gm)
             for o in node.args[0]:
+                if o in nested:
+                    raise UnsupportedGraph(
+                        f"{o.name} (a random op's several outputs) returned whole"
+                    )
                 if isinstance(o, torch.fx.Node):
                     out_spec.append(("out", len(outputs)))
                     outputs.append(env[o])
