@@ -141,8 +141,15 @@ def traced(seconds: float) -> None:
         _m.trace_s.append(seconds)
 
 
-def recompile(site: str, reason: str, warn_after: int) -> None:
-    """A call site compiled a new graph for a reason other than its first call."""
+_SHAPES_ADVICE = (
+    "Each new shape or dtype is a new graph: pad inputs to a few fixed sizes or mark the "
+    "dimension dynamic."
+)
+
+
+def recompile(site: str, reason: str, warn_after: int, advice: str = _SHAPES_ADVICE) -> None:
+    """A call site compiled a new graph for a reason other than its first call; ``advice``
+    says what to do about it in the warning."""
     with _lock:
         _m.counters["recompiles"] += 1
         _m.recompiles.append((site, reason))
@@ -153,8 +160,7 @@ def recompile(site: str, reason: str, warn_after: int) -> None:
             _m.warned.add(site)
     if should_warn:
         warnings.warn(
-            f"Kiln recompiled {site} {n} times; last reason: {reason}. Each new shape or dtype is "
-            "a new graph: pad inputs to a few fixed sizes or mark the dimension dynamic.",
+            f"Kiln recompiled {site} {n} times; last reason: {reason}. {advice}",
             RecompileWarning,
             stacklevel=3,
         )

@@ -19,8 +19,9 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any
 
 import torch
 
@@ -118,6 +119,39 @@ def recompile_reason(prev: Signature, new: Signature) -> str | None:
     return None
 
 
+def _shape_dtype(x: Any) -> tuple[Any, Any]:
+    """An input's shape and dtype in either frontend's signature (a ``TensorType``, a ``(shape,
+    dtype)`` pair, a type name)."""
+    if isinstance(x, tuple) and len(x) == 2:
+        return x
+    return getattr(x, "shape", x), getattr(x, "dtype", None)
+
+
+def recompile_advice(site: str, prev: Signature, new: Signature) -> str:
+    """What to do about a recompile at ``site`` from ``prev`` to ``new``: the warning's second
+    sentence."""
+    changed = [(a, b) for a, b in zip(prev.inputs, new.inputs) if a != b]
+    if len(prev.inputs) == len(new.inputs) and changed:
+        shapes = any(_shape_dtype(a)[0] != _shape_dtype(b)[0] for a, b in changed)
+        dtypes = any(_shape_dtype(a)[1] != _shape_dtype(b)[1] for a, b in changed)
+        if dtypes and not shapes:
+            return "Each new dtype is a new graph: keep the inputs of one call site in one dtype."
+        return (
+            "Each new shape or dtype is a new graph: pad inputs to a few fixed sizes or mark the "
+            "dimension dynamic."
+        )
+    variants = (
+        "The code here made another graph than before (a branch on data, a train/eval switch, "
+        "another number of tensors): each variant is its own graph, compiled once and reused after"
+    )
+    if site.startswith("lazy:"):
+        return (
+            f"{variants}; a count that keeps growing means the graph is cut at another place "
+            "each time: call kiln.mark_step() where each step ends."
+        )
+    return variants + "."
+
+
 class Recompiles:
     """The last graph run at each call site; a newly compiled, different one is a recompile,
     counted in :mod:`kiln.metrics` with its reason (a warning past ``config.recompile_warn``)."""
@@ -134,7 +168,9 @@ class Recompiles:
             return
         reason = recompile_reason(prev, sig)
         if reason is not None:
-            metrics.recompile(site, reason, config.recompile_warn)
+            metrics.recompile(
+                site, reason, config.recompile_warn, recompile_advice(site, prev, sig)
+            )
 
     def clear(self) -> None:
         self._last.clear()

@@ -55,6 +55,33 @@ def test_recompile_reasons():
     ]
 
 
+def test_the_recompile_warning_advises_on_what_changed():
+    """The warning's advice follows the reason: padding for new shapes, one dtype for a new
+    dtype, and for another graph with the same inputs (the lazy device's code taking another
+    branch) not padding, which would not help, but where to cut the step."""
+    f32, f64 = torch.float32, torch.float64
+    lazy = Signature((TensorType((2, 8), f32),), "h1", 5)
+    shapes = steps.recompile_advice("lazy:t.py:1", lazy, Signature((TensorType((3, 8), f32),)))
+    assert "pad inputs to a few fixed sizes" in shapes
+    dtypes = steps.recompile_advice("lazy:t.py:1", lazy, Signature((TensorType((2, 8), f64),)))
+    assert dtypes.startswith("Each new dtype is a new graph") and "pad" not in dtypes
+    branch = steps.recompile_advice("lazy:t.py:1", lazy, Signature(lazy.inputs, "h2", 7))
+    assert "pad" not in branch and "kiln.mark_step()" in branch
+    compiled = Signature((((2, 8), f32), "int"))
+    grown = Signature((((2, 8), f32), "int", "int"))
+    assert "mark_step" not in steps.recompile_advice("compile:m.py:3", compiled, grown)
+    assert "pad inputs" in steps.recompile_advice(
+        "compile:m.py:3", compiled, Signature((((2, 9), f32), "int"))
+    )
+    metrics.reset()
+    r = Recompiles()
+    r.seen("lazy:t.py:9", lazy)
+    with kiln.config.scoped(recompile_warn=0):
+        with pytest.warns(metrics.RecompileWarning, match="graph structure changed") as w:
+            r.seen("lazy:t.py:9", Signature(lazy.inputs, "h2", 7))
+    assert "pad inputs" not in str(w[0].message) and "mark_step" in str(w[0].message)
+
+
 def test_writebacks_clone_or_skip_aliased_sources():
     t = (TensorType((3,), torch.float32),)
     for clone in (False, True):
