@@ -10,6 +10,13 @@ from kiln.ir.graph import Graph, Node, TensorType
 from kiln.ir.kernel import LoopKind
 
 MAX_GROUP = 256  # members per kernel: keeps generated functions small enough to compile fast
+# Members a group may have and still take an independent node (horizontal fusion).  Each such
+# node brings its own input and output arrays, and g++'s time on one `omp parallel for simd` loop
+# grows much faster than the number of arrays it streams: the lazy device's BERT-base step made
+# AdamW kernels of 256 independent updates (256 inputs, 256 outputs, 81 KB of source), one of
+# which took g++ 23.7 s (2.2 s without `simd`); at most 32 per kernel the step's two units built
+# in 3.7 s instead of 26.4 s, and steady steps were as fast (2026-12-05).
+MAX_HORIZONTAL = 32
 
 ROW_REDUCE = {"sum.dim_IntList", "mean.dim", "amax.default"}
 ROW_OPS = ROW_REDUCE | {"_softmax.default", "_log_softmax.default"}

@@ -33,7 +33,8 @@ reduced dim may be empty takes none (RMS norm forward: one kernel; backward: the
 elementwise gradient in one).
 
 Groups may also join independent nodes of the same shape (horizontal fusion), which turns e.g.
-the per-parameter AdamW updates of equal-shaped tensors into one kernel.  A group never becomes
+the per-parameter AdamW updates of equal-shaped tensors into one kernel, up to ``MAX_HORIZONTAL``
+members (a group already that large takes no more independent nodes).  A group never becomes
 part of a cycle: a node joins a group only if none of its other inputs depends on that group.
 A node does not join a group horizontally when one of its readers also reads a value computed
 from that group: the reader could not join it, so the node's value would be written out for it
@@ -56,6 +57,7 @@ from kiln.ir.kernel import BodyOp, FusedKernel, Lit, LoopKind, Val
 from kiln.ir.ops import Category
 from kiln.passes._groups import (
     MAX_GROUP,
+    MAX_HORIZONTAL,
     ROW_OPS,
     ROW_REDUCE,
     Group,
@@ -343,7 +345,7 @@ def _place(g, i, n, groups, group_of, deps, lits, claims: Claims, ancestors) -> 
             break
         if (
             fits(gid)
-            and len(gr.members) < MAX_GROUP
+            and len(gr.members) < MAX_HORIZONTAL
             and _can_join(gid, n, group_of, deps, groups)
             and not _reader_blocked(g, i, gr, ancestors, claims)
         ):

@@ -15,7 +15,7 @@ from _passes_testlib import V, call, f32
 from kiln.codegen.cpp import fuse_claimed as fuse  # the C++ backend's fusion (its claims)
 from kiln.ir import Graph, GraphBuilder, In, Node, TensorType, verify
 from kiln.ir.kernel import FusedKernel
-from kiln.passes.fuse import HORIZONTAL_WINDOW, MAX_GROUP
+from kiln.passes.fuse import HORIZONTAL_WINDOW, MAX_GROUP, MAX_HORIZONTAL
 
 
 def test_row_reductions_over_the_last_dim_written_as_a_positive_index():
@@ -226,6 +226,17 @@ def test_a_node_beyond_the_horizontal_window_starts_its_own_group():
     kernels = _kernels(out)
     assert kernels[0] == ("pointwise", 1, a, a) and kernels[-1] == ("pointwise", 1, r, r)
     assert [k[1] for k in kernels[1:-1]] == [MAX_GROUP] * 6
+
+
+def test_independent_nodes_fuse_horizontally_at_most_max_horizontal_per_kernel():
+    # 100 independent updates of one shape (an optimizer's per-parameter updates, each with its
+    # own input and output arrays): kernels of MAX_HORIZONTAL members, not one of 100, which g++
+    # takes superlinearly long to build; a chain still grows past it (the test above).
+    assert MAX_HORIZONTAL == 32
+    b = GraphBuilder()
+    outs = [call(b, "relu.default", [V(b.input(f32(4, 8)))], f32(4, 8)) for _ in range(100)]
+    out = verify(fuse(b.build(outs)))
+    assert [k[1] for k in _kernels(out)] == [32, 32, 32, 4]
 
 
 def test_reductions_that_are_neither_row_nor_column_kernels_stay():
