@@ -74,7 +74,11 @@ struct Cut {
   // Each live storage takes its result.  A result that is the storage's own buffer (a
   // writeback wrote the new value into it) stays as it is; any other result whose buffer is a
   // graph input's or an earlier result's is copied, so that no two storages share a buffer (a
-  // later writeback into one would change the other; as lazy/trace.py's sync).
+  // later writeback into one would change the other; as lazy/trace.py's sync).  A storage that
+  // took a value after the cut keeps it: another thread's upload (a loader thread's
+  // `batch.to(kiln)`: the kiln tensor is made, then its data copied in) can land on a storage
+  // whose `empty` node the cut took while the step ran; the step's result for it (that
+  // `empty`'s uninitialised buffer) used to replace the batch (NaN losses, one run in ~100).
   void assign(const std::vector<at::Tensor>& results) {
     std::lock_guard<std::mutex> lock(mu);
     TORCH_CHECK(results.size() == live.size(), "kiln native recorder: ", live.size(),
@@ -87,6 +91,7 @@ struct Cut {
       if (v.isTensor()) taken.insert(buffer(v.toTensor()));
     for (size_t i = 0; i < live.size(); ++i) {
       Storage& st = *live[i];
+      if (!st.pending && st.gen == -1 && st.node == -1) continue;  // uploaded after the cut
       at::Tensor r = results[i];
       const void* b = buffer(r);
       if (b && !(st.data.defined() && r.unsafeGetTensorImpl() == st.data.unsafeGetTensorImpl())) {
