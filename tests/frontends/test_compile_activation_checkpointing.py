@@ -86,6 +86,19 @@ def _train(
     return losses, grads, copy.deepcopy(model.state_dict())
 
 
+def _assert_trained_alike(got: tuple, want: tuple) -> None:
+    """Two :func:`_train` results agree: losses, every step's gradients, the final state."""
+    for g, w in zip(got[0], want[0]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=0)
+    for step, (g, w) in enumerate(zip(got[1], want[1])):
+        for name in w:
+            torch.testing.assert_close(
+                g[name], w[name], rtol=1e-4, atol=1e-6, msg=f"step {step} grad {name}"
+            )
+    for name, w in want[2].items():
+        torch.testing.assert_close(got[2][name], w, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def _images() -> list[Batch]:
     g = torch.Generator().manual_seed(1)
     return [
@@ -168,15 +181,7 @@ def test_checkpointed_sdpa_compiles_into_kiln_graphs_and_matches_eager(recompute
     assert not counters.get("fallbacks"), counters.get("fallbacks")  # no graph ran on ATen
     assert counters.get("sdpa_rng_wrappers_avoided", 0) >= 2  # forward calls of both blocks
     assert counters.get("dropout_p0_removed", 0) >= 2  # inside the checkpoint bodies
-    for got, want in zip(got_losses, want_losses):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
-    for step, (got, want) in enumerate(zip(got_grads, want_grads)):
-        for name in want:
-            torch.testing.assert_close(
-                got[name], want[name], rtol=1e-4, atol=1e-6, msg=f"step {step} grad {name}"
-            )
-    for name, want in want_state.items():
-        torch.testing.assert_close(got_state[name], want, rtol=1e-4, atol=1e-6, msg=name)
+    _assert_trained_alike((got_losses, got_grads, got_state), (want_losses, want_grads, want_state))
 
 
 class _RandomBlock(nn.Module):
@@ -229,15 +234,7 @@ def test_random_ops_in_a_checkpointed_region_compile_and_draw_eagers_numbers() -
     counters = kiln.metrics.counters()
     assert not counters.get("fallbacks"), counters.get("fallbacks")  # no graph ran on ATen
     torch.testing.assert_close(got_next, want_next, rtol=0, atol=0)
-    for got, want in zip(got_losses, want_losses):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
-    for step, (got, want) in enumerate(zip(got_grads, want_grads)):
-        for name in want:
-            torch.testing.assert_close(
-                got[name], want[name], rtol=1e-4, atol=1e-6, msg=f"step {step} grad {name}"
-            )
-    for name, want in want_state.items():
-        torch.testing.assert_close(got_state[name], want, rtol=1e-4, atol=1e-6, msg=name)
+    _assert_trained_alike((got_losses, got_grads, got_state), (want_losses, want_grads, want_state))
     # the masks are random: another seed gives other losses
     torch.manual_seed(99)
     other, _, _ = _train(copy.deepcopy(base), _tokens(), True, lr=0.1)
