@@ -483,6 +483,14 @@ defop(
 defop("writeback", Category.META, impl=lambda op: writeback, side_effects=True)
 
 
+def _dense(args: tuple) -> tuple:
+    """The tensor arguments row-major: a random op draws its numbers in its input's memory
+    order, and a checkpoint's recomputed input may come in another layout than the forward's (a
+    kernel keeping a transposed layout in one graph and not in the other), so both draw over
+    the same order and the replay repeats the forward's mask element for element."""
+    return tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+
+
 def _rng_saved(op: str) -> Callable[..., tuple]:
     """``rng_saved.<aten op>``: AOTAutograd's ``run_and_save_rng_state(op, ...)`` on the CPU
     (torch/_prims/rng_prims.py): the generator's state, then the random op's result, flattened
@@ -491,7 +499,7 @@ def _rng_saved(op: str) -> Callable[..., tuple]:
 
     def run(*args: Any, **kwargs: Any) -> tuple:
         state = torch.get_rng_state()
-        out = inner(*args, **kwargs)
+        out = inner(*_dense(args), **kwargs)
         return (state, *out) if isinstance(out, (tuple, list)) else (state, out)
 
     return run
@@ -507,7 +515,7 @@ def _rng_replayed(op: str) -> Callable[..., Any]:
         current = torch.get_rng_state()
         torch.set_rng_state(state)
         try:
-            return inner(*args, **kwargs)
+            return inner(*_dense(args), **kwargs)
         finally:
             torch.set_rng_state(current)
 

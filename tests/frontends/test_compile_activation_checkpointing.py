@@ -266,3 +266,34 @@ def test_the_replay_ops_draw_again_what_was_drawn_and_restore_the_generator() ->
         rtol=0,
         atol=0,
     )
+
+
+def _dropout_region(x: torch.Tensor) -> torch.Tensor:
+    return checkpoint(lambda t: F.dropout(t.sin(), 0.3) * 2, x, use_reentrant=False).sum()
+
+
+@pytest.mark.parametrize("case", ["empty", "transposed"])
+def test_a_checkpointed_dropout_of_an_empty_or_transposed_input_replays_its_mask(case: str) -> None:
+    """The replay nodes on an input with no elements and on a transposed view: the backward's
+    replayed mask is the forward's (the gradient's nonzero pattern gives back the forward's
+    sum).  A random op draws in memory order, and Kiln's forward kernel handed the recomputation
+    another layout than the forward's: the first version replayed another mask on the transposed
+    input (forward -8.46, the gradient's mask summing to 6.19), a gradient that did not belong to
+    the forward; both replay nodes now draw over row-major inputs.  With no elements: eager's
+    result (until 2026-12-05 the kernel after ATen's dropout refused the float mask ATen's CPU
+    kernel returns for an empty input, where torch's shape function says bool)."""
+    base = torch.randn(0, 16) if case == "empty" else torch.randn(16, 8).t()
+    x = base.clone(memory_format=torch.preserve_format).requires_grad_()
+    torch._dynamo.reset()
+    kiln.metrics.reset()
+    with kiln.config.scoped(disk_cache=False):
+        out = torch.compile(_dropout_region, backend="kiln")(x)
+        out.backward()
+    assert not kiln.metrics.counters().get("fallbacks")
+    kept = x.grad != 0  # the backward's mask
+    torch.testing.assert_close(
+        (kept * base.sin() * 2 / 0.7).sum(), out.detach(), rtol=1e-5, atol=1e-6
+    )
+    torch.testing.assert_close(x.grad, kept * base.cos() * 2 / 0.7, rtol=1e-6, atol=0)
+    if case == "transposed":  # a random mask: about 70% kept
+        assert 0.5 < kept.float().mean() < 0.9

@@ -641,8 +641,10 @@ class Launcher {
     c10::SmallVector<at::Tensor, 8> ts;
     for (size_t p = 0; p < nt; ++p) {
       at::Tensor t = vals[k.tensors[p]].toTensor();
-      // another dtype than the graph says would be read as the graph's (executor.py's message)
-      TORCH_CHECK(!checked || t.scalar_type() == k.in_dtypes[p], "kiln kernel at node ", node,
+      // another dtype than the graph says would be read as the graph's (executor.py's message);
+      // an empty input is never read
+      TORCH_CHECK(!checked || t.scalar_type() == k.in_dtypes[p] || t.numel() == 0,
+                  "kiln kernel at node ", node,
                   ": tensor input ", p, " is ", t.scalar_type(), ", but the graph says ",
                   k.in_dtypes[p],
                   " (an ATen call returned another dtype than torch's shape function said, a "
