@@ -141,15 +141,9 @@ def traced(seconds: float) -> None:
         _m.trace_s.append(seconds)
 
 
-_SHAPES_ADVICE = (
-    "Each new shape or dtype is a new graph: pad inputs to a few fixed sizes or mark the "
-    "dimension dynamic."
-)
-
-
-def recompile(site: str, reason: str, warn_after: int, advice: str = _SHAPES_ADVICE) -> None:
+def recompile(site: str, reason: str, warn_after: int, advice: str) -> None:
     """A call site compiled a new graph for a reason other than its first call; ``advice``
-    says what to do about it in the warning."""
+    (:func:`kiln.runtime.steps.recompile_advice`) says what to do about it in the warning."""
     with _lock:
         _m.counters["recompiles"] += 1
         _m.recompiles.append((site, reason))

@@ -3,12 +3,13 @@
 Placeholders become ``input`` nodes (tensors) or ``scalar`` nodes (SymInt / Python numbers), tensor
 attributes (``get_attr``, constants lifted by Dynamo) become ``constant`` nodes, ATen
 calls go through :func:`kiln.lowering.lower_call`, integer arithmetic on symbolic sizes becomes
-``pyop`` nodes, AOTAutograd's random-number replay wrappers of an activation checkpoint's region
-``rng_saved`` / ``rng_replayed`` nodes (:mod:`kiln.frontends.compile.rng_replay`).  The output spec says, per output position, which graph output fills it or which
-constant (``None`` for a gradient that does not exist).  ``copy_`` into a placeholder (an input
-mutation AOTAutograd kept in the graph, e.g. an optimizer's parameter update) becomes a
-``writeback`` node; a source that aliases an input is cloned first, before any writeback, so that
-writebacks never read a value another one has overwritten.
+``pyop`` nodes, AOTAutograd's random-number replay wrappers of an activation checkpoint's
+region ``rng_saved`` / ``rng_replayed`` nodes (:mod:`kiln.frontends.compile.rng_replay`).  The
+output spec says, per output position, which graph output fills it or which constant (``None``
+for a gradient that does not exist).  ``copy_`` into a placeholder (an input mutation
+AOTAutograd kept in the graph, e.g. an optimizer's parameter update) becomes a ``writeback`` node;
+a source that aliases an input is cloned first, before any writeback, so that writebacks never
+read a value another one has overwritten.
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
     b = GraphBuilder()
     env: dict[torch.fx.Node, int] = {}
 
-    nested: dict[torch.fx.Node, rng_replay.Nested] = {}  # getitem(rng_saved, 1): several values
+    # getitem(rng_saved, 1) of an op with several values -> the Kiln node holding them after
+    # the state (outputs 1, 2, ...)
+    nested: dict[torch.fx.Node, int] = {}
 
     def ref_of(x: Any) -> Ref | None:
         if isinstance(x, torch.fx.Node):
@@ -116,10 +119,9 @@ def fx_to_kiln(gm: torch.fx.GraphModule) -> tuple[Graph, list[tuple[str, Any]]]:
                 # writebacks run at the end: a read of an updated input would see its old value
                 raise UnsupportedGraph(f"{node.name} reads a graph input after updating it")
             if tgt is operator.getitem and node.args[0] in nested:
-                src = nested[node.args[0]]
-                env[node] = b.getitem(src.node, src.offset + node.args[1])
+                env[node] = b.getitem(nested[node.args[0]], 1 + node.args[1])
             elif tgt is operator.getitem and node.args[0] in several and node.args[1] == 1:
-                nested[node] = rng_replay.Nested(env[node.args[0]], 1)  # flat after the state
+                nested[node] = env[node.args[0]]
             elif tgt is operator.getitem:
                 env[node] = b.getitem(env[node.args[0]], node.args[1])
             elif _is_input_copy(node):

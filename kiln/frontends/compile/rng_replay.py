@@ -14,13 +14,12 @@ Guarantees: one ``rng_saved.<op>`` node with the flat outputs ``(state, *op outp
 ``rng_replayed.<op>`` node with the op's own outputs (records in :mod:`kiln.ir.ops`: random
 category, never merged, dropped or moved); their numbers are the wrapped op's on the CPU
 generator, as AOTAutograd's CPU implementations (``torch/_prims/rng_prims.py``) draw them.
-``getitem(saved, 1)`` of an op with several outputs is a view into the flat outputs
-(:data:`Nested`), resolved by the ``getitem`` that reads it.
+``getitem(saved, 1)`` of an op with several outputs stands for the flat outputs after the
+state, resolved by the ``getitem`` that reads it (:func:`kiln.frontends.compile.fx.fx_to_kiln`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,15 +35,6 @@ WRAPPERS = (run_and_save_rng_state, run_with_rng_state)
 
 class Unsupported(Exception):
     """A wrapper Kiln cannot lower (the graph then runs on ATen, counted)."""
-
-
-@dataclass(frozen=True)
-class Nested:
-    """``getitem(rng_saved node, 1)`` where the op returns several values: they sit at
-    ``offset``, ``offset + 1``, ... of the Kiln node ``node``'s outputs."""
-
-    node: int
-    offset: int
 
 
 def _op_output(op: Any, args: tuple, kwargs: dict) -> Any:
@@ -70,7 +60,7 @@ def _op_output(op: Any, args: tuple, kwargs: dict) -> Any:
 
 def lower(node: torch.fx.Node, b: GraphBuilder, env: dict[torch.fx.Node, int]) -> tuple[int, bool]:
     """One wrapper node -> one Kiln node: its id, and whether the op returns several values
-    (then ``getitem(node, 1)`` of a saving wrapper is :class:`Nested`)."""
+    (then ``getitem(node, 1)`` of a saving wrapper stands for them, flat after the state)."""
     saved = node.target is run_and_save_rng_state
     state_arg: tuple = () if saved else (node.args[0],)
     op, *rest = node.args[0 if saved else 1 :]
@@ -88,10 +78,9 @@ def lower(node: torch.fx.Node, b: GraphBuilder, env: dict[torch.fx.Node, int]) -
     targs, tkwargs, inputs = template((*state_arg, *rest), kwargs, ref_of)
     out = _op_output(op, tuple(rest), kwargs)
     several = isinstance(out, (tuple, list))
+    types = types_of(out, numbers_in_sequences=True)
     qual = f"{op._schema.name}.{op._overloadname}"
     if saved:
-        outs = types_of(out, numbers_in_sequences=True) if several else types_of(out)
-        types = (value_type(torch.get_rng_state()), *outs)
-        return b.add(Node(f"rng_saved.{qual}", inputs, targs, tkwargs, types)), several
-    types = types_of(out, numbers_in_sequences=True) if several else types_of(out)
-    return b.add(Node(f"rng_replayed.{qual}", inputs, targs, tkwargs, types)), several
+        types = (value_type(torch.get_rng_state()), *types)
+    name = f"rng_saved.{qual}" if saved else f"rng_replayed.{qual}"
+    return b.add(Node(name, inputs, targs, tkwargs, types)), several
