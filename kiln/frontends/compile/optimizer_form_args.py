@@ -2,7 +2,16 @@
 knows as Python constants, lists of tensor variables, their dtype and device), and rounding
 per-parameter float64 numbers as ATen rounds a Python float argument.  Shared by
 :mod:`kiln.frontends.compile.optimizer_forms` and
-:mod:`kiln.frontends.compile.optimizer_forms_adaptive`."""
+:mod:`kiln.frontends.compile.optimizer_forms_adaptive`.
+
+bfloat16 / float16 parameters: ATen's CPU kernels compute such an op in float and round its
+result once, and read most Python-number arguments at float precision (``mul``/``div``'s number,
+``lerp``'s weight, ``addcdiv``'s value; ``add``'s ``alpha`` is rounded to the tensors' dtype,
+``kiln/codegen/cpp/scalars.py``).  A per-parameter number (a bias correction, a scheduled
+``lr``) is a 0-dim tensor in the forms: a float32 one where the kernel reads the number at float
+precision (:func:`one_each`), and where ATen's op would round a tensor argument itself (``lerp``,
+``addcdiv`` with a tensor for ``value``) the op is computed on float32 copies and rounded once
+(:func:`lerped_`, :func:`addcdiv_`)."""
 
 from __future__ import annotations
 
@@ -12,11 +21,32 @@ import torch
 
 aten = torch.ops.aten
 
+# dtypes whose ATen CPU kernels compute in float (the op math type) and round the result once
+REDUCED = (torch.bfloat16, torch.float16)
+
+
+def opmath(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ATen's CPU kernels compute an op on ``dtype`` tensors in."""
+    return torch.float32 if dtype in REDUCED else dtype
+
 
 def one_each(values: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
-    """A float64 vector of per-parameter numbers as 0-dim tensors of ``dtype``, each rounded as
-    ATen rounds a Python float argument of an op on ``dtype`` tensors."""
+    """A float64 vector of per-parameter numbers as 0-dim tensors, each rounded as ATen's CPU
+    ``mul``/``div`` kernels read a Python float argument of an op on ``dtype`` tensors: to
+    ``dtype``, or for bf16 / fp16 to float32 (a one-element second operand is read at float
+    precision there, as a Python number is)."""
+    return list(values.to(opmath(dtype)).unbind(0))
+
+
+def alpha_each(values: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """A float64 vector of per-parameter ``alpha`` arguments of ``add`` as 0-dim tensors of
+    ``dtype``: ATen's ``add`` kernel rounds ``alpha`` to the tensors' dtype."""
     return list(values.to(dtype).unbind(0))
+
+
+def _floats(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """float32 copies of bf16 / fp16 tensors, for an op ATen computes in float."""
+    return [aten._to_copy.default(t, dtype=torch.float32) for t in tensors]
 
 
 def factor(value: Any, n: int, inputs: bool) -> Any:
@@ -60,7 +90,7 @@ def decayed_grads(
     rounded as ATen rounds a Python float) or L2 weight decay (:func:`l2_grads`)."""
     if decoupled and weight_decay != 0:
         lr_t = torch.ones((), dtype=torch.float64) * lr
-        aten._foreach_mul_.Tensor(params, (1 - lr_t * weight_decay).to(dtype))
+        aten._foreach_mul_.Tensor(params, (1 - lr_t * weight_decay).to(opmath(dtype)))
     return l2_grads(grads, params, maximize, 0 if decoupled else weight_decay)
 
 
@@ -98,11 +128,39 @@ def multiplied_(tensors: list[torch.Tensor], f: Any, dtype: torch.dtype) -> None
 def lerped_(
     tensors: list[torch.Tensor], ends: list[torch.Tensor], weight: Any, dtype: torch.dtype
 ) -> None:
-    """``t.lerp_(end, weight)`` for each tensor (a number or a :func:`factor` vector)."""
-    if isinstance(weight, torch.Tensor):
-        aten._foreach_lerp_.List(tensors, ends, one_each(weight, dtype))
-    else:
+    """``t.lerp_(end, weight)`` for each tensor (a number or a :func:`factor` vector).  A
+    bf16 / fp16 ``lerp`` with a tensor weight rounds the weight to the tensors' dtype, where
+    eager's Python-number weight is read at float precision: computed on float32 copies there."""
+    if not isinstance(weight, torch.Tensor):
         aten._foreach_lerp_.Scalar(tensors, ends, weight)
+    elif dtype in REDUCED:
+        lerped = aten._foreach_lerp.List(_floats(tensors), _floats(ends), one_each(weight, dtype))
+        aten._foreach_copy_.default(tensors, lerped)
+    else:
+        aten._foreach_lerp_.List(tensors, ends, one_each(weight, dtype))
+
+
+def addcdiv_(
+    targets: list[torch.Tensor],
+    nums: list[torch.Tensor],
+    dens: list[torch.Tensor],
+    value: Any,
+    dtype: torch.dtype,
+) -> None:
+    """``targets[i].addcdiv_(nums[i], dens[i], value=value)`` as ATen's CPU kernel computes it,
+    ``t + (value * n) / d`` in the op math type, rounded once; ``value`` a Python number or a
+    :func:`factor` vector.  In float32 / float64 each op of that spelling rounds as the kernel's
+    arithmetic does; in bf16 / fp16 a number goes to ATen's own ``addcdiv`` and a vector's ops
+    run on float32 copies (``addcdiv`` takes no tensor ``value``)."""
+    if dtype not in REDUCED:
+        one = isinstance(value, (int, float)) and value == 1
+        update = aten._foreach_div.List(nums if one else scaled(nums, value, dtype), dens)
+        aten._foreach_add_.List(targets, update)
+    elif not isinstance(value, torch.Tensor):
+        aten._foreach_addcdiv_.Scalar(targets, nums, dens, value)
+    else:
+        update = aten._foreach_div.List(scaled(_floats(nums), value, dtype), _floats(dens))
+        aten._foreach_copy_.default(targets, aten._foreach_add.List(_floats(targets), update))
 
 
 def squares_added_(
@@ -110,11 +168,16 @@ def squares_added_(
 ) -> None:
     """``t.addcmul_(g, g, value=value)`` for each tensor, ``fma(value * g, g, t)`` as ATen's CPU
     kernel computes it; with a :func:`factor` vector, ``value * g`` is its own op (rounded to
-    ``dtype`` as ATen's product is) and ``addcmul_`` takes it with ``value=1``."""
-    if isinstance(value, torch.Tensor):
-        aten._foreach_addcmul_.Scalar(tensors, scaled(grads, value, dtype), grads, 1)
-    else:
+    ``dtype`` as ATen's product is) and ``addcmul_`` takes it with ``value=1``; in bf16 / fp16,
+    where ATen keeps the product in float, on float32 copies rounded once."""
+    if not isinstance(value, torch.Tensor):
         aten._foreach_addcmul_.Scalar(tensors, grads, grads, value)
+    elif dtype in REDUCED:
+        floats, g = _floats(tensors), _floats(grads)
+        added = aten._foreach_addcmul.Scalar(floats, scaled(g, value, dtype), g, 1)
+        aten._foreach_copy_.default(tensors, added)
+    else:
+        aten._foreach_addcmul_.Scalar(tensors, scaled(grads, value, dtype), grads, 1)
 
 
 def added_scaled(
@@ -125,7 +188,7 @@ def added_scaled(
     :func:`factor` vector: spelled ``addcmul_(p, o, alpha_i, value=1)``, i.e.
     ``fma(1 * o, alpha_i, p)``."""
     if isinstance(alpha, torch.Tensor):
-        aten._foreach_addcmul_.Scalar(params, others, one_each(alpha, dtype), 1)
+        aten._foreach_addcmul_.Scalar(params, others, alpha_each(alpha, dtype), 1)
     else:
         aten._foreach_add_.List(params, others, alpha=alpha)
 
@@ -135,7 +198,7 @@ def plus_scaled(
 ) -> list[torch.Tensor]:
     """``xs[i].add(others[i], alpha=alpha)``, out of place, as :func:`added_scaled`."""
     if isinstance(alpha, torch.Tensor):
-        return aten._foreach_addcmul.Scalar(xs, others, one_each(alpha, dtype), 1)
+        return aten._foreach_addcmul.Scalar(xs, others, alpha_each(alpha, dtype), 1)
     return aten._foreach_add.List(xs, others, alpha=alpha)
 
 

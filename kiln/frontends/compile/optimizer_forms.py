@@ -70,6 +70,7 @@ from torch.optim import sgd as _torch_sgd
 
 from kiln import metrics
 from kiln.frontends.compile.optimizer_form_args import (
+    addcdiv_,
     added_scaled,
     constant,
     constants,
@@ -162,9 +163,7 @@ def adam_form(
     denom = aten._foreach_div.List(denom, one_each(bias_correction2_sqrt, dtype))
     denom = aten._foreach_add.Scalar(denom, eps)
     # param.addcdiv_(exp_avg, denom, value=-step_size): param + (-step_size * exp_avg) / denom
-    update = aten._foreach_mul.List(exp_avgs, one_each(neg_step_size, dtype))
-    update = aten._foreach_div.List(update, denom)
-    aten._foreach_add_.List(params, update)
+    addcdiv_(params, exp_avgs, denom, neg_step_size, dtype)
 
 
 _FLAGS = (

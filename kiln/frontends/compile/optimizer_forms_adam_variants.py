@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from kiln.frontends.compile.optimizer_form_args import (
+    addcdiv_,
     cpu_state,
     decayed_grads,
     factor,
@@ -160,8 +161,7 @@ def nadam_form(
     # param.addcdiv_(grad, denom, value=...); param.addcdiv_(exp_avg, denom, value=...):
     # p + (t * value) / denom, ATen's CPU order
     for tensors_, value in ((grads, grad_value), (exp_avgs, avg_value)):
-        update = aten._foreach_div.List(scaled(tensors_, value, dtype), denom)
-        aten._foreach_add_.List(params, update)
+        addcdiv_(params, tensors_, denom, value, dtype)
 
 
 def nadam_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from kiln.frontends.compile.optimizer_form_args import (
+    addcdiv_,
     added_scaled,
     constant,
     constants,
@@ -52,24 +53,10 @@ from kiln.frontends.compile.optimizer_form_args import (
     negated_lr,
     number,
     plain_numbers,
-    scaled,
     tensors,
 )
 
 aten = torch.ops.aten
-
-
-def _scaled_quotient_added(
-    params: list[torch.Tensor],
-    nums: list[torch.Tensor],
-    dens: list[torch.Tensor],
-    value: Any,
-    dtype: torch.dtype,
-) -> None:
-    """``params[i].addcdiv_(nums[i], dens[i], value=value)`` as ATen's CPU kernel computes it,
-    ``p + (n * v) / d``; ``value`` a Python number or a float64 vector (``scaled``)."""
-    update = aten._foreach_div.List(scaled(nums, value, dtype), dens)
-    aten._foreach_add_.List(params, update)
 
 
 def rmsprop_form(
@@ -111,11 +98,11 @@ def rmsprop_form(
     if momentum_buffer_list:  # momentum > 0: torch.optim lists the buffers only then
         # buf.mul_(momentum).addcdiv_(grad, avg): value 1, so p + g / avg
         multiplied_(momentum_buffer_list, factor(momentum, len(params), inputs), dtype)
-        aten._foreach_add_.List(momentum_buffer_list, aten._foreach_div.List(grads, avg))
+        addcdiv_(momentum_buffer_list, grads, avg, 1, dtype)
         added_scaled(params, momentum_buffer_list, neg_lr, dtype)  # param.add_(buf, alpha=-lr)
     else:
         # param.addcdiv_(grad, avg, value=-lr)
-        _scaled_quotient_added(params, grads, avg, neg_lr, dtype)
+        addcdiv_(params, grads, avg, neg_lr, dtype)
 
 
 def rmsprop_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
@@ -180,9 +167,7 @@ def adagrad_form(
     aten._foreach_addcmul_.Scalar(state_sums, grads, grads, 1)  # state_sum.addcmul_(grad, grad)
     std = aten._foreach_sqrt.default(state_sums)  # std = state_sum.sqrt().add_(eps)
     std = aten._foreach_add.Scalar(std, eps)
-    _scaled_quotient_added(
-        params, grads, std, neg_clr, dtype
-    )  # param.addcdiv_(grad, std, value=-clr)
+    addcdiv_(params, grads, std, neg_clr, dtype)  # param.addcdiv_(grad, std, value=-clr)
 
 
 def adagrad_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
@@ -251,7 +236,7 @@ def adamax_form(
     lr_t = torch.ones((), dtype=torch.float64) * lr
     neg_clr = (lr_t / (1 - torch.pow(b1, step))).neg()
     # param.addcdiv_(exp_avg, exp_inf, value=-clr)
-    _scaled_quotient_added(params, exp_avgs, exp_infs, neg_clr, dtype)
+    addcdiv_(params, exp_avgs, exp_infs, neg_clr, dtype)
 
 
 def adamax_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
