@@ -16,7 +16,12 @@ averaged over the group (``average=False``: summed), like DistributedDataParalle
 
 Works on CPU tensors too (the collectives then run eagerly, asynchronously, as they are issued).
 A parameter without a gradient in some step contributes zeros, so all ranks stay in step; it
-then receives the averaged gradient of the ranks that had one.
+then receives the averaged gradient of the ranks that had one (the sum over the group divided by
+its size, as DistributedDataParallel with ``find_unused_parameters=True`` averages).  Each bucket
+also carries a count per parameter of the ranks that had its gradient: a parameter that no rank
+had a gradient for keeps ``grad`` None, as with DistributedDataParallel (an optimizer then skips
+it: no weight decay, no moment update).  Telling that apart reads the counts on the host, a
+forced sync on the lazy device, only in a step where this rank lacked a gradient.
 """
 
 from __future__ import annotations
@@ -112,12 +117,20 @@ class GradientSync:
             self._issue(b)
 
     def _flat(self, b: int) -> torch.Tensor:
-        parts = []
+        """The bucket's gradients flattened (zeros for a missing one), then one element per
+        parameter: 1 where this rank has its gradient, else 0 (summed: the ranks that had it)."""
+        parts, had = [], []
         for i in self.buckets[b]:
             p = self.params[i]
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             parts.append(g.reshape(-1))
-        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            had.append(p.grad is not None)
+        p = self.params[self.buckets[b][0]]
+        if all(had):  # the common case: a constant, so a lazy step's graph does not change
+            parts.append(torch.ones(len(had), dtype=p.dtype, device=p.device))
+        else:
+            parts.append(torch.tensor(had, dtype=p.dtype, device=p.device))
+        return torch.cat(parts)
 
     def _issue(self, b: int) -> None:
         flat = self._flat(b)
@@ -134,11 +147,18 @@ class GradientSync:
                     r = torch.ops._c10d_functional.wait_tensor(self._issued[b])
                     if self.average:
                         r = r / self.world
+                    counts = r[r.numel() - len(idx) :]
+                    missing = [k for k, i in enumerate(idx) if self.params[i].grad is None]
+                    nobody = set()
+                    if missing:  # a forced sync, only where this rank lacked a gradient
+                        nobody = {k for k, c in zip(missing, counts[missing].tolist()) if c == 0}
                     off = 0
-                    for i in idx:
+                    for k, i in enumerate(idx):
                         p = self.params[i]
                         chunk = r[off : off + p.numel()].view(p.shape)
                         off += p.numel()
+                        if k in nobody:
+                            continue  # no rank had a gradient: grad stays None
                         if p.grad is None:
                             p.grad = chunk.clone()
                         else:

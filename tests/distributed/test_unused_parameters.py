@@ -1,0 +1,35 @@
+"""GradientSync with parameters that some ranks, or no rank, used in a step: gradients and
+parameters as DistributedDataParallel(find_unused_parameters=True) gives them, and a parameter no
+rank used keeps ``grad`` None (until 2026-12-06 it got zeros, and AdamW's weight decay moved it)."""
+
+from __future__ import annotations
+
+import math
+
+from dist_testlib import HERE, job_env, kiln_run, load, run
+
+
+def test_unused_parameters_match_ddp(tmp_path):
+    out = tmp_path / "unused.json"
+    cmd = kiln_run("--nproc-per-node", "2", str(HERE / "unused_worker.py"), str(out))
+    p = run(cmd, job_env(tmp_path / "cache"), timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = load(out)
+    eager, lazy = res["eager"], res["lazy"]
+    for step, (want, got) in enumerate(zip(eager["grads"], lazy["grads"])):
+        assert want["never.weight"] is None and want["never.bias"] is None
+        for name in want:
+            assert (got[name] is None) == (want[name] is None), (step, name)
+            if want[name] is not None:
+                w, g = _flat(want[name]), _flat(got[name])
+                assert max(abs(a - b) for a, b in zip(g, w)) <= 1e-6 * max(map(abs, w)), name
+    for name, want in eager["params"].items():
+        w, g = _flat(want), _flat(lazy["params"][name])
+        assert max(abs(a - b) for a, b in zip(g, w)) <= 1e-6 * max(map(abs, w)), name
+
+
+def _flat(x: object) -> list[float]:
+    if isinstance(x, list):
+        return [v for item in x for v in _flat(item)]
+    assert isinstance(x, float) and math.isfinite(x)
+    return [x]
