@@ -28,6 +28,19 @@ def test_unused_parameters_match_ddp(tmp_path):
         assert max(abs(a - b) for a, b in zip(g, w)) <= 1e-6 * max(map(abs, w)), name
 
 
+def test_ddp_finding_unused_parameters_on_the_device_names_the_fix(tmp_path):
+    """Its C++ reducer pins host memory for the kiln device in backward, which PyTorch asks of
+    the device's hooks: the error names GradientSync (it was PyTorch's NotImplementedError
+    about registering ``PrivateUse1HooksInterface``)."""
+    out = tmp_path / "ddp.json"
+    cmd = kiln_run("--nproc-per-node", "1", str(HERE / "unused_worker.py"), str(out), "ddp")
+    p = run(cmd, job_env(tmp_path / "cache"), timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    error = load(out)["error"]
+    assert error is not None and "find_unused_parameters=True" in error, error
+    assert "kiln.distributed.GradientSync(model)" in error, error
+
+
 def _flat(x: object) -> list[float]:
     if isinstance(x, list):
         return [v for item in x for v in _flat(item)]

@@ -56,9 +56,28 @@ def train(model: nn.Module, net: nn.Module, dev: torch.device, rank: int) -> dic
     return {"grads": grads, "params": {n: p.cpu().tolist() for n, p in model.named_parameters()}}
 
 
+def ddp_on_the_device(out: str) -> None:
+    """DistributedDataParallel(find_unused_parameters=True) of a kiln-device model: the error
+    its backward raises (argv[2] == "ddp")."""
+    model = Net().to(kiln.device())
+    net = DistributedDataParallel(model, find_unused_parameters=True)
+    try:
+        net(torch.randn(4, 8, device=kiln.device()), False).sum().backward()
+        kiln.mark_step()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    with open(out, "w") as f:
+        json.dump({"error": error}, f)
+
+
 def main() -> None:
     dev = kiln.device()
     kd.init_process_group(device=dev)
+    if sys.argv[2:] == ["ddp"]:
+        ddp_on_the_device(sys.argv[1])
+        dist.destroy_process_group()
+        return
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = Net()

@@ -30,6 +30,11 @@ _translating = False
 # PyTorch's autograd engine asserts on the streams of a device guard that has none (the kiln
 # device's Python guard) when a gradient crosses from another device to a kiln tensor
 _STREAM_ASSERT = "opt_ready_stream && opt_parent_stream"
+# C++ code that pins host memory for the current accelerator asks its hooks for an allocator;
+# the kiln device's hooks are Python ones (PyTorch registers hooks once per process, and kiln's
+# must answer from ``import kiln`` on), which cannot provide it.  DistributedDataParallel's
+# reducer does so in backward with ``find_unused_parameters=True``.
+_PINNED = "getPinnedMemoryAllocator"
 
 
 def install() -> None:
@@ -61,7 +66,8 @@ def translate_stream_errors() -> None:
     """Make a backward pass through a copy from the kiln device to another device that also
     changes the dtype (``.to("cpu", torch.float64)``; a plain ``.cpu()`` works) raise an error
     that names the problem and the fix, instead of the autograd engine's internal
-    assert on device streams (idempotent; every other error passes through unchanged)."""
+    assert on device streams; likewise a backward pass that needs pinned memory for the kiln
+    device (``_PINNED``) (idempotent; every other error passes through unchanged)."""
     global _translating
     original = getattr(torch.autograd, "_engine_run_backward", None)
     if _translating or original is None:
@@ -70,6 +76,17 @@ def translate_stream_errors() -> None:
     def run_backward(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return original(t_outputs, *args, **kwargs)
+        except NotImplementedError as e:
+            if _PINNED not in str(e):
+                raise
+            raise RuntimeError(
+                "kiln: this backward pass needs pinned host memory for the kiln device, which "
+                "PyTorch's C++ code asks of the device's hooks and kiln cannot provide there. "
+                "DistributedDataParallel(find_unused_parameters=True) on a kiln-device model "
+                "does this: use kiln.distributed.GradientSync(model) instead (it handles "
+                "parameters without a gradient as DDP does), or find_unused_parameters=False "
+                "where every parameter gets a gradient"
+            ) from e
         except RuntimeError as e:
             if _STREAM_ASSERT not in str(e):
                 raise
