@@ -28,6 +28,7 @@ from kiln.config import config
 from kiln.frontends.lazy import (
     accelerator_dtypes,
     batch_norm,
+    cpu_kernels,
     packed_sequences,
     recipes,
     rnn_cells,
@@ -1078,7 +1079,7 @@ def _eager(func: Any, args: tuple, kwargs: dict, reason: str) -> Any:
         T.sync(reason)
     cargs = tree_map(conc, args)
     ckwargs = tree_map(conc, kwargs)
-    out = func(*cargs, **ckwargs)
+    out = cpu_kernels.call(func, cargs, ckwargs)
     mutated_ids = set()
     for i in _mutated_args(func):
         a = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from kiln import metrics
 from kiln.config import config
+from kiln.frontends.lazy import cpu_kernels
 from kiln.frontends.lazy.foreach import record_split
 from kiln.frontends.lazy.native import convert, outops, rng, viewwrite
 from kiln.frontends.lazy.native.outops import cpu_device as _cpu_device
@@ -526,7 +527,7 @@ class Handler:
 
         cargs = tree_map(conc, args)
         ckwargs = tree_map(conc, kwargs)
-        out = func(*cargs, **ckwargs)
+        out = cpu_kernels.call(func, cargs, ckwargs)
         refuse_nested(func, out)
         flat_c = tree_flatten((cargs, ckwargs))[0]
         flat_a = tree_flatten((args, kwargs))[0]
