@@ -8,7 +8,8 @@
 Modules: ``formats`` (format type, E4M3/E5M2/fnuz/E3M4), ``cpp`` (the C++ rounding code the
 generated kernels include), ``rounding`` (switch, seed, step counter), ``kernels`` / ``quant``
 (standalone generated kernels and their Python API), ``aten_sr`` (SR for bf16 ops that run through
-ATen), ``fp8_linear`` (a drop-in fp8 training linear layer).  Names are imported on first use, so
+ATen), ``fp8_layers`` (drop-in fp8 training layers: ``Fp8Linear``, ``Fp8Conv1D``; the function
+``fp8_linear``).  Names are imported on first use, so
 the code generator can import the low-level modules without pulling in the rest.
 """
 
@@ -33,9 +34,10 @@ _EXPORTS = {
     "round_nearest": "quant",
     "quantize": "quant",
     "dequantize": "quant",
-    "Fp8Linear": "fp8_linear",
-    "fp8_linear": "fp8_linear",
-    "convert_to_fp8": "fp8_linear",
+    "Fp8Linear": "fp8_layers",
+    "Fp8Conv1D": "fp8_layers",
+    "fp8_linear": "fp8_layers",
+    "convert_to_fp8": "fp8_layers",
 }
 
 __all__ = list(_EXPORTS)

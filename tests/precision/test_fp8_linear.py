@@ -66,3 +66,42 @@ def test_convert_and_shapes():
     assert m(torch.randn(0, 8)).shape == (0, 4)
     with pytest.raises(ValueError, match="scaling"):
         Fp8Linear(4, 4, scaling="blockwise")
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_gpt2s_conv1d_layers_are_converted(scaling):
+    """GPT-2's attention and MLP projections are ``transformers``' ``Conv1D`` (weight stored as
+    ``(in, out)``), not ``nn.Linear``: they were left in fp32 without a word, and only the tied
+    ``lm_head`` was converted.  Now every one runs in fp8 as the same layer's transposed
+    ``Fp8Linear`` would, on the same parameters, with ``lm_head`` still tied."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    from kiln.precision import Fp8Conv1D, fp8_linear
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(cfg)
+    convs = [n for n, m in model.named_modules() if isinstance(m, Conv1D)]
+    assert len(convs) == 8
+    params = [id(p) for p in model.parameters()]
+    convert_to_fp8(model, scaling)
+    mods = dict(model.named_modules())
+    assert all(isinstance(mods[n], Fp8Conv1D) for n in convs)
+    assert isinstance(model.lm_head, Fp8Linear)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert [id(p) for p in model.parameters()] == params
+    layer = mods["transformer.h.0.mlp.c_fc"]
+    x = torch.randn(3, 5, 32)
+    want = fp8_linear(x, layer.weight.t().contiguous(), layer.bias, scaling)
+    assert torch.equal(layer(x), want)
+    ref = x @ layer.weight + layer.bias
+    assert sqnr(ref, layer(x)) > 20.0
+    ids = torch.randint(0, 64, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+
+
+def test_a_model_with_nothing_to_convert_is_an_error():
+    with pytest.raises(ValueError, match="no nn.Linear or transformers Conv1D"):
+        convert_to_fp8(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()))

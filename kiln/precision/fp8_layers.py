@@ -1,6 +1,6 @@
 """An fp8 linear layer for training: E4M3 forward, E5M2 gradients, dynamic scaling.
 
-    model = kiln.precision.convert_to_fp8(model, scaling="rowwise")   # swaps every nn.Linear
+    model = kiln.precision.convert_to_fp8(model, scaling="rowwise")   # every nn.Linear, Conv1D
     layer = Fp8Linear(256, 64, scaling="tensorwise")                  # or build one directly
 
 Forward: the input and the weight are quantized to E4M3 (saturating), each with a dynamic scale
@@ -123,12 +123,63 @@ class Fp8Linear(nn.Linear):
         return super().extra_repr() + f", scaling={self.scaling}"
 
 
+class Fp8Conv1D(nn.Module):
+    """``transformers``' ``Conv1D`` (GPT-2's projections: ``x @ weight + bias`` with ``weight``
+    of shape ``(in, out)``) with fp8 numerics: :func:`fp8_linear` of its transposed weight, so
+    rowwise scales are per output feature as in :class:`Fp8Linear`.  Shares the layer's
+    parameters (optimizers and tied weights still see them)."""
+
+    def __init__(self, conv: nn.Module, scaling: str = "tensorwise") -> None:
+        if scaling not in SCALINGS:
+            raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+        super().__init__()
+        self.nf, self.scaling = conv.weight.shape[1], scaling
+        self.weight, self.bias = conv.weight, conv.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight.t(), self.bias, self.scaling)
+
+    def extra_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.weight.shape[0]}, scaling={self.scaling}"
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """``transformers.pytorch_utils.Conv1D`` (by name: transformers is not a dependency)."""
+    cls = type(module)
+    return (
+        cls.__name__ == "Conv1D"
+        and cls.__module__.startswith("transformers.")
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+        and module.weight.dim() == 2
+    )
+
+
 def convert_to_fp8(model: nn.Module, scaling: str = "tensorwise") -> nn.Module:
-    """Replace every ``nn.Linear`` in ``model`` (in place) by an :class:`Fp8Linear` sharing its
-    parameters; returns ``model``."""
+    """Replace every ``nn.Linear`` in ``model`` (in place) by an :class:`Fp8Linear` and every
+    ``transformers`` ``Conv1D`` (GPT-2's attention and MLP projections) by an
+    :class:`Fp8Conv1D`, sharing their parameters; returns ``model``.  A model with neither
+    raises: nothing would run in fp8."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    if not _convert(model, scaling):
+        raise ValueError(
+            f"convert_to_fp8: {type(model).__name__} has no nn.Linear or transformers Conv1D "
+            "layer to convert (subclasses of nn.Linear are left as they are: their callers may "
+            "read the weight directly, as nn.MultiheadAttention does)"
+        )
+    return model
+
+
+def _convert(model: nn.Module, scaling: str) -> int:
+    """Convert ``model``'s layers in place; how many."""
+    n = 0
     for name, child in list(model.named_children()):
         if type(child) is nn.Linear:
             setattr(model, name, Fp8Linear.from_linear(child, scaling))
+            n += 1
+        elif _is_hf_conv1d(child):
+            setattr(model, name, Fp8Conv1D(child, scaling))
+            n += 1
         else:
-            convert_to_fp8(child, scaling)
-    return model
+            n += _convert(child, scaling)
+    return n
