@@ -38,7 +38,8 @@ class RecompileWarning(UserWarning):
 
 @dataclass
 class _Metrics:
-    counters: Counter = field(default_factory=Counter)
+    # "steps" from the start: a run's step count reads 0 before its first step ends, not None
+    counters: Counter = field(default_factory=lambda: Counter({"steps": 0}))
     fallbacks: Counter = field(default_factory=Counter)
     syncs: Counter = field(default_factory=Counter)
     compile_s: list[float] = field(default_factory=list)

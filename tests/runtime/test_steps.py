@@ -76,9 +76,11 @@ def test_the_recompile_warning_advises_on_what_changed():
     metrics.reset()
     r = Recompiles()
     r.seen("lazy:t.py:9", lazy)
-    with kiln.config.scoped(recompile_warn=0):
-        with pytest.warns(metrics.RecompileWarning, match="graph structure changed") as w:
-            r.seen("lazy:t.py:9", Signature(lazy.inputs, "h2", 7))
+    with (
+        kiln.config.scoped(recompile_warn=0),
+        pytest.warns(metrics.RecompileWarning, match="graph structure changed") as w,
+    ):
+        r.seen("lazy:t.py:9", Signature(lazy.inputs, "h2", 7))
     assert "pad inputs" not in str(w[0].message) and "mark_step" in str(w[0].message)
 
 
@@ -162,3 +164,16 @@ def test_an_eval_loop_under_no_grad_is_not_a_recompile_of_the_training_graphs():
     reasons = metrics.counters()["recompile_reasons"]
     assert reasons and all("#forward#" in site or "#backward#" in site for site, _ in reasons)
     assert all(site.startswith(f"compile:{os.path.abspath(__file__)}:") for site, _ in reasons)
+
+
+def test_the_step_count_reads_zero_before_the_first_step():
+    """``kiln.metrics.counters()["steps"]`` is 0 until a step ends (it was missing: None from
+    ``.get``, a KeyError from ``[]``), also after a reset."""
+    from kiln import metrics
+
+    metrics.reset()
+    assert metrics.counters()["steps"] == 0
+    metrics.step_done()
+    assert metrics.counters()["steps"] == 1
+    metrics.reset()
+    assert metrics.counters()["steps"] == 0
