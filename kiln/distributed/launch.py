@@ -21,6 +21,7 @@ with the failed rank, its exit code or signal, and its error.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 import warnings
@@ -152,16 +153,28 @@ def run(spec: LaunchSpec) -> int:
     return 0
 
 
+# torchrun's message for a worker that left no error file (it exited without raising)
+_NO_ERROR_FILE = "To enable traceback see"
+
+
 def describe_failure(e: object) -> str:
-    """One line per failed worker: rank, exit code or signal, its error message."""
+    """One line per failed worker: rank, exit code or signal, its error message.  Workers that
+    failed on their own come first; those ``kiln run`` stopped (SIGTERM) after them come last,
+    marked so (their error, often a lost connection to the failed rank, follows from it)."""
     lines = ["kiln run: the job failed and was stopped:"]
-    for rank, f in sorted(getattr(e, "failures", {}).items()):
+    failures = sorted(getattr(e, "failures", {}).items())
+    stopped = [rf for rf in failures if rf[1].exitcode == -signal.SIGTERM]
+    for rank, f in [rf for rf in failures if rf not in stopped] + stopped:
         how = f"exit code {f.exitcode}"
         if f.exitcode is not None and f.exitcode < 0:
             how = f"killed by signal {f.signal_name()}"
         msg = f.message.get("message") if isinstance(f.message, dict) else f.message
-        first = str(msg).strip().splitlines()[0] if msg else "no error recorded"
+        first = str(msg).strip().splitlines()[0] if msg else ""
+        if not first or first.startswith(_NO_ERROR_FILE):
+            first = "no Python error recorded (it exited without raising: os._exit, sys.exit(n))"
         if "Signal" in first and f.exitcode is not None and f.exitcode < 0:
             first = "the process was killed (no Python error)"
+        if (rank, f) in stopped and len(stopped) < len(failures):
+            how = "stopped by kiln run (SIGTERM) after the failure above; its last error"
         lines.append(f"  rank {rank} (local rank {f.local_rank}, pid {f.pid}): {how}: {first}")
     return "\n".join(lines)

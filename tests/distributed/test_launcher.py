@@ -107,3 +107,32 @@ def test_gradient_buckets():
     assert make_buckets(ps, 1600) == [[3], [2], [1, 0]]
     assert make_buckets(ps, 800) == [[3], [2], [1], [0]]
     assert sorted(i for b in make_buckets(ps, 10**9) for i in b) == [0, 1, 2, 3]
+
+
+def test_a_failure_report_names_the_failed_rank_first(tmp_path):
+    """A worker that exits without raising (``os._exit(3)``) was reported with torchrun's
+    placeholder ("To enable traceback see: ...errors.html"), and the rank ``kiln run`` stopped
+    afterwards as "killed by signal SIGTERM" beside its lost-connection error, listed first."""
+    import json
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    error_file = tmp_path / "e0.json"
+    error_file.write_text(
+        json.dumps(
+            {
+                "message": {
+                    "message": "RuntimeError: Connection reset by peer",
+                    "extraInfo": {"timestamp": "0"},
+                }
+            }
+        )
+    )
+    stopped = ProcessFailure(0, 11, -signal.SIGTERM, str(error_file))
+    failed = ProcessFailure(1, 12, 3, "<N/A>")
+    lines = launch.describe_failure(ChildFailedError("w", {0: stopped, 1: failed})).splitlines()
+    assert lines[1].startswith("  rank 1 (local rank 1, pid 12): exit code 3: no Python error")
+    assert "errors.html" not in lines[1]
+    assert lines[2].startswith("  rank 0 (local rank 0, pid 11): stopped by kiln run (SIGTERM)")
+    assert lines[2].endswith("RuntimeError: Connection reset by peer")
