@@ -725,16 +725,23 @@ LOW_PRECISION_CASES = [
     ADAM_VARIANT_CASES[1],  # radam-decoupled
     ADAM_VARIANT_CASES[5],  # nadam-l2-maximize
 ]
-# (optimizer, dtype, schedule): every form in bf16, constant and scheduled; three in fp16
-LOW_PRECISION_RUNS = [
-    pytest.param(m, torch.bfloat16, sched, id=f"{i}-bf16-{'one-cycle' if sched else 'constant'}")
-    for i, m in LOW_PRECISION_CASES
-    for sched in (False, True)
-] + [
-    pytest.param(m, torch.float16, False, id=f"{i}-fp16-constant")
-    for i, m in LOW_PRECISION_CASES
-    if i in ("adamw-wd", "rmsprop", "nadam-l2-maximize")
-]
+# (optimizer, dtype, schedule): every form in bf16, constant and OneCycleLR; AdamW under a
+# LambdaLR warmup (lr a graph input, the betas constants); three in fp16
+LOW_PRECISION_RUNS = (
+    [
+        pytest.param(m, torch.bfloat16, sched, id=f"{i}-bf16-{sched}")
+        for i, m in LOW_PRECISION_CASES
+        for sched in ("constant", "one-cycle")
+    ]
+    + [
+        pytest.param(CASES[1][1], torch.bfloat16, "warmup", id="adamw-wd-bf16-warmup"),
+    ]
+    + [
+        pytest.param(m, torch.float16, "constant", id=f"{i}-fp16-constant")
+        for i, m in LOW_PRECISION_CASES
+        if i in ("adamw-wd", "rmsprop", "nadam-l2-maximize")
+    ]
+)
 
 
 def _low_precision_params(seed: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -745,18 +752,21 @@ def _low_precision_params(seed: int, dtype: torch.dtype) -> list[torch.nn.Parame
 
 
 def _low_precision_run(
-    make_opt: Callable, compile_fn: Callable | None, dtype: torch.dtype, schedule: bool
+    make_opt: Callable, compile_fn: Callable | None, dtype: torch.dtype, schedule: str
 ) -> tuple[list[torch.Tensor], list[dict]]:
-    """Six optimizer steps over given gradients, with ``schedule`` a OneCycleLR that changes
-    ``lr`` and the momentum or ``beta1`` every step (the forms' graph-input variants)."""
+    """Six optimizer steps over given gradients; ``schedule`` "one-cycle" (``lr`` and the
+    momentum or ``beta1`` changed every step) or "warmup" (``lr`` only): the forms'
+    graph-input variants."""
     ps = _low_precision_params(0, dtype)
     opt = make_opt(ps)
     sched = None
-    if schedule:
+    if schedule == "one-cycle":
         cycle = "momentum" in opt.defaults or "betas" in opt.defaults
         sched = torch.optim.lr_scheduler.OneCycleLR(
             opt, max_lr=0.05, total_steps=6, cycle_momentum=cycle
         )
+    elif schedule == "warmup":
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
 
     def step() -> None:
         opt.step()

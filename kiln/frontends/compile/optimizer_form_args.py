@@ -51,10 +51,11 @@ def _floats(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def factor(value: Any, n: int, inputs: bool) -> Any:
     """A hyperparameter for ``n`` parameters: the Python number itself, or with ``inputs`` a
-    float64 vector of ``n`` copies.  ``inputs``: a scheduler changed ``lr``, a beta or the
-    momentum and Dynamo made it symbolic; as tensor math the graph takes its value as an input
-    instead of being specialized on it (compiled again for every value), and each use rounds it
-    to the parameters' dtype as ATen rounds a Python float argument (:func:`one_each`)."""
+    float64 vector of ``n`` copies.  ``inputs``: a scheduler changed this number (``lr``, a beta
+    or the momentum) and Dynamo made it symbolic; as tensor math the graph takes its value as an
+    input instead of being specialized on it (compiled again for every value), and each use
+    rounds it as ATen rounds a Python float argument (:func:`one_each`, :func:`alpha_each`).
+    A number the scheduler leaves alone stays a constant (``LambdaLR`` changes ``lr`` only)."""
     return torch.ones(n, dtype=torch.float64) * value if inputs else value
 
 

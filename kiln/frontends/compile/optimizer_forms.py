@@ -134,13 +134,15 @@ def adam_form(
     maximize: bool,
     decoupled_weight_decay: bool,
     inputs: bool = False,
+    symbolic: tuple[str, ...] = (),
     **unused: Any,
 ) -> None:
     """``torch.optim.adam._single_tensor_adam`` (Adam and AdamW) as list ops, with eager's
     numbers; only what :func:`_adam_takes` accepts reaches it (``inputs``: the betas as
     ``factor`` vectors)."""
     dtype = params[0].dtype
-    b1, b2 = factor(beta1, len(params), inputs), factor(beta2, len(params), inputs)
+    n = len(params)
+    b1, b2 = factor(beta1, n, "beta1" in symbolic), factor(beta2, n, "beta2" in symbolic)
     # lr as a float64 tensor: where Dynamo made it symbolic (a scheduler changed it), its uses
     # below are tensor ops, which the graph takes as an input instead of specializing each value
     lr_t = torch.ones((), dtype=torch.float64) * lr
@@ -217,6 +219,7 @@ def sgd_form(
     nesterov: bool,
     maximize: bool,
     inputs: bool = False,
+    symbolic: tuple[str, ...] = (),
     **unused: Any,
 ) -> None:
     """``torch.optim.sgd._single_tensor_sgd`` as list ops, with eager's numbers; only what
@@ -225,7 +228,7 @@ def sgd_form(
     dtype = params[0].dtype
     grads = l2_grads(grads, params, maximize, weight_decay)
     if momentum_buffer_list:  # momentum != 0: torch.optim lists the buffers only then
-        m = factor(momentum, len(params), inputs)
+        m = factor(momentum, len(params), "momentum" in symbolic)
         if momentum_buffer_list[0] is None:
             # the first step: buf = grad.detach().clone(), kept in the list for the state
             for i, g in enumerate(grads):
@@ -319,6 +322,7 @@ _SCHEDULED = ("lr", "beta1", "beta2", "momentum")
 
 
 def _wrap(original: Callable[..., Any], is_ours: Callable[[Any], bool]) -> Callable[..., Any]:
+    from torch._dynamo.variables import ConstantVariable
     from torch._dynamo.variables.functions import UserFunctionVariable
 
     @functools.wraps(original)
@@ -330,8 +334,12 @@ def _wrap(original: Callable[..., Any], is_ours: Callable[[Any], bool]) -> Calla
             takes, form, form_inputs = entry
             if takes(args, kwargs):
                 metrics.incr("optimizer_forms_traced")
-                inputs = any(n in kwargs and not constant(kwargs[n])[0] for n in _SCHEDULED)
-                fn = UserFunctionVariable(form_inputs if inputs else form)
+                # the numbers Dynamo made symbolic: graph inputs; the others stay constants
+                symbolic = tuple(
+                    n for n in _SCHEDULED if n in kwargs and not constant(kwargs[n])[0]
+                )
+                fn = UserFunctionVariable(form_inputs if symbolic else form)
+                kwargs = {**kwargs, "symbolic": ConstantVariable.create(symbolic)}
             else:
                 metrics.incr("optimizer_forms_declined")
         return original(self, fn, args, kwargs, *rest, **kw)

@@ -69,6 +69,7 @@ def radam_form(
     decoupled_weight_decay: bool,
     maximize: bool,
     inputs: bool = False,
+    symbolic: tuple[str, ...] = (),
     **unused: Any,
 ) -> None:
     """``torch.optim.radam._single_tensor_radam`` as list ops, with eager's numbers; only what
@@ -76,7 +77,7 @@ def radam_form(
     vectors)."""
     dtype = params[0].dtype
     n = len(params)
-    b1, b2 = factor(beta1, n, inputs), factor(beta2, n, inputs)
+    b1, b2 = factor(beta1, n, "beta1" in symbolic), factor(beta2, n, "beta2" in symbolic)
     aten._foreach_add_.Scalar(state_steps, 1)  # step_t += 1
     grads = decayed_grads(grads, params, lr, weight_decay, decoupled_weight_decay, maximize, dtype)
     moments_(exp_avgs, exp_avg_sqs, grads, b1, b2, dtype)
@@ -132,6 +133,7 @@ def nadam_form(
     decoupled_weight_decay: bool,
     maximize: bool,
     inputs: bool = False,
+    symbolic: tuple[str, ...] = (),
     **unused: Any,
 ) -> None:
     """``torch.optim.nadam._single_tensor_nadam`` as list ops, with eager's numbers; only what
@@ -139,7 +141,7 @@ def nadam_form(
     vectors)."""
     dtype = params[0].dtype
     n = len(params)
-    b1, b2 = factor(beta1, n, inputs), factor(beta2, n, inputs)
+    b1, b2 = factor(beta1, n, "beta1" in symbolic), factor(beta2, n, "beta2" in symbolic)
     lr_f = factor(lr, n, inputs)
     aten._foreach_add_.Scalar(state_steps, 1)  # step_t += 1
     # step = step_t.item(); the factors below are Python floats in eager: float64

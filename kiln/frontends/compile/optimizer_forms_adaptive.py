@@ -75,6 +75,7 @@ def rmsprop_form(
     centered: bool,
     maximize: bool,
     inputs: bool = False,
+    symbolic: tuple[str, ...] = (),
     **unused: Any,
 ) -> None:
     """``torch.optim.rmsprop._single_tensor_rmsprop`` as list ops, with eager's numbers; only
@@ -97,7 +98,8 @@ def rmsprop_form(
     avg = aten._foreach_add.Scalar(avg, eps)  # avg.add_(eps)
     if momentum_buffer_list:  # momentum > 0: torch.optim lists the buffers only then
         # buf.mul_(momentum).addcdiv_(grad, avg): value 1, so p + g / avg
-        multiplied_(momentum_buffer_list, factor(momentum, len(params), inputs), dtype)
+        m = factor(momentum, len(params), "momentum" in symbolic)
+        multiplied_(momentum_buffer_list, m, dtype)
         addcdiv_(momentum_buffer_list, grads, avg, 1, dtype)
         added_scaled(params, momentum_buffer_list, neg_lr, dtype)  # param.add_(buf, alpha=-lr)
     else:
@@ -149,6 +151,7 @@ def adagrad_form(
     eps: float,
     maximize: bool,
     inputs: bool = False,
+    symbolic: tuple[str, ...] = (),
     **unused: Any,
 ) -> None:
     """``torch.optim.adagrad._single_tensor_adagrad`` (dense gradients) as list ops, with
@@ -216,6 +219,7 @@ def adamax_form(
     weight_decay: float,
     maximize: bool,
     inputs: bool = False,
+    symbolic: tuple[str, ...] = (),
     **unused: Any,
 ) -> None:
     """``torch.optim.adamax._single_tensor_adamax`` as list ops, with eager's numbers; only what
@@ -223,7 +227,7 @@ def adamax_form(
     vectors)."""
     dtype = params[0].dtype
     n = len(params)
-    b1, b2 = factor(beta1, n, inputs), factor(beta2, n, inputs)
+    b1, b2 = factor(beta1, n, "beta1" in symbolic), factor(beta2, n, "beta2" in symbolic)
     aten._foreach_add_.Scalar(state_steps, 1)  # step_t += 1
     grads = l2_grads(grads, params, maximize, weight_decay)
     lerped_(exp_avgs, grads, 1 - b1, dtype)  # exp_avg.lerp_(grad, 1 - beta1)
@@ -278,6 +282,7 @@ def adadelta_form(
     weight_decay: float,
     maximize: bool,
     inputs: bool = False,
+    symbolic: tuple[str, ...] = (),
     **unused: Any,
 ) -> None:
     """``torch.optim.adadelta._single_tensor_adadelta`` as list ops, with eager's numbers; only
