@@ -127,3 +127,38 @@ def test_threads_computing_with_a_shared_model_get_eager_values_or_a_clear_error
         assert not errors
     for e in errors:
         assert e.endswith(_ONE_STEP_AT_A_TIME), e
+
+
+_NEW_RECIPES_AT_ONCE = """
+import threading, torch, kiln
+dev = kiln.device()
+w, b = torch.randn(8, 16, device=dev), torch.randn(8, device=dev)
+def worker(k):
+    for i in range(150):  # a new shape each call: a new recipe, addmm's Python meta kernel
+        torch.nn.functional.linear(torch.randn(3 * i + k + 1, 16, device=dev), w, b)
+threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+for t in threads: t.start()
+for t in threads: t.join()
+kiln.mark_step()
+print("done")
+"""
+
+
+@pytest.mark.one_recorder
+def test_threads_recording_new_ops_at_once_do_not_deadlock():
+    """The native recorder makes a new call's recipe holding the GIL and its lock, running the
+    op's meta kernel, which may be Python's (addmm's decomposition): each op that kernel calls
+    lets the GIL go and takes it back.  A second thread that took the GIL then waited for the
+    lock: a deadlock (CI hung in the shared-model test above; this program hung in 10 of 10
+    runs).  It now never waits for the lock holding the GIL."""
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-c", _NEW_RECIPES_AT_ONCE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert p.returncode == 0 and p.stdout.strip().endswith("done"), p.stderr[-3000:]

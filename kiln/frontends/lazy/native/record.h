@@ -30,6 +30,15 @@ void take_value_locked(const std::shared_ptr<Storage>& st, int32_t node) {
 
 void to_python(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
+// Takes `mu` (through `lock`) for a thread that holds the GIL, never waiting for it with the GIL:
+// while `mu` is taken, the GIL is let go until `mu` is free, then taken back and `mu` tried again.
+void lock_holding_gil(std::unique_lock<std::mutex>& lock) {
+  while (!lock.try_lock()) {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> wait(mu);  // (released before the GIL is taken back)
+  }
+}
+
 void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
@@ -69,10 +78,12 @@ void record(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
     // A call seen for the first time runs its meta kernel, which may be Python's
     // (torch._meta_registrations: new_zeros, the scatters, ...) and take the GIL.  Never wait
     // for the GIL holding `mu`: a thread holding the GIL may be waiting for `mu` (the autograd
-    // engine's thread and the caller's: a deadlock).  So the GIL first, then `mu` again.
+    // engine's thread and the caller's: a deadlock).  So the GIL first, then `mu` again --
+    // without waiting for `mu` while holding the GIL either: the thread in here that holds `mu`
+    // runs a Python meta kernel, whose every op call lets the GIL go and takes it back.
     lock.unlock();
     gil.emplace();
-    lock.lock();
+    lock_holding_gil(lock);
     auto again = recipe_of.find(sig);
     r = again != recipe_of.end() ? again->second : nullptr;
   }
