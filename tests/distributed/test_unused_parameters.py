@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from dist_testlib import HERE, job_env, kiln_run, load, run
 
 
-def test_unused_parameters_match_ddp(tmp_path):
-    out = tmp_path / "unused.json"
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One 2-worker run of unused_worker.py, what rank 0 saw."""
+    tmp = tmp_path_factory.mktemp("unused")
+    out = tmp / "unused.json"
     cmd = kiln_run("--nproc-per-node", "2", str(HERE / "unused_worker.py"), str(out))
-    p = run(cmd, job_env(tmp_path / "cache"), timeout=300)
+    p = run(cmd, job_env(tmp / "cache"), timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
-    res = load(out)
-    eager, lazy = res["eager"], res["lazy"]
+    return load(out)
+
+
+def test_unused_parameters_match_ddp(job):
+    eager, lazy = job["eager"], job["lazy"]
     for step, (want, got) in enumerate(zip(eager["grads"], lazy["grads"])):
         assert want["never.weight"] is None and want["never.bias"] is None
         for name in want:
@@ -28,15 +35,11 @@ def test_unused_parameters_match_ddp(tmp_path):
         assert max(abs(a - b) for a, b in zip(g, w)) <= 1e-6 * max(map(abs, w)), name
 
 
-def test_ddp_finding_unused_parameters_on_the_device_names_the_fix(tmp_path):
+def test_ddp_finding_unused_parameters_on_the_device_names_the_fix(job):
     """Its C++ reducer pins host memory for the kiln device in backward, which PyTorch asks of
     the device's hooks: the error names GradientSync (it was PyTorch's NotImplementedError
     about registering ``PrivateUse1HooksInterface``)."""
-    out = tmp_path / "ddp.json"
-    cmd = kiln_run("--nproc-per-node", "1", str(HERE / "unused_worker.py"), str(out), "ddp")
-    p = run(cmd, job_env(tmp_path / "cache"), timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
-    error = load(out)["error"]
+    error = job["ddp_error"]
     assert error is not None and "find_unused_parameters=True" in error, error
     assert "kiln.distributed.GradientSync(model)" in error, error
 
