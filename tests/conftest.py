@@ -79,6 +79,7 @@ GROUPS = {
     # the session fixture ``reference`` (tests/distributed/conftest.py): one single-process run
     "tests/distributed/test_data_parallel.py": "distributed_reference",
     "tests/distributed/test_cluster_job.py": "distributed_reference",
+    "tests/distributed/test_unused_parameters.py": "distributed_unused",  # one 2-worker run
 }
 
 
