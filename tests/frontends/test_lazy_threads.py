@@ -154,11 +154,6 @@ def test_threads_recording_new_ops_at_once_do_not_deadlock():
     import subprocess
     import sys
 
-    p = subprocess.run(
-        [sys.executable, "-c", _NEW_RECIPES_AT_ONCE],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    cmd = [sys.executable, "-c", _NEW_RECIPES_AT_ONCE]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 0 and p.stdout.strip().endswith("done"), p.stderr[-3000:]
