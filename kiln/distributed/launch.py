@@ -162,9 +162,12 @@ def describe_failure(e: object) -> str:
     failed on their own come first; those ``kiln run`` stopped (SIGTERM) after them come last,
     marked so (their error, often a lost connection to the failed rank, follows from it)."""
     lines = ["kiln run: the job failed and was stopped:"]
-    failures = sorted(getattr(e, "failures", {}).items())
-    stopped = [rf for rf in failures if rf[1].exitcode == -signal.SIGTERM]
-    for rank, f in [rf for rf in failures if rf not in stopped] + stopped:
+    failures = getattr(e, "failures", {})
+    n_stopped = sum(f.exitcode == -signal.SIGTERM for f in failures.values())
+    # failed on their own first, then the stopped ones; each group by rank
+    order = sorted(failures, key=lambda rank: (failures[rank].exitcode == -signal.SIGTERM, rank))
+    for rank in order:
+        f = failures[rank]
         how = f"exit code {f.exitcode}"
         if f.exitcode is not None and f.exitcode < 0:
             how = f"killed by signal {f.signal_name()}"
@@ -174,7 +177,7 @@ def describe_failure(e: object) -> str:
             first = "no Python error recorded (it exited without raising: os._exit, sys.exit(n))"
         if "Signal" in first and f.exitcode is not None and f.exitcode < 0:
             first = "the process was killed (no Python error)"
-        if (rank, f) in stopped and len(stopped) < len(failures):
+        if f.exitcode == -signal.SIGTERM and n_stopped < len(failures):
             how = "stopped by kiln run (SIGTERM) after the failure above; its last error"
         lines.append(f"  rank {rank} (local rank {f.local_rank}, pid {f.pid}): {how}: {first}")
     return "\n".join(lines)

@@ -28,7 +28,7 @@ the loop does), bit for bit eager's.
 
 Scheduled hyperparameters: once a scheduler has changed ``lr`` (any ``LRScheduler``), or the
 momentum or ``beta1`` (``OneCycleLR``, ``CyclicLR``), Dynamo makes the number symbolic, and the
-form's variant with those numbers as graph inputs is traced (``*_form_inputs``,
+form is traced with those numbers as graph inputs (its ``symbolic`` names them,
 ``optimizer_form_args.factor``): float64 tensors, each use rounded to the parameters' dtype as
 ATen rounds a Python float argument, ``add_(.., alpha=a)`` as one fused multiply-add as ATen's
 kernel computes it.  Dynamo's trace of torch's loops passes them to ATen as Python numbers
@@ -90,24 +90,18 @@ from kiln.frontends.compile.optimizer_form_args import (
 )
 from kiln.frontends.compile.optimizer_forms_adam_variants import (
     nadam_form,
-    nadam_form_inputs,
     nadam_takes,
     radam_form,
-    radam_form_inputs,
     radam_takes,
 )
 from kiln.frontends.compile.optimizer_forms_adaptive import (
     adadelta_form,
-    adadelta_form_inputs,
     adadelta_takes,
     adagrad_form,
-    adagrad_form_inputs,
     adagrad_takes,
     adamax_form,
-    adamax_form_inputs,
     adamax_takes,
     rmsprop_form,
-    rmsprop_form_inputs,
     rmsprop_takes,
 )
 from kiln.frontends.compile.torch_wrap import defined_in, wrap_once
@@ -133,12 +127,11 @@ def adam_form(
     eps: float,
     maximize: bool,
     decoupled_weight_decay: bool,
-    inputs: bool = False,
     symbolic: tuple[str, ...] = (),
     **unused: Any,
 ) -> None:
     """``torch.optim.adam._single_tensor_adam`` (Adam and AdamW) as list ops, with eager's
-    numbers; only what :func:`_adam_takes` accepts reaches it (``inputs``: the betas as
+    numbers; only what :func:`_adam_takes` accepts reaches it (``symbolic``: the betas as
     ``factor`` vectors)."""
     dtype = params[0].dtype
     n = len(params)
@@ -218,13 +211,13 @@ def sgd_form(
     dampening: float,
     nesterov: bool,
     maximize: bool,
-    inputs: bool = False,
     symbolic: tuple[str, ...] = (),
     **unused: Any,
 ) -> None:
     """``torch.optim.sgd._single_tensor_sgd`` as list ops, with eager's numbers; only what
-    :func:`_sgd_takes` accepts reaches it (``inputs``: ``lr`` and the momentum as ``factor``
+    :func:`_sgd_takes` accepts reaches it (``symbolic``: ``lr`` and the momentum as ``factor``
     vectors)."""
+    inputs = bool(symbolic)  # a number a scheduler changes is a graph input
     dtype = params[0].dtype
     grads = l2_grads(grads, params, maximize, weight_decay)
     if momentum_buffer_list:  # momentum != 0: torch.optim lists the buffers only then
@@ -243,16 +236,6 @@ def sgd_form(
             grads = momentum_buffer_list
     # param.add_(grad, alpha=-lr)
     added_scaled(params, grads, negated_lr(lr, len(params), inputs), dtype)
-
-
-def sgd_form_inputs(*args: Any, **kwargs: Any) -> None:
-    """:func:`sgd_form` with the scheduled hyperparameters graph inputs."""
-    sgd_form(*args, inputs=True, **kwargs)
-
-
-def adam_form_inputs(*args: Any, **kwargs: Any) -> None:
-    """:func:`adam_form` with the scheduled hyperparameters graph inputs."""
-    adam_form(*args, inputs=True, **kwargs)
 
 
 def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
@@ -297,23 +280,17 @@ def _sgd_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     return cpu_one_dtype(params + grads + state, params[0].dtype)
 
 
-# torch's loop -> (whether the form takes the call, the form, the form with the hyperparameters
-# a scheduler changes as graph inputs: used where Dynamo made one of them symbolic)
-FORMS: dict[
-    Callable[..., Any], tuple[Callable[..., bool], Callable[..., Any], Callable[..., Any]]
-] = {
-    _torch_adam._single_tensor_adam: (_adam_takes, adam_form, adam_form_inputs),
-    _torch_sgd._single_tensor_sgd: (_sgd_takes, sgd_form, sgd_form_inputs),
-    _torch_rmsprop._single_tensor_rmsprop: (rmsprop_takes, rmsprop_form, rmsprop_form_inputs),
-    _torch_adagrad._single_tensor_adagrad: (adagrad_takes, adagrad_form, adagrad_form_inputs),
-    _torch_adamax._single_tensor_adamax: (adamax_takes, adamax_form, adamax_form_inputs),
-    _torch_adadelta._single_tensor_adadelta: (
-        adadelta_takes,
-        adadelta_form,
-        adadelta_form_inputs,
-    ),
-    _torch_nadam._single_tensor_nadam: (nadam_takes, nadam_form, nadam_form_inputs),
-    _torch_radam._single_tensor_radam: (radam_takes, radam_form, radam_form_inputs),
+# torch's loop -> (whether the form takes the call, the form; the hyperparameters Dynamo made
+# symbolic, a scheduler's, reach it named in ``symbolic`` and become graph inputs)
+FORMS: dict[Callable[..., Any], tuple[Callable[..., bool], Callable[..., Any]]] = {
+    _torch_adam._single_tensor_adam: (_adam_takes, adam_form),
+    _torch_sgd._single_tensor_sgd: (_sgd_takes, sgd_form),
+    _torch_rmsprop._single_tensor_rmsprop: (rmsprop_takes, rmsprop_form),
+    _torch_adagrad._single_tensor_adagrad: (adagrad_takes, adagrad_form),
+    _torch_adamax._single_tensor_adamax: (adamax_takes, adamax_form),
+    _torch_adadelta._single_tensor_adadelta: (adadelta_takes, adadelta_form),
+    _torch_nadam._single_tensor_nadam: (nadam_takes, nadam_form),
+    _torch_radam._single_tensor_radam: (radam_takes, radam_form),
 }
 
 
@@ -331,14 +308,14 @@ def _wrap(original: Callable[..., Any], is_ours: Callable[[Any], bool]) -> Calla
     ) -> Any:
         entry = FORMS.get(getattr(fn, "fn", None)) if type(fn) is UserFunctionVariable else None
         if entry is not None and is_ours(getattr(self.output, "compiler_fn", None)):
-            takes, form, form_inputs = entry
+            takes, form = entry
             if takes(args, kwargs):
                 metrics.incr("optimizer_forms_traced")
                 # the numbers Dynamo made symbolic: graph inputs; the others stay constants
                 symbolic = tuple(
                     n for n in _SCHEDULED if n in kwargs and not constant(kwargs[n])[0]
                 )
-                fn = UserFunctionVariable(form_inputs if symbolic else form)
+                fn = UserFunctionVariable(form)
                 kwargs = {**kwargs, "symbolic": ConstantVariable.create(symbolic)}
             else:
                 metrics.incr("optimizer_forms_declined")

@@ -2,7 +2,7 @@
 
 What a form is, why Kiln traces one and where (Kiln's frames only, CPU tensors of one dtype):
 :mod:`kiln.frontends.compile.optimizer_forms`, which holds the table these two join, and how
-a hyperparameter a scheduler changes becomes a graph input (the ``*_form_inputs`` variants).
+a hyperparameter a scheduler changes becomes a graph input (a form's ``symbolic`` names).
 
 Both loops compute step-dependent factors from ``step = step_t.item()`` in eager: Python floats,
 float64.  Dynamo traces the loops' ``capturable`` branches instead, float32 tensor math, and
@@ -68,13 +68,13 @@ def radam_form(
     eps: float,
     decoupled_weight_decay: bool,
     maximize: bool,
-    inputs: bool = False,
     symbolic: tuple[str, ...] = (),
     **unused: Any,
 ) -> None:
     """``torch.optim.radam._single_tensor_radam`` as list ops, with eager's numbers; only what
-    :func:`radam_takes` accepts reaches it (``inputs``: ``lr`` and the betas as ``factor``
+    :func:`radam_takes` accepts reaches it (``symbolic``: ``lr`` and the betas as ``factor``
     vectors)."""
+    inputs = bool(symbolic)  # a number a scheduler changes is a graph input
     dtype = params[0].dtype
     n = len(params)
     b1, b2 = factor(beta1, n, "beta1" in symbolic), factor(beta2, n, "beta2" in symbolic)
@@ -132,13 +132,13 @@ def nadam_form(
     eps: float,
     decoupled_weight_decay: bool,
     maximize: bool,
-    inputs: bool = False,
     symbolic: tuple[str, ...] = (),
     **unused: Any,
 ) -> None:
     """``torch.optim.nadam._single_tensor_nadam`` as list ops, with eager's numbers; only what
-    :func:`nadam_takes` accepts reaches it (``inputs``: ``lr`` and the betas as ``factor``
+    :func:`nadam_takes` accepts reaches it (``symbolic``: ``lr`` and the betas as ``factor``
     vectors)."""
+    inputs = bool(symbolic)  # a number a scheduler changes is a graph input
     dtype = params[0].dtype
     n = len(params)
     b1, b2 = factor(beta1, n, "beta1" in symbolic), factor(beta2, n, "beta2" in symbolic)
@@ -176,13 +176,3 @@ def nadam_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     params, grads, exp_avgs, exp_avg_sqs, mu_products, steps = lists
     # the step counters and the mu products: the optimizer's scalar dtype, one for both
     return cpu_state(params + grads + exp_avgs + exp_avg_sqs, steps + mu_products)
-
-
-def radam_form_inputs(*args: Any, **kwargs: Any) -> None:
-    """:func:`radam_form` with the scheduled hyperparameters graph inputs."""
-    radam_form(*args, inputs=True, **kwargs)
-
-
-def nadam_form_inputs(*args: Any, **kwargs: Any) -> None:
-    """:func:`nadam_form` with the scheduled hyperparameters graph inputs."""
-    nadam_form(*args, inputs=True, **kwargs)

@@ -3,7 +3,7 @@ numbers.
 
 What a form is, why Kiln traces one and where (Kiln's frames only, CPU tensors of one dtype):
 :mod:`kiln.frontends.compile.optimizer_forms`, which holds the table these three join, and how
-a hyperparameter a scheduler changes becomes a graph input (the ``*_form_inputs`` variants).
+a hyperparameter a scheduler changes becomes a graph input (a form's ``symbolic`` names).
 
 RMSprop (``_single_tensor_rmsprop``) has no step-dependent factor: the form runs the loop's
 ATen ops with the loop's Python-number arguments (``mul_``/``addcmul_`` on the square averages,
@@ -74,13 +74,13 @@ def rmsprop_form(
     momentum: float,
     centered: bool,
     maximize: bool,
-    inputs: bool = False,
     symbolic: tuple[str, ...] = (),
     **unused: Any,
 ) -> None:
     """``torch.optim.rmsprop._single_tensor_rmsprop`` as list ops, with eager's numbers; only
-    what :func:`rmsprop_takes` accepts reaches it (``inputs``: ``lr`` and the momentum as
+    what :func:`rmsprop_takes` accepts reaches it (``symbolic``: ``lr`` and the momentum as
     ``factor`` vectors)."""
+    inputs = bool(symbolic)  # a number a scheduler changes is a graph input
     dtype = params[0].dtype
     neg_lr = negated_lr(lr, len(params), inputs)
     aten._foreach_add_.Scalar(state_steps, 1)  # step += 1
@@ -150,13 +150,13 @@ def adagrad_form(
     lr_decay: float,
     eps: float,
     maximize: bool,
-    inputs: bool = False,
     symbolic: tuple[str, ...] = (),
     **unused: Any,
 ) -> None:
     """``torch.optim.adagrad._single_tensor_adagrad`` (dense gradients) as list ops, with
-    eager's numbers; only what :func:`adagrad_takes` accepts reaches it (``inputs``: ``lr`` as
+    eager's numbers; only what :func:`adagrad_takes` accepts reaches it (``symbolic``: ``lr`` as
     a ``factor`` vector)."""
+    inputs = bool(symbolic)  # a number a scheduler changes is a graph input
     dtype = params[0].dtype
     aten._foreach_add_.Scalar(state_steps, 1)  # step_t += 1
     grads = l2_grads(grads, params, maximize, weight_decay)
@@ -218,12 +218,11 @@ def adamax_form(
     lr: float,
     weight_decay: float,
     maximize: bool,
-    inputs: bool = False,
     symbolic: tuple[str, ...] = (),
     **unused: Any,
 ) -> None:
     """``torch.optim.adamax._single_tensor_adamax`` as list ops, with eager's numbers; only what
-    :func:`adamax_takes` accepts reaches it (``inputs``: ``lr`` and the betas as ``factor``
+    :func:`adamax_takes` accepts reaches it (``symbolic``: ``lr`` and the betas as ``factor``
     vectors)."""
     dtype = params[0].dtype
     n = len(params)
@@ -254,21 +253,6 @@ def adamax_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
     return cpu_state(params + grads + exp_avgs + exp_infs, steps)
 
 
-def adamax_form_inputs(*args: Any, **kwargs: Any) -> None:
-    """:func:`adamax_form` with the scheduled hyperparameters graph inputs."""
-    adamax_form(*args, inputs=True, **kwargs)
-
-
-def rmsprop_form_inputs(*args: Any, **kwargs: Any) -> None:
-    """:func:`rmsprop_form` with the scheduled hyperparameters graph inputs."""
-    rmsprop_form(*args, inputs=True, **kwargs)
-
-
-def adagrad_form_inputs(*args: Any, **kwargs: Any) -> None:
-    """:func:`adagrad_form` with the scheduled hyperparameters graph inputs."""
-    adagrad_form(*args, inputs=True, **kwargs)
-
-
 def adadelta_form(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -281,13 +265,13 @@ def adadelta_form(
     eps: float,
     weight_decay: float,
     maximize: bool,
-    inputs: bool = False,
     symbolic: tuple[str, ...] = (),
     **unused: Any,
 ) -> None:
     """``torch.optim.adadelta._single_tensor_adadelta`` as list ops, with eager's numbers; only
-    what :func:`adadelta_takes` accepts reaches it (``inputs``: ``lr`` as a ``factor``
+    what :func:`adadelta_takes` accepts reaches it (``symbolic``: ``lr`` as a ``factor``
     vector)."""
+    inputs = bool(symbolic)  # a number a scheduler changes is a graph input
     dtype = params[0].dtype
     aten._foreach_add_.Scalar(state_steps, 1)  # step += 1
     grads = l2_grads(grads, params, maximize, weight_decay)
@@ -315,8 +299,3 @@ def adadelta_takes(args: list[Any], kwargs: dict[str, Any]) -> bool:
         return False
     params, grads, square_avgs, acc_deltas, steps = lists
     return cpu_state(params + grads + square_avgs + acc_deltas, steps)
-
-
-def adadelta_form_inputs(*args: Any, **kwargs: Any) -> None:
-    """:func:`adadelta_form` with the scheduled ``lr`` a graph input."""
-    adadelta_form(*args, inputs=True, **kwargs)

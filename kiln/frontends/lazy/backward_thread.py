@@ -62,7 +62,7 @@ def installed() -> bool:
     return _installed
 
 
-def translate_stream_errors() -> None:
+def translate_engine_errors() -> None:
     """Make a backward pass through a copy from the kiln device to another device that also
     changes the dtype (``.to("cpu", torch.float64)``; a plain ``.cpu()`` works) raise an error
     that names the problem and the fix, instead of the autograd engine's internal

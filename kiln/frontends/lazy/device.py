@@ -168,7 +168,7 @@ def _register() -> None:
         serialization.install()
         _register.libs = libs  # type: ignore[attr-defined]  # keep registrations alive
         _allow_foreach()
-        backward_thread.translate_stream_errors()
+        backward_thread.translate_engine_errors()
         _registered = True
         device_module.pending_probe = _engine_check
 
