@@ -19,6 +19,12 @@ if "KILN_CACHE_DIR" not in os.environ or (
 ):
     os.environ["KILN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln-test-cache-")
     os.environ["KILN_TEST_OWN_CACHE"] = "1"
+# The suite runs several processes per core (xdist workers, the OpInfo pool, the jobs and programs
+# tests start), each with an OpenMP thread per core.  OpenMP's default busy-waiting then burns the
+# cores another process is waiting for: a 20-step training job beside two busy 2-thread processes
+# took 42-47 s with it, 21 s with passive waits.  Waiting is not arithmetic: results are the same.
+# Set here, before torch is imported, so this process and every process it starts get it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The native graph launcher depends only on its source, torch and the compiler (its file name
 # says which): one build serves every test run and every process the tests start.
 os.environ.setdefault(
