@@ -17,6 +17,7 @@ runs).
 
 from __future__ import annotations
 
+import atexit
 import os
 import statistics
 import threading
@@ -51,11 +52,20 @@ class _Metrics:
     per_site: Counter = field(default_factory=Counter)
     warned: set = field(default_factory=set)
     # running totals (cheap to read every step, unlike summing the lists above)
+    # frame_compile_s: torch.compile's frame compiles (Dynamo, AOTAutograd and Kiln's backend in
+    # them); nested_compile_s: the part of compile_s and load_s spent inside them
     totals: dict = field(
-        default_factory=lambda: {"compile_s": 0.0, "load_s": 0.0, "execute_s": 0.0}
+        default_factory=lambda: {
+            "compile_s": 0.0,
+            "load_s": 0.0,
+            "execute_s": 0.0,
+            "frame_compile_s": 0.0,
+            "nested_compile_s": 0.0,
+        }
     )
     step_s: deque = field(default_factory=lambda: deque(maxlen=256))  # recent step times
-    last_step_t: float = 0.0
+    last_step_t: float = 0.0  # when the last step ended (or the first began); 0: not known
+    last_step_s: float | None = None  # the time of the step that ended last, if it had a start
 
 
 _m = _Metrics()
@@ -137,6 +147,24 @@ def executed(seconds: float) -> None:
         _m.totals["execute_s"] += seconds
 
 
+def frame_compiled(seconds: float, nested: float) -> None:
+    """Compile mode: torch.compile spent ``seconds`` compiling frames (Dynamo, AOTAutograd and
+    Kiln's backend), ``nested`` of them in Kiln's compiles and cache loads (counted in
+    ``compile_s`` / ``load_s`` already)."""
+    with _lock:
+        _m.totals["frame_compile_s"] += seconds
+        _m.totals["nested_compile_s"] += nested
+
+
+def compile_wait_s(snap: dict) -> float:
+    """The seconds a run has waited for compiles, from a :func:`snapshot` (or the counters
+    ``kiln.observe`` publishes): Kiln's compiles and cache loads, torch.compile's frame compiles
+    around them, and waits for kernel builds."""
+    keys = ("compile_s", "load_s", "frame_compile_s")
+    waited = sum(snap.get(k, 0.0) for k in keys) - snap.get("nested_compile_s", 0.0)
+    return waited + snap.get("kernel_wait_us", 0) / 1e6
+
+
 def traced(seconds: float) -> None:
     with _lock:
         _m.trace_s.append(seconds)
@@ -184,6 +212,7 @@ def snapshot() -> dict:
             "fallbacks": sum(_m.fallbacks.values()),
             **_m.totals,
             "step_s": list(_m.step_s),
+            "last_step_s": _m.last_step_s,
         }
 
 
@@ -208,6 +237,11 @@ def report() -> str:
         for k in sorted(m.counters):
             lines.append(f"  {k:<28} {m.counters[k]}")
         lines.append(f"  {'compile time':<28} {_fmt_times(m.compile_s)}")
+        if m.totals["frame_compile_s"]:
+            lines.append(
+                f"  {'torch.compile frames':<28} total={m.totals['frame_compile_s'] * 1e3:.1f}ms "
+                "(Dynamo, AOTAutograd and the compile time above within them)"
+            )
         lines.append(f"  {'disk-cache load time':<28} {_fmt_times(m.load_s)}")
         lines.append(f"  {'execute time':<28} {_fmt_times(m.execute_s)}")
         lines.append(f"  {'wall time between cuts':<28} {_fmt_times(m.trace_s)}")
@@ -249,16 +283,54 @@ def remove_step_hook(fn: Callable[[], None]) -> None:
         _step_hooks.remove(fn)
 
 
+def step_began(t: float) -> None:
+    """The first step (since start or :func:`reset`) began at ``t`` (``time.perf_counter()``):
+    it gets a time too.  Ignored once a step has begun or ended."""
+    with _lock:
+        if not _m.last_step_t:
+            _m.last_step_t = t
+
+
+def before_step_end(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` as each step ends, before it is counted and the observers read the metrics
+    (compile mode adds the step's frame-compile time)."""
+    if fn not in _before_step_end:
+        _before_step_end.append(fn)
+
+
 def step_done() -> None:
-    """A training step ended: count it, time it (from the previous step's end), run the hooks."""
+    """A training step ended: count it, time it (from the previous step's end, or from the first
+    step's start), run the hooks."""
+    for fn in tuple(_before_step_end):
+        fn()
     now = time.perf_counter()
     with _lock:
         _m.counters["steps"] += 1
-        if _m.last_step_t:
-            _m.step_s.append(now - _m.last_step_t)
+        _m.last_step_s = now - _m.last_step_t if _m.last_step_t else None
+        if _m.last_step_s is not None:
+            _m.step_s.append(_m.last_step_s)
         _m.last_step_t = now
     for fn in tuple(_step_hooks):
         fn()
+
+
+def end_open_step(fn: Callable[[], None]) -> None:
+    """Register ``fn``, which ends a step still open when the run ends (compile mode ends a step
+    only when the next one starts): :func:`run_ending` calls it once."""
+    if fn not in _open_step_enders:
+        _open_step_enders.append(fn)
+
+
+@atexit.register
+def run_ending() -> None:
+    """The run is ending: end the step still open, so that it is counted and observed.  The
+    observers call it before they close (and it runs at exit); it runs each ender once."""
+    while _open_step_enders:
+        _open_step_enders.pop()()
+
+
+_before_step_end: list[Callable[[], None]] = []
+_open_step_enders: list[Callable[[], None]] = []
 
 
 # -- profiler ranges --------------------------------------------------------------------------

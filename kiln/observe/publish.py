@@ -136,6 +136,7 @@ def build_record(static: dict[str, Any], previous: dict[str, Any] | None) -> dic
         "step_s_median": sorted(step_s)[len(step_s) // 2] if step_s else None,
         "graphs_per_step": round(running, 2),
         "counters": {k: v for k, v in snap.items() if isinstance(v, (int, float))},
+        "compile_wait_s": metrics.compile_wait_s(snap),
         "graphs": graphs,
         "cpus": sorted(os.sched_getaffinity(0)),
         "threads": torch.get_num_threads(),

@@ -7,10 +7,14 @@
     tb.close()                                # also done at exit
 
 Written with ``torch.utils.tensorboard.SummaryWriter`` (the ``tensorboard`` package: ``pip
-install 'kiln[observe]'``).  Tags, each at global step = Kiln's step count:
+install 'kiln[observe]'``).  Tags, each at global step = Kiln's step count (compile mode's
+last step is written when the run ends):
 
-    kiln/step_time_ms        wall time of the step (from the previous step's end; none for step 1)
-    kiln/compile_time_ms     compile + disk-cache load time spent in the step
+    kiln/step_time_ms        wall time of the step, from the previous step's end; for step 1 from
+                             its first compile (compile mode; none on the lazy device)
+    kiln/compile_time_ms     time the step waited for compiles: Kiln's compiles and cache loads,
+                             torch.compile's frame compiles around them (Dynamo, AOTAutograd),
+                             kernel builds (kiln.metrics.compile_wait_s)
     kiln/execute_time_ms     time running compiled graphs in the step
     kiln/steps_per_s         throughput (1 / step time); kiln/samples_per_s with samples_per_step
     kiln/graphs_compiled, kiln/cache_hits_memory, kiln/cache_hits_disk, kiln/fallbacks,
@@ -67,14 +71,13 @@ class KilnTensorBoard:
         step = snap.get("steps", 0)
         prev, self._prev = self._prev, snap
         w = self.writer
-        # step_done appends the step's time before hooks run; the first step has none
-        step_s = snap["step_s"][-1] if step > 1 and snap["step_s"] else None
+        step_s = snap["last_step_s"]  # None where the step's start is not known
         if step_s:
             w.add_scalar("kiln/step_time_ms", step_s * 1e3, step)
             w.add_scalar("kiln/steps_per_s", 1.0 / step_s, step)
             if self.samples_per_step:
                 w.add_scalar("kiln/samples_per_s", self.samples_per_step / step_s, step)
-        compile_s = snap["compile_s"] + snap["load_s"] - prev["compile_s"] - prev["load_s"]
+        compile_s = metrics.compile_wait_s(snap) - metrics.compile_wait_s(prev)
         w.add_scalar("kiln/compile_time_ms", compile_s * 1e3, step)
         w.add_scalar("kiln/execute_time_ms", (snap["execute_s"] - prev["execute_s"]) * 1e3, step)
         for name in _TOTALS:
@@ -128,5 +131,6 @@ def on_step() -> None:
 
 @atexit.register
 def _close() -> None:
+    metrics.run_ending()  # compile mode's last step, still open, is written first
     if _active is not None:
         _active.close()

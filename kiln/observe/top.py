@@ -158,7 +158,9 @@ class Top:
                 str(c.get("cache_hits_disk", 0) + c.get("cache_hits_memory", 0)),
                 str(len(p["graphs"])),
                 f"{p['graphs_per_step']:g}" if p["graphs_per_step"] else "-",
-                f"{c.get('compile_s', 0.0) + c.get('load_s', 0.0):.2f}",
+                # every second waited for compiles (kiln.metrics.compile_wait_s); a record
+                # written by an older Kiln has Kiln's own compile and load time only
+                f"{p.get('compile_wait_s', c.get('compile_s', 0.0) + c.get('load_s', 0.0)):.2f}",
                 f"{c.get('execute_s', 0.0):.2f}",
                 str(c.get("fallbacks", 0)),
                 str(c.get("forced_syncs", 0)),

@@ -3,8 +3,9 @@ recompile reasons.
 
 The lazy device ends a step at each ``mark_step``.  Compile mode has no such call: a step ends when
 a compiled graph that already ran in the current step runs again (the forward graph of the next
-iteration), so forward, backward and optimizer graphs of one iteration make one step.  A step that
-calls one compiled graph twice is counted as two.
+iteration), so forward, backward and optimizer graphs of one iteration make one step; the run's last
+step ends when the run does (:func:`kiln.metrics.run_ending`).  A step that calls one compiled graph
+twice is counted as two.
 
 Each step end runs :func:`kiln.metrics.step_done` (step count and time, observe hooks), then the
 ``KILN_MAX_STEPS`` stop.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +42,19 @@ def graph_run(key: object) -> None:
         _ran.clear()
         _compiled_steps += 1
         step_end(_compiled_steps)
+    elif not _ran:  # the first graph of a step (and the run's end counts the step if it is open)
+        metrics.step_began(time.perf_counter())  # the first step's start if none was noted
+        metrics.end_open_step(_end_open_step)
     _ran.add(k)
+
+
+def _end_open_step() -> None:
+    """The run ends: a compiled step whose graphs ran is a step (its end was not seen)."""
+    global _compiled_steps
+    if _ran:
+        _ran.clear()
+        _compiled_steps += 1
+        metrics.step_done()  # no KILN_MAX_STEPS stop: the run is ending anyway
 
 
 def step_end(steps: int) -> None:

@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from kiln import metrics
 from kiln.config import config
+from kiln.frontends.compile import compile_time
 from kiln.frontends.compile.aot_cache import (
     KilnOutputCode,
     OutSpec,
@@ -222,8 +223,15 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) 
     Inductor's (see :mod:`kiln.frontends.compile.options`).  The first call stops Dynamo's
     optimizer tracing from importing Inductor for CPU tensors
     (:mod:`kiln.frontends.compile.optimizer_trace`), and skips work Dynamo does only for logs
-    and metrics no one records (:mod:`kiln.frontends.compile.log_only`)."""
+    and metrics no one records (:mod:`kiln.frontends.compile.log_only`).  The compile time it and
+    Dynamo take goes to Kiln's metrics (:mod:`kiln.frontends.compile.compile_time`)."""
     _install_trace_wrappers()
+    compile_time.frame_began()
+    with compile_time.backend_call():
+        return _kiln_backend(gm, example_inputs, **kwargs)
+
+
+def _kiln_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
     options = compile_options(kwargs)
     if any(isinstance(x, torch.Tensor) and x.device.type == _LAZY_DEVICE for x in example_inputs):
         # a step on the kiln device (the model moved there): the device records what the graph
