@@ -37,10 +37,24 @@ class RecompileWarning(UserWarning):
     pass
 
 
+# counters() always has these (0 until counted): the step count and what README's Metrics and
+# Tools sections name
+ALWAYS = (
+    "steps",
+    "mark_steps",
+    "graphs_compiled",
+    "graphs_executed",
+    "cache_hits_memory",
+    "cache_hits_disk",
+    "forced_syncs",
+    "recompiles",
+)
+
+
 @dataclass
 class _Metrics:
-    # "steps" from the start: a run's step count reads 0 before its first step ends, not None
-    counters: Counter = field(default_factory=lambda: Counter({"steps": 0}))
+    # the counters a program reads read 0 before the first event, not None or a KeyError
+    counters: Counter = field(default_factory=lambda: Counter(dict.fromkeys(ALWAYS, 0)))
     fallbacks: Counter = field(default_factory=Counter)
     syncs: Counter = field(default_factory=Counter)
     compile_s: list[float] = field(default_factory=list)

@@ -42,13 +42,19 @@ pending_probe: Callable[[], str | None] | None = None
 
 def sync_all() -> None:
     """Cut and run both recorders' pending traces (``kiln.mark_step``): the Python recorder's,
-    and the native recorder's once it is loaded (``config.lazy_recorder = "native"``)."""
+    and the native recorder's once it is loaded (``config.lazy_recorder = "native"``); then the
+    step ends."""
+    from kiln import metrics
     from kiln.frontends.lazy.trace import sync
+    from kiln.runtime.steps import step_end
 
-    sync()
+    sync(ends_step=False)
     native = sys.modules.get("kiln.frontends.lazy.native")  # (not imported: never loaded)
     if native is not None and native.loaded():
-        native.mark_step()
+        native.mark_step(ends_step=False)
+    # one step, whichever recorder had work, and also where none had (the debug mode runs every
+    # op at once: its mark_step finds nothing pending)
+    step_end(metrics.get("mark_steps"))
 
 
 # Whether this process has used the kiln device (``kiln.device()``, a kiln factory, ``.to``).

@@ -857,7 +857,11 @@ def check_inplace_cast(result: torch.dtype, target: torch.dtype) -> None:
 
 def _inplace(func: Any, fn: Any, args: tuple, kwargs: dict, mutated: list[int]) -> Any:
     out = _record(fn, args, _with_defaults(func, fn, args, kwargs))
-    outs = out if isinstance(out, (list, tuple)) else [out]
+    # a functional form returns a value per mutated argument, a list for a list argument
+    # (``_fused_adamw`` returns five lists): flattened in order, as the targets are
+    outs: list = []
+    for o in out if isinstance(out, (list, tuple)) else [out]:
+        outs.extend(o if isinstance(o, (list, tuple)) else [o])
     targets: list[LazyTensor] = []
     for i in mutated:
         a = args[i] if i < len(args) else kwargs[func._schema.arguments[i].name]

@@ -363,12 +363,13 @@ _SETTLE_MAX = 8
 _settled = 0
 
 
-def sync(reason: str | None = None) -> None:
+def sync(reason: str | None = None, ends_step: bool = True) -> None:
     """Cut the pending graph, compile it (cached), run it, and materialize live tensors.
 
-    ``reason`` None means an explicit ``mark_step``; anything else is counted as a forced sync.
+    ``reason`` None means an explicit ``mark_step``, which ends a step (``ends_step=False``: the
+    caller ends it); anything else is counted as a forced sync.
     """
-    global _trace, _last_entry
+    global _trace
     metrics.close_span("record")  # profiler ranges: kiln::record, kiln::mark_step / kiln::sync
     with _lock, metrics.span("kiln::mark_step" if reason is None else f"kiln::sync {reason}"):
         tr = _trace
@@ -382,59 +383,66 @@ def sync(reason: str | None = None) -> None:
         _trace = Trace(tr.gen + 1)
         if reason is None:
             metrics.incr("mark_steps")
-        if not live:
-            return
-        if reason is not None and reason != "eager":
-            metrics.forced_sync(reason)
-        live.sort(key=lambda s: s.node)
-        outs = _outputs(tr, live)
-        entry, values = _prune(tr, outs)
-        g = entry.graph
-        if _last_entry is not None:
-            _last_entry.next = entry
-        _last_entry = entry
-        _trace.expect = entry.next
-        metrics.traced(time.perf_counter() - tr.t0)
-        if tr.seed_node is not None and entry.seed_index is not None:
-            values[entry.seed_index] = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-        site = call_site("lazy", python_frames()) or "lazy:<unknown>"
-        run = entry.run
-        if run is None or run[0] != config.dynamic_shapes:
-            gen, extra = dynamic.choose(g) if config.dynamic_shapes else (g, [])
-            run = entry.run = (config.dynamic_shapes, gen, extra)
-        before = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
-        try:
-            exe = compile_graph(run[1])
-        except Exception as e:  # a shape-generic graph that does not compile: the graph itself
-            if run[1] is g:
-                raise
-            dynamic.disable(run[1], e)
-            run = entry.run = (config.dynamic_shapes, g, [])
-            exe = compile_graph(g)
-        after = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
-        sig = Signature(entry.input_types, g.hash, len(g))
-        _recompiles.seen(site, sig, compiled=after > before)
-        t0 = time.perf_counter()
-        results = exe(values + run[2] if run[2] else values)
-        metrics.executed(time.perf_counter() - t0)
-        settle = after > before
-        seen: set[int] = {id(values[k]) for k in entry.tensor_inputs}
-        for st, val in zip(live, results):
-            if val is not st.data and id(val) in seen:  # never let two storages share a buffer
-                val = val.clone()
-            seen.add(id(val))
-            st.data = val
-            st.pending = False
-            st.node = None
-            st.gen = -1
-            track(st)
-        tr = g = values = results = None  # type: ignore[assignment]
-        update_peak()
+        # a mark_step with nothing pending (the debug mode's every one) still ends a step
+        settle = _run_cut(tr, live, reason) if live else False
     if settle:
         _settle_heap()
     metrics.open_span("record", "kiln::record")
-    if reason is None:
+    if reason is None and ends_step:
         step_end(metrics.get("mark_steps"))
+
+
+def _run_cut(tr: Trace, live: list, reason: str | None) -> bool:
+    """Compile (cached) and run the cut of ``tr`` whose outputs are ``live``, materializing them;
+    whether a graph was compiled or loaded (the heap is settled then).  Under ``_lock``."""
+    global _last_entry
+    if reason is not None and reason != "eager":
+        metrics.forced_sync(reason)
+    live.sort(key=lambda s: s.node)
+    outs = _outputs(tr, live)
+    entry, values = _prune(tr, outs)
+    g = entry.graph
+    if _last_entry is not None:
+        _last_entry.next = entry
+    _last_entry = entry
+    _trace.expect = entry.next
+    metrics.traced(time.perf_counter() - tr.t0)
+    if tr.seed_node is not None and entry.seed_index is not None:
+        values[entry.seed_index] = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    site = call_site("lazy", python_frames()) or "lazy:<unknown>"
+    run = entry.run
+    if run is None or run[0] != config.dynamic_shapes:
+        gen, extra = dynamic.choose(g) if config.dynamic_shapes else (g, [])
+        run = entry.run = (config.dynamic_shapes, gen, extra)
+    before = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
+    try:
+        exe = compile_graph(run[1])
+    except Exception as e:  # a shape-generic graph that does not compile: the graph itself
+        if run[1] is g:
+            raise
+        dynamic.disable(run[1], e)
+        run = entry.run = (config.dynamic_shapes, g, [])
+        exe = compile_graph(g)
+    after = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
+    if reason != "eager":  # the debug mode's one-op graphs are not a site's recompiles
+        _recompiles.seen(site, Signature(entry.input_types, g.hash, len(g)), after > before)
+    t0 = time.perf_counter()
+    results = exe(values + run[2] if run[2] else values)
+    metrics.executed(time.perf_counter() - t0)
+    settle = after > before
+    seen: set[int] = {id(values[k]) for k in entry.tensor_inputs}
+    for st, val in zip(live, results):
+        if val is not st.data and id(val) in seen:  # never let two storages share a buffer
+            val = val.clone()
+        seen.add(id(val))
+        st.data = val
+        st.pending = False
+        st.node = None
+        st.gen = -1
+        track(st)
+    tr = g = values = results = None  # type: ignore[assignment]
+    update_peak()
+    return settle
 
 
 def out_types(meta: Any) -> tuple[TensorType | None, ...]:

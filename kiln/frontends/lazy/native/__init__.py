@@ -224,7 +224,7 @@ def trace_len() -> int:
     return load().trace_len()
 
 
-def mark_step(forced: bool = False, reason: str | None = None) -> Any:
+def mark_step(forced: bool = False, reason: str | None = None, ends_step: bool = True) -> Any:
     """Cut the pending trace and run it: every native tensor still alive that holds a value
     computed in this step gets it.  A graph seen before is recognised by the recorder (hash, then
     node keys) and not converted again.  ``forced``: a sync the program did not ask for (a
@@ -252,7 +252,7 @@ def mark_step(forced: bool = False, reason: str | None = None) -> Any:
         random_ops.cut()  # the cut trace's random outputs, kept for replays, let go
     if compiled:
         settle_heap()  # config.gc_freeze; one process-wide cap shared with the Python recorder
-    if not forced:
+    if not forced and ends_step:
         step_end(metrics.get("mark_steps"))
     return c
 

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from kiln import metrics
 from kiln.config import config
 from kiln.frontends.lazy import cpu_kernels
-from kiln.frontends.lazy.foreach import record_split
+from kiln.frontends.lazy.foreach import record_split, split_of
 from kiln.frontends.lazy.native import convert, outops, rng, viewwrite
 from kiln.frontends.lazy.native.outops import cpu_device as _cpu_device
 from kiln.frontends.lazy.native.outops import is_out as _is_out
@@ -357,7 +357,9 @@ class Handler:
             return _NOT_DONE
         through = None  # a written view: its base and chain
         if not all(writable(t) for t in targets):
-            if len(targets) != 1 or not self.mod.is_native(targets[0]):
+            if len(targets) > 1:
+                return self.per_element(op, args, kwargs)
+            if not self.mod.is_native(targets[0]):
                 return _NOT_DONE
             through = viewwrite.chain_of(self.mod, targets[0])
             if through is None:
@@ -386,6 +388,26 @@ class Handler:
             self.mod.write_back(t, v)
         metrics.incr("native_inplace_writes")
         return args[0] if func._schema.returns and len(targets) == 1 else None
+
+    def per_element(self, op: _Op, args: tuple, kwargs: dict) -> Any:
+        """An in-place foreach op some of whose written tensors are views (gradients autograd
+        left as views of a transpose or a reduction; ``clip_grad_norm_``'s ``_foreach_mul_``
+        writes them): the per-tensor in-place op once per element, in order -- what ATen's CPU
+        foreach kernels do -- each recorded as a single in-place write (through its view, no
+        sync).  ``_NOT_DONE`` when the op has no per-tensor in-place form."""
+        fn = op.facts.functional
+        split = split_of(fn) if fn is not None else None
+        if split is None:
+            return _NOT_DONE
+        name = split.op._schema.name.split("::")[1]
+        per = getattr(getattr(aten, name + "_", None), split.op._overloadname, None)
+        calls = split.calls(args, kwargs)
+        if per is None or calls is None:
+            return _NOT_DONE
+        for pos, kw in calls:
+            per(*pos, **kw)
+        metrics.incr("native_foreach_per_element")
+        return None
 
     def signature(self, op: _Op, args: tuple, kwargs: dict) -> tuple[tuple, list]:
         """The call's recipe key (the op, the default dtype, each argument's signature part) and
