@@ -7,7 +7,8 @@
 every rank of a distributed job, starts with zero compiles (compile mode: with AOTAutograd's
 entries too, so that only Dynamo traces again).  ``explain`` prints, for every graph
 the script compiled, the passes it went through, what was fused into which kernel (optionally with
-the generated C++), and every op that fell back to eager ATen with the reason.
+the generated C++), and every op that fell back to eager ATen with the reason; then, for the run, the
+forced syncs that cut its steps into several graphs and the ops run on ATen between graphs.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import click
 def _run(cmd: tuple[str, ...], env: dict[str, str]) -> int:
     if not cmd:
         raise click.UsageError("give the command to run after --, e.g. -- python train.py")
-    return subprocess.run(list(cmd), env={**os.environ, **env}).returncode
+    return subprocess.run(list(cmd), env={**os.environ, **env}, check=False).returncode
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -66,16 +67,21 @@ def precompile(steps: int, cmd: tuple[str, ...]) -> None:
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 def explain(steps: int, source: bool, as_json: bool, cmd: tuple[str, ...]) -> None:
     """Run CMD for a few steps and explain every graph Kiln compiled."""
-    from kiln.runtime.explain import format_report
+    from kiln.runtime.explain import format_report, format_run
 
     with tempfile.TemporaryDirectory(prefix="kiln-explain-") as d:
         rc = _run(cmd, {"KILN_MAX_STEPS": str(steps), "KILN_EXPLAIN_DIR": d})
-        reports = [json.loads(p.read_text()) for p in sorted(Path(d).glob("*.json"))]
+        files = sorted(Path(d).glob("*.json"))
+        reports = [json.loads(p.read_text()) for p in files if not p.name.startswith("run-")]
+        runs = [json.loads(p.read_text()) for p in files if p.name.startswith("run-")]
     if as_json:
-        click.echo(json.dumps(reports, indent=1))
+        click.echo(json.dumps(reports + runs, indent=1))
     else:
         for rep in reports:
             click.echo(format_report(rep, source=source))
+            click.echo()
+        for run in runs:
+            click.echo(format_run(run))
             click.echo()
         click.echo(f"{len(reports)} graphs explained; exit {rc}")
     sys.exit(rc)

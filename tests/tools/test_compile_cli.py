@@ -76,6 +76,10 @@ def test_explain_lists_passes_and_kernels_with_source(tmp_path):
     assert "gemm %" in text and "fused bias (ATen addmm/baddbmm)" in text
     assert "[ATen (MKL sgemm for float32)]" in text  # too small for oneDNN (gemm_library)
     assert "read by stride" in text
+    # the run: its steps, and the forced sync of the data-dependent op, which no graph shows
+    run = text[text.index("run (pid") :]
+    assert "2 steps" in run
+    assert "forced syncs" in run and "nonzero" in run
 
 
 def test_precompile_without_a_command_says_how_to_give_one():
