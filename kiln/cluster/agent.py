@@ -190,9 +190,12 @@ class Agent:
             self._stop.wait(self.poll_interval)
 
     def _instances(self) -> list[dict[str, Any]]:
+        """Instances to serve: every registered one, and a DEREGISTERED one while it still has
+        active tasks (force deregistration: they are stopping and need their agent to end)."""
         rows = self.service.store.query(
-            "SELECT arn, simulated, device_root FROM container_instances"
-            " WHERE status != 'DEREGISTERED'"
+            "SELECT arn, status, simulated, device_root FROM container_instances"
+            " WHERE status != 'DEREGISTERED' OR arn IN"
+            " (SELECT instance_arn FROM tasks WHERE last_status != 'STOPPED')"
         )
         if self.instance_arns is not None:
             rows = [r for r in rows if r["arn"] in self.instance_arns]
@@ -206,7 +209,7 @@ class Agent:
                 self._begin_stop(self._runs[arn], reason, "UserInitiated")
         now = time.monotonic()
         for inst in self._instances():
-            if now >= self._beats.get(inst["arn"], 0.0):
+            if inst["status"] != "DEREGISTERED" and now >= self._beats.get(inst["arn"], 0.0):
                 self._beats[inst["arn"]] = now + HEARTBEAT_INTERVAL_S
                 self.service.heartbeat(inst["arn"])
             for task in self.service.agent_tasks(inst["arn"]):

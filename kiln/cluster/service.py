@@ -183,6 +183,8 @@ class ClusterService(TaskActions, ServiceActions):
         return {"taskDefinition": self._taskdef_json(row), "tags": []}
 
     def list_task_definitions(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Revisions with ``status`` (default ACTIVE); ``familyPrefix`` is, as in the service,
+        the *whole* family name: ``train`` never lists ``train-eval``."""
         status = body.get("status") or "ACTIVE"
         order = "DESC" if body.get("sort") == "DESC" else "ASC"
         rows = self.store.query(
@@ -190,14 +192,26 @@ class ClusterService(TaskActions, ServiceActions):
             f" ORDER BY family {order}, revision {order}",
             (status,),
         )
-        prefix = body.get("familyPrefix")
-        arns = [r["arn"] for r in rows if not prefix or r["family"].startswith(prefix)]
+        family = body.get("familyPrefix")
+        arns = [r["arn"] for r in rows if not family or r["family"] == family]
         return _paginate(arns, body, "taskDefinitionArns")
 
     def list_task_definition_families(self, body: dict[str, Any]) -> dict[str, Any]:
-        rows = self.store.query("SELECT DISTINCT family FROM task_definitions ORDER BY family")
-        prefix = body.get("familyPrefix")
-        fams = [r["family"] for r in rows if not prefix or r["family"].startswith(prefix)]
+        """Family names starting with ``familyPrefix`` (a true prefix here), filtered by
+        ``status``: ACTIVE = at least one ACTIVE revision, INACTIVE = no ACTIVE revision,
+        ALL (the default, as in the service) = every family."""
+        rows = self.store.query(
+            "SELECT family, MAX(CASE WHEN status = 'ACTIVE' THEN 1 ELSE 0 END) AS active"
+            " FROM task_definitions GROUP BY family ORDER BY family"
+        )
+        status = body.get("status") or "ALL"
+        prefix = body.get("familyPrefix") or ""
+        fams = [
+            r["family"]
+            for r in rows
+            if r["family"].startswith(prefix)
+            and (status == "ALL" or (status == "ACTIVE") == bool(r["active"]))
+        ]
         return _paginate(fams, body, "families")
 
     def deregister_task_definition(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -440,6 +454,12 @@ class ClusterService(TaskActions, ServiceActions):
         return {"containerInstances": found, "failures": failures}
 
     def deregister_container_instance(self, body: dict[str, Any]) -> dict[str, Any]:
+        """DEREGISTERED; refused while tasks are active unless ``force``, which stops them.
+
+        With ``force`` every active task of the instance is asked to stop (UserInitiated): the
+        agent keeps serving the deregistered instance until those tasks' processes are gone and
+        they are STOPPED, so their devices are never handed out while a process still uses them.
+        """
         with self.store.transaction(exclusive=True) as tx:
             cluster = self.cluster_name(tx, body.get("cluster"))
             [(_ref, arn)] = self._instance_arns(tx, cluster, [body.get("containerInstance", "")])
@@ -452,6 +472,12 @@ class ClusterService(TaskActions, ServiceActions):
             if active and active["n"] and not body.get("force"):
                 raise InvalidParameterException(
                     "Found running tasks on the instance; use force to deregister anyway."
+                )
+            for task in tx.execute(
+                "SELECT * FROM tasks WHERE instance_arn = ? AND last_status != 'STOPPED'", (arn,)
+            ):  # with force: no task is left running unaccounted for (its agent stops it)
+                self._request_stop(
+                    tx, task, "Task stopped: its container instance was deregistered (force)"
                 )
             tx.execute(
                 "UPDATE container_instances SET status = 'DEREGISTERED', agent_connected = 0,"

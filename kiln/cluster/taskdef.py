@@ -404,6 +404,36 @@ def container_device_request(container: dict) -> dict:
     return {"gpu": gpu, "neuron_all": neuron_all, "devices": paths}
 
 
+def override_requirements(containers: list[dict], overrides: dict[str, list[dict]]) -> list[dict]:
+    """``containers`` with RunTask's ``containerOverrides[].resourceRequirements`` applied.
+
+    ``overrides`` maps a container name to its override's requirements; each replaces the
+    definition's requirement of the same type and keeps the others.  The result is checked as a
+    registration would check it (GPU a positive integer, NeuronDevice ``ALL``, one NeuronDevice
+    container, no GPU with NeuronDevice); a violation is InvalidParameterException.
+    """
+    out = []
+    for container in containers:
+        wanted = overrides.get(container["name"])
+        if wanted is not None:
+            where = f"overrides.containerOverrides[name={container['name']}]"
+            try:
+                _check_resource_requirements(where, wanted)
+            except ClientException as e:
+                raise InvalidParameterException(str(e)) from e
+            kinds = {r["type"] for r in wanted}
+            kept = [
+                r for r in container.get("resourceRequirements") or [] if r["type"] not in kinds
+            ]
+            container = {**container, "resourceRequirements": kept + list(wanted)}
+        out.append(container)
+    try:
+        _check_accelerator_consistency(out)
+    except ClientException as e:
+        raise InvalidParameterException(f"with containerOverrides applied: {e}") from e
+    return out
+
+
 def task_device_requests(task: dict) -> list[dict]:
     """``container_device_request`` for every container of a task definition, in order."""
     return [container_device_request(c) for c in task.get("containerDefinitions") or []]
@@ -417,6 +447,7 @@ def model_available() -> bool:
 __all__ = [
     "InvalidParameterException",
     "container_device_request",
+    "override_requirements",
     "task_device_requests",
     "validate_task_definition",
 ]

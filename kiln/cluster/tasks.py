@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from kiln.cluster.store import Store
 
 ACTIVE_SQL = "last_status != 'STOPPED'"
+LAUNCH_TYPE = "EC2"  # every task runs on a registered container instance
 
 
 MAX_AMOUNT = 2**31 - 1  # the service's Integer fields
@@ -192,9 +193,39 @@ class TaskActions:
 
     @staticmethod
     def _containers(td: dict[str, Any], overrides: dict[str, Any]) -> list[dict[str, Any]]:
-        by_name = {o.get("name"): o for o in overrides.get("containerOverrides") or []}
+        """The task's containers with ``overrides`` applied (command, environment, cpu, memory,
+        resourceRequirements: placement reserves the overridden GPUs/Neuron devices).
+
+        An override naming no container of the task definition, or naming one twice, is
+        InvalidParameterException; nothing in an override is ignored silently.
+        """
+        from kiln.cluster import taskdef
+
+        defs = list(td.get("containerDefinitions") or [])
+        names = {c["name"] for c in defs}
+        by_name: dict[str, dict[str, Any]] = {}
+        for i, o in enumerate(overrides.get("containerOverrides") or []):
+            name = o.get("name")
+            if name not in names:
+                raise InvalidParameterException(
+                    f"overrides.containerOverrides[{i}]: Override for container named {name} is"
+                    f" not a container in the TaskDefinition (containers: {sorted(names)})"
+                )
+            if name in by_name:
+                raise InvalidParameterException(
+                    f"overrides.containerOverrides[{i}]: a second override for container {name!r};"
+                    " give each container at most one override"
+                )
+            by_name[name] = o
+        requirements = {
+            n: list(o["resourceRequirements"])
+            for n, o in by_name.items()
+            if o.get("resourceRequirements") is not None
+        }
+        if requirements:
+            defs = taskdef.override_requirements(defs, requirements)
         out = []
-        for c in td.get("containerDefinitions") or []:
+        for c in defs:
             o = by_name.get(c.get("name"), {})
             env = {e["name"]: e.get("value", "") for e in c.get("environment") or []}
             env.update({e["name"]: e.get("value", "") for e in o.get("environment") or []})
@@ -346,7 +377,7 @@ class TaskActions:
             "memory": str(t["memory"]),
             "containers": containers,
             "group": t["grp"],
-            "launchType": "EC2",
+            "launchType": LAUNCH_TYPE,
             "version": t["version"],
             "createdAt": t["created_at"],
         }
@@ -381,8 +412,17 @@ class TaskActions:
         return {"tasks": found, "failures": failures}
 
     def list_tasks(self, body: dict[str, Any]) -> dict[str, Any]:
+        """ListTasks: every filter given narrows the list (they combine with AND).
+
+        ``serviceName`` keeps only that service's tasks (``startedBy=ecs-svc/<name>``; an unknown
+        service is ServiceNotFoundException); ``launchType`` other than EC2 matches no task.
+        """
         with self.store.transaction() as tx:
             cluster = self.cluster_name(tx, body.get("cluster"))  # type: ignore[attr-defined]
+            if body.get("serviceName"):
+                service = self._service_row(tx, cluster, body["serviceName"])  # type: ignore[attr-defined]
+            if body.get("launchType") not in (None, LAUNCH_TYPE):
+                return _paginate([], body, "taskArns")
             sql, params = "SELECT arn FROM tasks WHERE cluster = ?", [cluster]
             desired = body.get("desiredStatus") or "RUNNING"
             sql += " AND desired_status = ?"
@@ -401,6 +441,9 @@ class TaskActions:
             if body.get("startedBy"):
                 sql += " AND started_by = ?"
                 params.append(body["startedBy"])
+            if body.get("serviceName"):
+                sql += " AND started_by = ?"
+                params.append("ecs-svc/" + service["name"])
             arns = [r["arn"] for r in tx.execute(sql + " ORDER BY created_at, arn", params)]
         return _paginate(arns, body, "taskArns")
 
@@ -431,16 +474,22 @@ class TaskActions:
             t = tx.one("SELECT * FROM tasks WHERE arn = ? AND cluster = ?", (arn, cluster))
             if t is None:
                 raise InvalidParameterException("The referenced task was not found.")
-            if t["last_status"] == "PROVISIONING":  # no agent owns it yet: stop it here
-                self._stop_in_tx(tx, arn, None, reason, "UserInitiated")
-            elif t["last_status"] != "STOPPED" and t["desired_status"] != "STOPPED":
-                tx.execute(
-                    "UPDATE tasks SET desired_status = 'STOPPED', stopped_reason = ?,"
-                    " stop_code = 'UserInitiated', stopping_at = ?, version = version + 1"
-                    " WHERE arn = ?",
-                    (reason, time.time(), arn),
-                )
+            self._request_stop(tx, t, reason)
             return {"task": self.task_json(tx, arn)}
+
+    def _request_stop(self, tx: Tx, t: dict[str, Any], reason: str) -> None:
+        """Ask for task row ``t`` to stop (``UserInitiated``): a task no agent has claimed
+        (PROVISIONING) is STOPPED at once; a claimed one gets ``desiredStatus`` STOPPED and its
+        agent ends its processes, then records STOPPED.  Idempotent."""
+        if t["last_status"] == "PROVISIONING":  # no agent owns it yet: stop it here
+            self._stop_in_tx(tx, t["arn"], None, reason, "UserInitiated")
+        elif t["last_status"] != "STOPPED" and t["desired_status"] != "STOPPED":
+            tx.execute(
+                "UPDATE tasks SET desired_status = 'STOPPED', stopped_reason = ?,"
+                " stop_code = 'UserInitiated', stopping_at = ?, version = version + 1"
+                " WHERE arn = ?",
+                (reason, time.time(), t["arn"]),
+            )
 
     # -- agent lifecycle ----------------------------------------------------------------------
     def agent_tasks(self, instance_arn: str) -> list[dict[str, Any]]:
