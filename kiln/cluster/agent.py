@@ -256,11 +256,15 @@ class Agent:
     # -- the task state machine ---------------------------------------------------------------
     def _advance(self, task: dict[str, Any], run: _Run) -> None:
         containers = task["containers"]
+        exited: dict[int, int | None] = {}
         for i, p in run.procs.items():
             if i not in run.codes:
                 done, code = p.exit_status()
                 if done:
-                    run.codes[i] = code
+                    exited[i] = code
+        if exited and run.stop is None:  # on their own: STOPPED now, not when the task ends
+            self.service.mark_containers_exited(task["arn"], exited)
+        run.codes.update(exited)
         if run.stop is None:
             reason = self._stop_reason(task, run)
             if reason is None and task["last_status"] in ("PENDING", "RUNNING"):
@@ -513,6 +517,8 @@ class Agent:
                 "EssentialContainerExited",
             )
         if run.procs:
+            if run.codes and task["desired_status"] != "STOPPED":
+                self.service.mark_containers_exited(arn, dict(run.codes))
             self.service.mark_running(arn, self._pids(task, run))
         return run
 

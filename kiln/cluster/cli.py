@@ -14,10 +14,13 @@ rejects unknown ``KILN_*`` names.)
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import json
 import os
+import re
 import signal
+import sqlite3
 import sys
 import threading
 import urllib.error
@@ -52,36 +55,89 @@ def _service(ctx: click.Context) -> Any:
     from kiln.cluster.store import Store, StoreDamaged
 
     if "service" not in ctx.obj:
+        url = _store_url(ctx)
         try:
-            ctx.obj["service"] = ClusterService(Store(_store_url(ctx)))
+            ctx.obj["service"] = ClusterService(Store(url))
         except StoreDamaged as e:
             raise click.ClickException(str(e)) from e
+        except Exception as e:
+            if not isinstance(e, (OSError, sqlite3.Error)) and not _is_psycopg_error(e):
+                raise
+            raise click.ClickException(
+                f"cannot open the cluster store {_redact(url)} ({' '.join(str(e).split())});"
+                " fix --store (a SQLite file path or a reachable postgresql:// DSN)"
+            ) from e
     return ctx.obj["service"]
 
 
+def _is_psycopg_error(e: BaseException) -> bool:
+    """True for PostgreSQL driver errors (psycopg is optional, so it is not imported here)."""
+    return type(e).__module__.split(".")[0] == "psycopg"
+
+
+def _redact(url: str) -> str:
+    """``url`` with any password in a DSN replaced by ``***``."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
 def call(ctx: click.Context, action: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Run one API action against the endpoint or the store; errors exit with status 1."""
+    """Run one API action against the endpoint or the store; errors exit with status 1 and a
+    one-line message (never a traceback)."""
     endpoint = ctx.obj.get("endpoint")
     try:
         if not endpoint:
             return _service(ctx).call(action, body)
-        headers = {
-            "X-Amz-Target": TARGET_PREFIX + action,
-            "Content-Type": "application/x-amz-json-1.1",
-        }
-        if ctx.obj.get("token"):
-            headers["Authorization"] = f"Bearer {ctx.obj['token']}"
-        req = urllib.request.Request(
-            endpoint.rstrip("/") + "/", json.dumps(body).encode(), headers, method="POST"
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                return json.loads(resp.read() or b"{}")
-        except urllib.error.HTTPError as e:
-            doc = json.loads(e.read() or b"{}")
-            raise click.ClickException(f"{doc.get('__type')}: {doc.get('message')}") from e
+        return _post(endpoint, action, body, ctx.obj.get("token"))
     except ECSError as e:
         raise click.ClickException(f"{e.code}: {e.message}") from e
+
+
+def _post(endpoint: str, action: str, body: dict[str, Any], token: str | None) -> dict[str, Any]:
+    """POST one action to a server; an HTTP error, an unreachable or malformed URL and a reply
+    that is not the API's JSON each raise a ``ClickException`` that names the URL."""
+    url = endpoint.rstrip("/") + "/"
+    headers = {
+        "X-Amz-Target": TARGET_PREFIX + action,
+        "Content-Type": "application/x-amz-json-1.1",
+    }
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        req = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return _reply_json(url, resp.read())
+    except urllib.error.HTTPError as e:
+        doc = _reply_json(url, e.read(), status=e.code)
+        raise click.ClickException(f"{doc.get('__type')}: {doc.get('message')}") from e
+    except urllib.error.URLError as e:
+        raise click.ClickException(
+            f"cannot reach the cluster server at {url} ({e.reason}); start one with"
+            " `kiln cluster serve` or fix --endpoint"
+        ) from e
+    except (OSError, http.client.HTTPException) as e:  # timeouts, resets, garbled replies
+        raise click.ClickException(
+            f"the cluster server at {url} did not answer ({e or type(e).__name__}); check that"
+            " `kiln cluster serve` is running there"
+        ) from e
+    except ValueError as e:  # a URL without a scheme or host
+        raise click.ClickException(
+            f"--endpoint {endpoint!r} is not a URL ({e}); give e.g. http://127.0.0.1:8080"
+        ) from e
+
+
+def _reply_json(url: str, raw: bytes, status: int | None = None) -> dict[str, Any]:
+    """The server's JSON object reply; a ``ClickException`` if it is anything else."""
+    try:
+        doc = json.loads(raw or b"{}")
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        where = f" (HTTP {status})" if status is not None else ""
+        raise click.ClickException(
+            f"{url} answered{where} with something other than the cluster API's JSON;"
+            " is --endpoint a `kiln cluster serve` server?"
+        )
+    return doc
 
 
 def _emit(doc: dict[str, Any]) -> None:
@@ -119,8 +175,11 @@ def cluster(
 
 
 def _read_secret_file(path: str) -> str:
-    with open(path) as f:
-        value = f.read().strip()
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise click.ClickException(f"cannot read {path}: {e}") from e
     if not value:
         raise click.ClickException(f"{path} is empty; put the secret on its first line")
     return value
@@ -254,9 +313,28 @@ def agent_cmd(
 @click.pass_context
 def register_task_definition(ctx: click.Context, path: str) -> None:
     """Register a task definition from a JSON file (the RegisterTaskDefinition body)."""
-    with open(path) as f:
-        body = json.load(f)
-    _emit(call(ctx, "RegisterTaskDefinition", body))
+    _emit(call(ctx, "RegisterTaskDefinition", _read_json_object(path)))
+
+
+def _read_json_object(path: str) -> dict[str, Any]:
+    """The JSON object in ``path``; a ``ClickException`` naming the file (and the position of a
+    syntax error) if it cannot be read or is not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except json.JSONDecodeError as e:
+        raise click.ClickException(
+            f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno};"
+            " fix the file and run the command again"
+        ) from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise click.ClickException(f"cannot read {path}: {e}") from e
+    if not isinstance(doc, dict):
+        raise click.ClickException(
+            f"{path} must hold a JSON object (the RegisterTaskDefinition request body),"
+            f" not a {type(doc).__name__}"
+        )
+    return doc
 
 
 @cluster.command("describe-task-definition")

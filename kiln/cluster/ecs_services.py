@@ -203,10 +203,17 @@ class ServiceActions:
         if tx.one(f"SELECT 1 AS ok FROM {table} WHERE {column} = ?", (arn,)) is None:
             raise ResourceNotFoundException("The specified resource could not be found.")
 
-    def _set_tags(self, tx: Tx, arn: str, tags: list[dict[str, str]]) -> None:
+    @staticmethod
+    def _check_tags(tags: list[dict[str, str]]) -> None:
+        """InvalidParameterException unless every tag has a key (the model checks lengths)."""
         for tag in tags:
             if not tag.get("key"):
                 raise InvalidParameterException("each tag needs a key")
+
+    def _set_tags(self, tx: Tx, arn: str, tags: list[dict[str, str]]) -> None:
+        """Add ``tags`` to ``arn``; a key it already has takes the new value."""
+        self._check_tags(tags)
+        for tag in tags:
             tx.execute("DELETE FROM tags WHERE resource_arn = ? AND key = ?", (arn, tag["key"]))
             tx.execute(
                 "INSERT INTO tags (resource_arn, key, value) VALUES (?, ?, ?)",
@@ -232,8 +239,10 @@ class ServiceActions:
     def list_tags_for_resource(self, body: dict[str, Any]) -> dict[str, Any]:
         with self.store.transaction() as tx:
             self._resource(tx, body["resourceArn"])
-            rows = tx.execute(
-                "SELECT key, value FROM tags WHERE resource_arn = ? ORDER BY key",
-                (body["resourceArn"],),
-            )
-        return {"tags": [{"key": r["key"], "value": r["value"]} for r in rows]}
+            return {"tags": self._tags(tx, body["resourceArn"])}
+
+    @staticmethod
+    def _tags(tx: Tx, arn: str) -> list[dict[str, str]]:
+        """``arn``'s tags, sorted by key: those given at creation plus TagResource's."""
+        rows = tx.execute("SELECT key, value FROM tags WHERE resource_arn = ? ORDER BY key", (arn,))
+        return [{"key": r["key"], "value": r["value"]} for r in rows]

@@ -6,7 +6,10 @@ service's order and report its failure reasons per instance:
 
     INACTIVE / AGENT / ATTRIBUTE / "MemberOf placement constraint unsatisfied" /
     "DistinctInstance placement constraint unsatisfied" / RESOURCE:CPU / RESOURCE:MEMORY /
-    RESOURCE:GPU / RESOURCE:NEURON / RESOURCE:DEVICE
+    RESOURCE:PORTS / RESOURCE:PORTS_UDP / RESOURCE:GPU / RESOURCE:NEURON / RESOURCE:DEVICE
+
+``RESOURCE:PORTS`` (``_UDP``): a fixed ``portMappings[].hostPort`` of the task is held on the
+instance by a task that has not stopped (tasks run as host processes, so the clash is real).
 
 ``RESOURCE:NEURON`` (Neuron devices of the instance already held) and ``RESOURCE:DEVICE`` (a
 ``linuxParameters.devices`` host path already held) are Kiln's own names in the service's style;
@@ -51,6 +54,7 @@ class Candidate:
     all_devices: list[dict[str, Any]]  # every device of the instance
     running_tasks_count: int = 0
     groups: dict[str, int] = dataclasses.field(default_factory=dict)  # group -> active tasks
+    used_ports: set[tuple[int, str]] = dataclasses.field(default_factory=set)  # (port, protocol)
 
     def subject(self) -> dict[str, Any]:
         """The instance as the cluster query language sees it."""
@@ -78,6 +82,19 @@ class TaskNeeds:
     containers: list[dict[str, Any]]  # per container: {"gpu": n, "neuron_all": b, "devices": []}
     constraints: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     strategies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    host_ports: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # fixed ones
+
+
+def host_ports(td: dict[str, Any]) -> list[tuple[int, str]]:
+    """The fixed host ports ``(hostPort, protocol)`` a task definition's ``portMappings`` hold
+    on its instance; ``hostPort`` 0 or absent is a dynamic port and holds nothing."""
+    out = []
+    for c in td.get("containerDefinitions") or []:
+        for m in c.get("portMappings") or []:
+            port = m.get("hostPort")
+            if isinstance(port, int) and port > 0:
+                out.append((port, (m.get("protocol") or "tcp").lower()))
+    return out
 
 
 @dataclasses.dataclass
@@ -164,6 +181,9 @@ def check(c: Candidate, needs: TaskNeeds) -> tuple[list[list[dict]] | None, str]
         return None, "RESOURCE:CPU"
     if needs.memory > c.remaining_memory:
         return None, "RESOURCE:MEMORY"
+    for port, protocol in needs.host_ports:
+        if (port, protocol) in c.used_ports:
+            return None, "RESOURCE:PORTS_UDP" if protocol == "udp" else "RESOURCE:PORTS"
     return _assign_devices(c, needs)
 
 
@@ -232,5 +252,6 @@ def _consume(c: Candidate, needs: TaskNeeds, devices: list[list[dict]]) -> None:
     c.remaining_memory -= needs.memory
     used = {d["device_id"] for per in devices for d in per}
     c.free_devices = [d for d in c.free_devices if d["device_id"] not in used]
+    c.used_ports.update(needs.host_ports)
     c.running_tasks_count += 1
     c.groups[needs.group] = c.groups.get(needs.group, 0) + 1

@@ -132,8 +132,9 @@ class ClusterService(TaskActions, ServiceActions):
                 " VALUES (?, ?, ?, 'ACTIVE', ?, ?)",
                 (family, revision, arn, dumps(normalized), time.time()),
             )
+            self._set_tags(tx, arn, body.get("tags") or [])
             td = self._taskdef_row(tx, family, revision)
-        return {"taskDefinition": td, "tags": list(body.get("tags") or [])}
+            return {"taskDefinition": td, "tags": self._tags(tx, arn)}
 
     def _taskdef_row(self, tx: Tx, family: str, revision: int) -> dict[str, Any]:
         row = tx.one(
@@ -178,9 +179,14 @@ class ClusterService(TaskActions, ServiceActions):
         return row
 
     def describe_task_definition(self, body: dict[str, Any]) -> dict[str, Any]:
+        """DescribeTaskDefinition; ``tags`` (stored at registration or by TagResource) are in the
+        reply only when ``include`` has "TAGS", as in ECS."""
         with self.store.transaction() as tx:
             row = self.resolve_taskdef(tx, body.get("taskDefinition", ""))
-        return {"taskDefinition": self._taskdef_json(row), "tags": []}
+            reply: dict[str, Any] = {"taskDefinition": self._taskdef_json(row)}
+            if "TAGS" in (body.get("include") or []):
+                reply["tags"] = self._tags(tx, row["arn"])
+        return reply
 
     def list_task_definitions(self, body: dict[str, Any]) -> dict[str, Any]:
         """Revisions with ``status`` (default ACTIVE); ``familyPrefix`` is, as in the service,
@@ -241,6 +247,7 @@ class ClusterService(TaskActions, ServiceActions):
                 self._insert_cluster(tx, name)
             elif row["status"] != "ACTIVE":
                 tx.execute("UPDATE clusters SET status = 'ACTIVE' WHERE name = ?", (name,))
+            self._set_tags(tx, self.arn("cluster", name), body.get("tags") or [])
             return {"cluster": self._cluster_json(tx, name)}
 
     def _cluster_json(self, tx: Tx, name: str) -> dict[str, Any]:

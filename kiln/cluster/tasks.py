@@ -86,7 +86,8 @@ class TaskActions:
         out = []
         for r in rows:
             active = tx.execute(
-                f"SELECT grp, cpu, memory, last_status FROM tasks WHERE instance_arn = ? AND {ACTIVE_SQL}",
+                "SELECT grp, cpu, memory, last_status, taskdef_arn FROM tasks"
+                f" WHERE instance_arn = ? AND {ACTIVE_SQL}",
                 (r["arn"],),
             )
             devices = tx.execute(
@@ -110,9 +111,20 @@ class TaskActions:
                     all_devices=devices,
                     running_tasks_count=sum(1 for t in active if t["last_status"] == "RUNNING"),
                     groups=groups,
+                    used_ports=self._used_ports(tx, active),
                 )
             )
         return out
+
+    @staticmethod
+    def _used_ports(tx: Tx, active: list[dict[str, Any]]) -> set[tuple[int, str]]:
+        """The fixed host ports the ``active`` tasks' task definitions hold."""
+        used: set[tuple[int, str]] = set()
+        for td_arn in {t["taskdef_arn"] for t in active}:
+            row = tx.one("SELECT body FROM task_definitions WHERE arn = ?", (td_arn,))
+            if row is not None:
+                used.update(placement.host_ports(loads(row["body"])))
+        return used
 
     def run_task(self, body: dict[str, Any]) -> dict[str, Any]:
         from kiln.cluster import query
@@ -128,6 +140,12 @@ class TaskActions:
         for s in strategies:
             if s.get("type") not in ("random", "spread", "binpack"):
                 raise InvalidParameterException(f"unknown placement strategy {s.get('type')!r}")
+        self._check_tags(list(body.get("tags") or []))  # type: ignore[attr-defined]
+        if body.get("propagateTags") == "SERVICE":
+            raise InvalidParameterException(
+                "propagateTags SERVICE applies to a service's tasks; RunTask takes"
+                " TASK_DEFINITION or NONE"
+            )
         with self.store.transaction(exclusive=True) as tx:
             cluster = self.cluster_name(tx, body.get("cluster"))  # type: ignore[attr-defined]
             td_row = self.resolve_taskdef(tx, body.get("taskDefinition", ""))  # type: ignore[attr-defined]
@@ -148,6 +166,7 @@ class TaskActions:
                 containers=[c["request"] for c in containers],
                 constraints=all_constraints,
                 strategies=strategies,
+                host_ports=placement.host_ports(td),
             )
             token = body.get("clientToken")
             request = dumps({k: v for k, v in body.items() if k != "clientToken"})
@@ -163,7 +182,7 @@ class TaskActions:
                         )
                     done = loads(seen["response"])
                     return {
-                        "tasks": [self.task_json(tx, a) for a in done["taskArns"]],
+                        "tasks": [self.task_json(tx, a, tags=True) for a in done["taskArns"]],
                         "failures": done["failures"],
                     }
             cands = self.candidates(tx, cluster, statuses=("ACTIVE", "DRAINING"))
@@ -175,6 +194,10 @@ class TaskActions:
             tasks = [
                 self._insert_task(tx, cluster, td_row, body, needs, containers, p) for p in placed
             ]
+            tags = self._run_tags(tx, td_row, body)
+            for task in tasks:
+                self._set_tags(tx, task["taskArn"], tags)  # type: ignore[attr-defined]
+                task["tags"] = self._tags(tx, task["taskArn"])  # type: ignore[attr-defined]
             for arn in sorted({p.candidate.arn for p in placed}):
                 invariants.check_instance(tx, arn)
             if token:
@@ -190,6 +213,16 @@ class TaskActions:
                     ),
                 )
         return {"tasks": tasks, "failures": failures}
+
+    def _run_tags(
+        self, tx: Tx, td_row: dict[str, Any], body: dict[str, Any]
+    ) -> list[dict[str, str]]:
+        """The tags RunTask gives each task: the task definition's when ``propagateTags`` is
+        TASK_DEFINITION, then the request's ``tags`` (which win on a shared key)."""
+        tags: list[dict[str, str]] = []
+        if body.get("propagateTags") == "TASK_DEFINITION":
+            tags += self._tags(tx, td_row["arn"])  # type: ignore[attr-defined]
+        return tags + list(body.get("tags") or [])
 
     @staticmethod
     def _containers(td: dict[str, Any], overrides: dict[str, Any]) -> list[dict[str, Any]]:
@@ -340,7 +373,8 @@ class TaskActions:
         return self.task_json(tx, arn)
 
     # -- describing ---------------------------------------------------------------------------
-    def task_json(self, tx: Tx, arn: str) -> dict[str, Any]:
+    def task_json(self, tx: Tx, arn: str, tags: bool = False) -> dict[str, Any]:
+        """The task's ECS document; with ``tags``, its ``tags`` too (DescribeTasks' TAGS)."""
         t = tx.one("SELECT * FROM tasks WHERE arn = ?", (arn,))
         if t is None:
             raise InvalidParameterException("task not found")
@@ -391,13 +425,17 @@ class TaskActions:
         ):
             if t[col] is not None:
                 doc[key] = t[col]
+        if tags:
+            doc["tags"] = self._tags(tx, arn)  # type: ignore[attr-defined]
         return doc
 
     def _task_arn(self, cluster: str, ref: str) -> str:
         return ref if ref.startswith("arn:") else self.arn("task", f"{cluster}/{ref}")  # type: ignore[attr-defined]
 
     def describe_tasks(self, body: dict[str, Any]) -> dict[str, Any]:
+        """DescribeTasks; each task carries its ``tags`` when ``include`` has "TAGS"."""
         found, failures = [], []
+        with_tags = "TAGS" in (body.get("include") or [])
         with self.store.transaction() as tx:
             cluster = self.cluster_name(tx, body.get("cluster"))  # type: ignore[attr-defined]
             for ref in body.get("tasks") or []:
@@ -408,7 +446,7 @@ class TaskActions:
                 ):
                     failures.append({"arn": ref, "reason": "MISSING"})
                 else:
-                    found.append(self.task_json(tx, arn))
+                    found.append(self.task_json(tx, arn, tags=with_tags))
         return {"tasks": found, "failures": failures}
 
     def list_tasks(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -523,7 +561,7 @@ class TaskActions:
                 return
             containers = loads(t["containers"])
             for c, proc in zip(containers, procs):
-                if proc is not None:
+                if proc is not None and c.get("lastStatus") != "STOPPED":  # exited stays so
                     c.update(lastStatus="RUNNING", pid=proc[0], pidStart=proc[1])
             first = next((p for p in procs if p is not None), None)
             tx.execute(
@@ -537,6 +575,23 @@ class TaskActions:
                     dumps(containers),
                     arn,
                 ),
+            )
+
+    def mark_containers_exited(self, arn: str, codes: dict[int, int | None]) -> None:
+        """Record containers (by index) that exited on their own while their task goes on: each
+        is STOPPED with its exit code and no ``reason`` (nothing stopped it).  A STOPPED task is
+        left as it is."""
+        with self.store.transaction(exclusive=True) as tx:
+            t = tx.one("SELECT containers, last_status FROM tasks WHERE arn = ?", (arn,))
+            if t is None or t["last_status"] == "STOPPED":
+                return
+            containers = loads(t["containers"])
+            for i, code in codes.items():
+                if 0 <= i < len(containers) and containers[i].get("lastStatus") != "STOPPED":
+                    containers[i].update(lastStatus="STOPPED", exitCode=code)
+            tx.execute(
+                "UPDATE tasks SET containers = ?, version = version + 1 WHERE arn = ?",
+                (dumps(containers), arn),
             )
 
     agent_timeout_s: float = 60.0
@@ -608,10 +663,13 @@ class TaskActions:
             return
         containers = loads(t["containers"])
         codes = exit_code if isinstance(exit_code, list) else [exit_code] * len(containers)
-        for c, code in zip(containers, codes + [None] * (len(containers) - len(codes))):
-            c["lastStatus"] = "STOPPED"
-            c["exitCode"] = code
-            c["reason"] = reason
+        codes = codes + [None] * (len(containers) - len(codes))
+        for c, code in zip(containers, codes):
+            if c.get("lastStatus") == "STOPPED":  # exited on its own: keeps its code, no reason
+                if c.get("exitCode") is None:
+                    c["exitCode"] = code
+                continue
+            c.update(lastStatus="STOPPED", exitCode=code, reason=reason)
         exit_code = next((c for c in codes if c is not None), None)
         now = time.time()
         tx.execute(
