@@ -1,5 +1,6 @@
-"""ECS fidelity fixes from user trial t43: CLI errors without tracebacks, tags kept and returned,
-per-container exit status and reason, and host-port placement."""
+"""Where the scheduler did not behave as ECS scripts expect (a user trial, 2026-12-06): CLI errors
+without tracebacks, tags kept and returned, per-container exit status and reason, and host-port
+placement."""
 
 from __future__ import annotations
 
