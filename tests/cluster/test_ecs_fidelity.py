@@ -8,22 +8,12 @@ import socket
 
 import pytest
 from click.testing import CliRunner
-from cluster_testlib import PY, add_instance, container, kill_task_processes, register, wait_for
+from cluster_testlib import PY, add_instance, container, register, wait_for
 
 from kiln.cluster import cli
-from kiln.cluster.agent import Agent
 from kiln.cluster.errors import ClientException, ECSError, InvalidParameterException
-from kiln.cluster.service import ClusterService
-from kiln.cluster.store import Store
 
 SLEEP = [PY, "-c", "import time; time.sleep(120)"]
-
-
-@pytest.fixture
-def svc(tmp_path):
-    s = ClusterService(Store(str(tmp_path / "c.db")), seed=0)
-    s.create_cluster({})
-    return s
 
 
 def _free_port() -> int:
@@ -142,26 +132,13 @@ def test_creation_tags_are_validated_before_anything_is_created(svc):
 
 
 # -- 3. each container reports its own exit --------------------------------------------------
-@pytest.fixture
-def env(tmp_path):
-    s = ClusterService(Store(str(tmp_path / "c.db")), seed=0)
-    s.create_cluster({})
-    agent = Agent(s, str(tmp_path / "agent"), poll_interval=0.05)
-    agent.start()
-    try:
-        yield s
-    finally:
-        agent.stop()
-        kill_task_processes(s.store)
-
-
 def _containers(svc, arn: str) -> dict[str, dict]:
     task = svc.call("DescribeTasks", {"tasks": [arn]})["tasks"][0]
     return {c["name"]: c for c in task["containers"]}
 
 
-def test_exited_non_essential_container_is_stopped_with_its_own_exit(env):
-    svc = env
+def test_exited_non_essential_container_is_stopped_with_its_own_exit(served):
+    svc = served
     add_instance(svc, "g5.xlarge")
     register(
         svc,
@@ -194,8 +171,8 @@ def test_exited_non_essential_container_is_stopped_with_its_own_exit(env):
         assert end[name]["reason"] == "done for today"
 
 
-def test_essential_exit_reason_is_not_copied_to_the_container_that_exited(env):
-    svc = env
+def test_essential_exit_reason_is_not_copied_to_the_container_that_exited(served):
+    svc = served
     add_instance(svc, "g5.xlarge")
     register(
         svc,

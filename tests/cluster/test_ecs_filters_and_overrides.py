@@ -14,24 +14,14 @@ from cluster_testlib import (
     check_invariants,
     container,
     gpus,
-    kill_task_processes,
     register,
     wait_for,
 )
 
-from kiln.cluster.agent import Agent
 from kiln.cluster.errors import InvalidParameterException, ServiceNotFoundException
-from kiln.cluster.service import ClusterService
-from kiln.cluster.store import Store, loads
+from kiln.cluster.store import loads
 
 SLEEP = [PY, "-c", "import time; time.sleep(120)"]
-
-
-@pytest.fixture
-def svc(tmp_path):
-    s = ClusterService(Store(str(tmp_path / "c.db")), seed=0)
-    s.create_cluster({})
-    return s
 
 
 def _families(svc, **body) -> list[str]:
@@ -117,21 +107,8 @@ def test_container_override_errors_are_named(svc):
     assert svc.list_tasks({})["taskArns"] == []
 
 
-@pytest.fixture
-def env(tmp_path):
-    s = ClusterService(Store(str(tmp_path / "c.db")), seed=0)
-    s.create_cluster({})
-    agent = Agent(s, str(tmp_path / "agent"), poll_interval=0.05)
-    agent.start()
-    try:
-        yield s
-    finally:
-        agent.stop()
-        kill_task_processes(s.store)
-
-
-def test_force_deregistration_stops_the_instances_tasks(env):
-    svc = env
+def test_force_deregistration_stops_the_instances_tasks(served):
+    svc = served
     inst = add_instance(svc, "g5.xlarge")
     register(svc, "s", gpus(1, command=SLEEP, stopTimeout=2))
     arn = svc.run_task({"taskDefinition": "s"})["tasks"][0]["taskArn"]

@@ -223,20 +223,17 @@ def test_batch_and_length_changing_get_a_second_generic_graph():
 
 
 def test_a_generic_graph_that_fails_to_compile_falls_back_to_per_shape_graphs(monkeypatch):
-    from kiln.frontends.lazy import trace
+    from kiln.frontends.lazy import dynamic
 
-    real = trace.compile_graph
+    real = dynamic.compile_graph
 
     def no_symbols(g):
         if any(n.op == "scalar" and n.types[0].py == "int" for n in g.nodes):
             raise RuntimeError("symbolic sizes refused by this test")
         return real(g)
 
-    monkeypatch.setattr(trace, "compile_graph", no_symbols)
-    if kiln.config.lazy_recorder == "native":  # the native recorder's mark_step compiles too
-        from kiln.frontends.lazy import native
-
-        monkeypatch.setattr(native, "compile_graph", no_symbols)
+    # both recorders' mark_step compile through lazy.dynamic.compiled
+    monkeypatch.setattr(dynamic, "compile_graph", no_symbols)
     metrics.reset()
     for length in (5, 7, 9, 7):
         x = torch.randn(length, 6)

@@ -37,8 +37,10 @@ from typing import Any
 import torch
 
 from kiln import metrics
+from kiln.config import config
 from kiln.ir.graph import Graph, In, Node, TensorType
 from kiln.ir.semantics import resolve
+from kiln.runtime.compiler import compile_graph
 
 _INT = "<int>"  # marks an int in a skeleton (a str: no int or bool equals it)
 _MAX_FAMILIES = 64
@@ -362,6 +364,28 @@ def choose(g: Graph) -> tuple[Graph, list[int]]:
     fam.last = (s, g)
     metrics.incr("shape_generic_refused")
     return g, []
+
+
+def compiled(entry: Any, g: Graph) -> tuple[Any, tuple, bool]:
+    """The executable for the cut graph ``g`` of a recorder's cache ``entry`` (its ``run``: the
+    graph :func:`choose` picked, kept while ``config.dynamic_shapes`` stays as it was), falling
+    back to ``g`` itself where a generic graph does not compile (:func:`disable`): (executable,
+    the entry's run: (setting, graph, symbol values), whether it was compiled or loaded from the
+    disk cache now)."""
+    run = entry.run
+    if run is None or run[0] != config.dynamic_shapes:
+        gen, extra = choose(g) if config.dynamic_shapes else (g, [])
+        run = entry.run = (config.dynamic_shapes, gen, extra)
+    before = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
+    try:
+        exe = compile_graph(run[1])
+    except Exception as e:  # a shape-generic graph that does not compile: the graph itself
+        if run[1] is g:
+            raise
+        disable(run[1], e)
+        run = entry.run = (config.dynamic_shapes, g, [])
+        exe = compile_graph(g)
+    return exe, run, metrics.get("graphs_compiled") + metrics.get("cache_hits_disk") > before
 
 
 def disable(gen: Graph, err: Exception) -> None:

@@ -31,7 +31,6 @@ from kiln.ir.graph import (
 )
 from kiln.ir.ops import fresh_buffer
 from kiln.ir.semantics import types_of
-from kiln.runtime.compiler import compile_graph
 from kiln.runtime.steps import Recompiles, Signature, call_site, python_frames, step_end
 from kiln.runtime.writebacks import Update, add_writebacks
 
@@ -39,7 +38,7 @@ from kiln.runtime.writebacks import Update, add_writebacks
 class Storage:
     """The value behind one lazy tensor and all of its views (its *base* value)."""
 
-    __slots__ = ("data", "node", "gen", "pending", "meta", "imported", "__weakref__")
+    __slots__ = ("__weakref__", "data", "gen", "imported", "meta", "node", "pending")
 
     def __init__(self, meta: torch.Tensor, data: torch.Tensor | None = None) -> None:
         self.meta = meta  # meta tensor with the base's shape, strides and dtype
@@ -134,7 +133,7 @@ class Trace:
         self.values.append(t.detach().clone())
         return i
 
-    def scalar(self, value: float | int | bool) -> int:
+    def scalar(self, value: float | bool) -> int:
         i = self._input(("scalar", len(self.values), type(value).__name__))
         self.values.append(value)
         return i
@@ -410,26 +409,13 @@ def _run_cut(tr: Trace, live: list, reason: str | None) -> bool:
     if tr.seed_node is not None and entry.seed_index is not None:
         values[entry.seed_index] = int(torch.randint(0, 2**62, (), dtype=torch.int64))
     site = call_site("lazy", python_frames()) or "lazy:<unknown>"
-    run = entry.run
-    if run is None or run[0] != config.dynamic_shapes:
-        gen, extra = dynamic.choose(g) if config.dynamic_shapes else (g, [])
-        run = entry.run = (config.dynamic_shapes, gen, extra)
-    before = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
-    try:
-        exe = compile_graph(run[1])
-    except Exception as e:  # a shape-generic graph that does not compile: the graph itself
-        if run[1] is g:
-            raise
-        dynamic.disable(run[1], e)
-        run = entry.run = (config.dynamic_shapes, g, [])
-        exe = compile_graph(g)
-    after = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
+    exe, run, compiled = dynamic.compiled(entry, g)
     if reason != "eager":  # the debug mode's one-op graphs are not a site's recompiles
-        _recompiles.seen(site, Signature(entry.input_types, g.hash, len(g)), after > before)
+        _recompiles.seen(site, Signature(entry.input_types, g.hash, len(g)), compiled)
     t0 = time.perf_counter()
     results = exe(values + run[2] if run[2] else values)
     metrics.executed(time.perf_counter() - t0)
-    settle = after > before
+    settle = compiled
     seen: set[int] = {id(values[k]) for k in entry.tensor_inputs}
     for st, val in zip(live, results):
         if val is not st.data and id(val) in seen:  # never let two storages share a buffer

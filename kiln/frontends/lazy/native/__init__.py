@@ -32,7 +32,6 @@ import torch
 from kiln import metrics
 from kiln.codegen.cpp.build import BuildError
 from kiln.codegen.cpp.extension import Extension, Unavailable
-from kiln.config import config
 from kiln.frontends.lazy import dynamic
 from kiln.frontends.lazy.memory import update_peak
 from kiln.frontends.lazy.native import c10d, fallback, rng, table
@@ -40,7 +39,6 @@ from kiln.frontends.lazy.native.convert import Converted, convert
 from kiln.frontends.lazy.trace import _settle_heap as settle_heap
 from kiln.ir.graph import Graph
 from kiln.ir.ops import Category
-from kiln.runtime.compiler import compile_graph
 from kiln.runtime.steps import Recompiles, Signature, call_site, python_frames, step_end
 
 __all__ = [
@@ -303,20 +301,7 @@ def _run(mod: ModuleType, c: Any, values: list[Any]) -> tuple[list[Any], bool]:
     with _run_lock:
         e = _entry(mod, c)
         g = e.conv.graph
-        run = e.run
-        if run is None or run[0] != config.dynamic_shapes:
-            gen, extra = dynamic.choose(g) if config.dynamic_shapes else (g, [])
-            run = e.run = (config.dynamic_shapes, gen, extra)
-        before = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk")
-        try:
-            exe = compile_graph(run[1])
-        except Exception as err:  # a shape-generic graph that does not compile: the graph itself
-            if run[1] is g:
-                raise
-            dynamic.disable(run[1], err)
-            run = e.run = (config.dynamic_shapes, g, [])
-            exe = compile_graph(g)
-        compiled = metrics.get("graphs_compiled") + metrics.get("cache_hits_disk") > before
+        exe, run, compiled = dynamic.compiled(e, g)
     site = call_site("lazy", python_frames()) or "lazy:<unknown>"
     _recompiles.seen(site, e.signature, compiled=compiled)
     args = [values[k] for k in e.conv.picks] + run[2]
