@@ -198,6 +198,17 @@ def test_device_module_interface():
         mod.set_device(3)
     with mod.device(0):
         pass
+    # a tensor made for a device that does not exist: the same error, not a tensor on kiln:0
+    made = (
+        lambda: torch.zeros(2, device="kiln:1"),
+        lambda: torch.randn(2, device="kiln:2"),
+        lambda: torch.ones(2).to("kiln:3"),
+        lambda: torch.zeros(2, device=DEV).new_zeros(3, device="kiln:1"),
+    )
+    for make in made:
+        with pytest.raises(ValueError, match=r"kiln:\d does not exist.*valid: 'kiln', 'kiln:0'"):
+            make()
+    assert torch.zeros(2, device="kiln:0").device == torch.ones(2).to("kiln").device == DEV
     assert torch.bfloat16 in mod.get_amp_supported_dtype()
     before = mod.memory_allocated()
     keep = torch.ones(1000, dtype=torch.float32).to(DEV)

@@ -98,6 +98,8 @@ def _native_factory(native_device: Any, op: Any, args: tuple, kwargs: dict) -> A
 
     if devmod.unusable is not None or devmod.pending_probe is not None:
         devmod.check_usable()
+    if kwargs.get("device") is not None:  # (never replayed before this check passed once)
+        devmod._index(kwargs["device"])  # "kiln:1": an error naming the one device
     return native_device.factory(op, args, kwargs)
 
 

@@ -583,6 +583,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
                 return [_view_of(x, m, g, ln) for m, g, ln in r.outs]
     name = f.name
     dev = kwargs.get("device")
+    if dev is not None and torch.device(dev).type == DEVICE.type:
+        _devmod._index(dev)  # "kiln:1": an error naming the one device, not a tensor on kiln:0
     if dev is not None and torch.device(dev).type == "cpu":
         # a CPU result (``.cpu()``, ``zeros_like(x, device="cpu")``): made from the values.  (A
         # ``_to_copy`` to the kiln device -- ``type_as`` inside a decomposition -- is recorded.)
@@ -1109,6 +1111,8 @@ def factory(func: Any, *args: Any, **kwargs: Any) -> Any:
     """Ops that make a kiln tensor from nothing (``torch.zeros(..., device=dev)``)."""
     if _devmod.unusable is not None or _devmod.pending_probe is not None:
         _devmod.check_usable()
+    if kwargs.get("device") is not None:
+        _devmod._index(kwargs["device"])  # "kiln:1": an error naming the one device
     with T._lock:
         out = _record(func, args, kwargs)
         if config.eager:

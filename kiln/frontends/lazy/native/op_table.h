@@ -126,6 +126,9 @@ bool sig_of(const IValue& v, bool lift, std::vector<int64_t>& sig) {
     // fallback, which makes a CPU tensor for "cpu"
     const c10::Device d = v.toDevice();
     if (d.type() != c10::DeviceType::PrivateUse1) return false;
+    // "kiln:1" would land on kiln:0 without a word (device_module._index's message)
+    TORCH_CHECK_VALUE(d.index() <= 0, "kiln:", static_cast<int>(d.index()),
+                      " does not exist: Kiln has one lazy device, kiln:0 (valid: 'kiln', 'kiln:0')");
     sig.push_back(T_DEVICE);
     sig.push_back(d.index());
   } else {
