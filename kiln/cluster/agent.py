@@ -126,6 +126,22 @@ def neuron_core_ranges(devices: list[dict[str, Any]]) -> str:
     return ",".join(ranges)
 
 
+def check_executable(program: str, path: str, cwd: str) -> None:
+    """Raise LaunchError unless ``program`` names an executable file: a name with a ``/`` is
+    taken relative to ``cwd``, a bare name is looked up on ``path`` (the task's ``PATH``)."""
+    if "/" in program:
+        full = os.path.join(cwd, program)
+        if not os.path.isfile(full):
+            raise LaunchError(f"executable {program!r} not found ({full} is not a file)")
+        if not os.access(full, os.X_OK):
+            raise LaunchError(
+                f"executable {program!r} is not executable ({full}: permission denied)"
+            )
+        return
+    if shutil.which(program, path=path) is None:
+        raise LaunchError(f"executable {program!r} not found in $PATH ({path})")
+
+
 def _dependencies_state(c: dict[str, Any], names: dict[str, int], run: _Run) -> str:
     """ "ready", "wait" or "never" for container ``c`` given its ``dependsOn``."""
     for dep in c.get("dependsOn") or []:
@@ -460,6 +476,8 @@ class Agent:
         if not os.path.isdir(cwd):
             raise LaunchError(f"workingDirectory {cwd!r} does not exist on this instance")
         command = [str(a) for a in c["command"]]
+        name = os.path.basename(command[0]) or command[0]  # the wrapper's $0 in shell messages
+        check_executable(command[0], env["PATH"], cwd)
         if uid is not None:  # the wrapper stays root (pid/exit files); the command drops to uid
             setpriv = shutil.which("setpriv")
             if setpriv is None:
@@ -477,7 +495,7 @@ class Agent:
         fd = os.open(prefix + ".log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             popen = subprocess.Popen(
-                ["sh", "-c", WRAPPER, prefix, *command],
+                ["sh", "-c", WRAPPER, name, prefix, *command],
                 stdout=fd,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -11,9 +11,11 @@ services, tasks and container instances that exist.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import TYPE_CHECKING, Any
 
+from kiln.cluster import placement
 from kiln.cluster.errors import (
     InvalidParameterException,
     ResourceNotFoundException,
@@ -35,6 +37,23 @@ _TAGGABLE = {  # ARN kind -> (table, key column)
 }
 
 
+def _deployment(row: dict[str, Any], running: int, pending: int) -> dict[str, Any]:
+    """The service's one deployment (Kiln has no rolling updates: the service *is* its PRIMARY
+    deployment), with the service's counts; COMPLETED once running equals desired."""
+    desired = row["desired_count"]
+    return {
+        "id": "ecs-svc/" + hashlib.sha256(row["arn"].encode()).hexdigest()[:19],
+        "status": "PRIMARY",
+        "taskDefinition": row["taskdef_arn"],
+        "desiredCount": desired,
+        "runningCount": running,
+        "pendingCount": pending,
+        "launchType": "EC2",
+        "createdAt": row["created_at"],
+        "rolloutState": "COMPLETED" if running == desired else "IN_PROGRESS",
+    }
+
+
 class ServiceActions:
     """Mixed into ``ClusterService``."""
 
@@ -46,6 +65,8 @@ class ServiceActions:
         desired = body.get("desiredCount", 0)
         if not isinstance(desired, int) or not 0 <= desired <= 1000:
             raise InvalidParameterException("desiredCount must be a whole number from 0 to 1000")
+        placement.check_launch_type(body)
+        placement.validate_strategies(list(body.get("placementStrategy") or []))
         with self.store.transaction(exclusive=True) as tx:
             cluster = self.cluster_name(tx, body.get("cluster"))  # type: ignore[attr-defined]
             td = self.resolve_taskdef(tx, body.get("taskDefinition") or "")  # type: ignore[attr-defined]
@@ -86,14 +107,17 @@ class ServiceActions:
             )
         }
         spec = loads(row["spec"]) or {}
+        running = counts.get("RUNNING", 0)
+        pending = sum(n for s, n in counts.items() if s != "RUNNING")
         return {
             "serviceArn": arn,
             "serviceName": row["name"],
             "clusterArn": self.arn("cluster", row["cluster"]),  # type: ignore[attr-defined]
             "taskDefinition": row["taskdef_arn"],
             "desiredCount": row["desired_count"],
-            "runningCount": counts.get("RUNNING", 0),
-            "pendingCount": sum(n for s, n in counts.items() if s != "RUNNING"),
+            "runningCount": running,
+            "pendingCount": pending,
+            "deployments": [_deployment(row, running, pending)],
             "status": row["status"],
             "launchType": "EC2",
             "schedulingStrategy": "REPLICA",

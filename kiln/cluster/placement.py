@@ -31,6 +31,8 @@ import random
 import re
 from typing import Any
 
+from kiln.cluster.errors import InvalidParameterException
+
 # Host paths of devices placement tracks: mapping one needs the instance to have that device.
 _TRACKED_PATH = re.compile(r"/dev/(neuron|nvidia)(\d+)")
 MEMBER_OF_FAILED = "MemberOf placement constraint unsatisfied"
@@ -185,6 +187,67 @@ def check(c: Candidate, needs: TaskNeeds) -> tuple[list[list[dict]] | None, str]
         if (port, protocol) in c.used_ports:
             return None, "RESOURCE:PORTS_UDP" if protocol == "udp" else "RESOURCE:PORTS"
     return _assign_devices(c, needs)
+
+
+STRATEGY_TYPES = ("random", "spread", "binpack")
+LAUNCH_TYPE = "EC2"  # every task runs on a registered container instance
+
+
+def check_launch_type(body: dict[str, Any]) -> None:
+    """Refuse what would run a task anywhere but a registered instance: ``launchType`` other
+    than EC2, and any ``capacityProviderStrategy`` (Kiln has no capacity providers)."""
+    launch = body.get("launchType")
+    if launch not in (None, LAUNCH_TYPE):
+        raise InvalidParameterException(
+            f"launchType {launch!r} is not supported: Kiln runs tasks on registered container"
+            f" instances only; use launchType {LAUNCH_TYPE!r} or leave it out"
+        )
+    if body.get("capacityProviderStrategy"):
+        raise InvalidParameterException(
+            "capacityProviderStrategy is not supported: Kiln has no capacity providers; leave it"
+            f" out (tasks run on registered container instances, launch type {LAUNCH_TYPE})"
+        )
+
+
+def validate_strategies(strategies: Any) -> list[dict[str, Any]]:
+    """``placementStrategy`` as given, or InvalidParameterException naming the bad entry:
+    ``binpack`` needs ``field`` cpu or memory, ``spread`` needs instanceId, host or
+    attribute:NAME, ``random`` takes no field; at most 5 entries."""
+    if not isinstance(strategies, list):
+        raise InvalidParameterException("placementStrategy must be a list of {type, field} objects")
+    if len(strategies) > 5:
+        raise InvalidParameterException("at most 5 placement strategies per task")
+    for i, s in enumerate(strategies):
+        where = f"placementStrategy[{i}]"
+        if not isinstance(s, dict):
+            raise InvalidParameterException(f"{where}: must be an object with 'type' and 'field'")
+        kind, field = s.get("type"), s.get("field")
+        if kind not in STRATEGY_TYPES:
+            raise InvalidParameterException(
+                f"{where}: unknown placement strategy {kind!r}; use one of binpack, random, spread"
+            )
+        if kind == "binpack" and (
+            not isinstance(field, str) or field.lower() not in ("cpu", "memory")
+        ):
+            raise InvalidParameterException(
+                f"{where}: binpack field must be cpu or memory, got {field!r}"
+            )
+        if kind == "spread" and not _spread_field_ok(field):
+            raise InvalidParameterException(
+                f"{where}: spread needs a field: instanceId, host or attribute:NAME"
+                f" (such as attribute:ecs.availability-zone), got {field!r}"
+            )
+        if kind == "random" and field not in (None, ""):
+            raise InvalidParameterException(f"{where}: random takes no field, got {field!r}")
+    return strategies
+
+
+def _spread_field_ok(field: Any) -> bool:
+    if not isinstance(field, str):
+        return False
+    return field in ("instanceId", "host") or (
+        field.startswith("attribute:") and len(field) > len("attribute:")
+    )
 
 
 def _sort_key(

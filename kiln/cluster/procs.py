@@ -1,8 +1,9 @@
 """Processes of a task: how the agent starts them, finds all of them, and ends them.
 
-Each container runs as ``sh -c WRAPPER <prefix> <command...>`` in its own session (so its own
-process group).  The wrapper writes its pid to ``<prefix>.pid``, runs the command in the
-foreground and writes the command's exit status to ``<prefix>.exit``.  It traps SIGTERM/SIGINT
+Each container runs as ``sh -c WRAPPER <name> <prefix> <command...>`` in its own session (so its
+own process group); ``<name>`` (the command's base name) is the shell's ``$0``, so a shell message
+names the command, not the agent's files.  The wrapper writes its pid to ``<prefix>.pid``, runs
+the command in the foreground and writes the command's exit status to ``<prefix>.exit``.  It traps SIGTERM/SIGINT
 with a no-op so that a group-wide SIGTERM reaches the command while the wrapper keeps waiting for
 it (the trap runs only after the foreground command finishes; a trapped signal is not inherited).
 
@@ -24,7 +25,7 @@ import psutil
 log = logging.getLogger(__name__)
 
 MARKER = "CLUSTER_TASK_ARN"
-WRAPPER = 'p="$0"; trap : TERM INT; echo $$ > "$p.pid"; "$@"; rc=$?; echo $rc > "$p.exit"; exit $rc'
+WRAPPER = 'p="$1"; shift; trap : TERM INT; echo $$ > "$p.pid"; "$@"; rc=$?; echo $rc > "$p.exit"; exit $rc'
 
 
 def read_exit(prefix: str, fallback: int | None) -> int | None:

@@ -14,7 +14,7 @@ import secrets
 import time
 from typing import Any
 
-from kiln.cluster import invariants, resources, validate
+from kiln.cluster import invariants, placement, resources, validate
 from kiln.cluster.ecs_services import ServiceActions
 from kiln.cluster.errors import (
     ClientException,
@@ -148,6 +148,7 @@ class ClusterService(TaskActions, ServiceActions):
         td = dict(loads(row["body"]))
         td.pop("tags", None)
         td.update(
+            compatibilities=[placement.LAUNCH_TYPE],  # the one launch type it is valid for
             taskDefinitionArn=row["arn"],
             revision=row["revision"],
             status=row["status"],

@@ -117,6 +117,13 @@ def _validate(request: Any) -> dict:
     validate_constraints(constraints, for_task_definition=True)
     for field in ("requiresCompatibilities", "tags", "volumes"):
         _default(task, field, [])
+    other = [v for v in task["requiresCompatibilities"] if v != "EC2"]
+    if other:
+        raise _fail(
+            "requiresCompatibilities",
+            f"{other} is not supported: Kiln runs tasks on registered container instances"
+            " (launch type EC2); use ['EC2'] or leave it out",
+        )
     return task
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from kiln.cluster.store import Store
 
 ACTIVE_SQL = "last_status != 'STOPPED'"
-LAUNCH_TYPE = "EC2"  # every task runs on a registered container instance
+LAUNCH_TYPE = placement.LAUNCH_TYPE
 
 
 MAX_AMOUNT = 2**31 - 1  # the service's Integer fields
@@ -133,13 +133,9 @@ class TaskActions:
         if not 1 <= count <= 10:
             raise InvalidParameterException("count must be between 1 and 10")
         constraints = list(body.get("placementConstraints") or [])
-        strategies = list(body.get("placementStrategy") or [])
+        strategies = placement.validate_strategies(list(body.get("placementStrategy") or []))
         query.validate_constraints(constraints, for_task_definition=False)
-        if len(strategies) > 5:
-            raise InvalidParameterException("at most 5 placement strategies per task")
-        for s in strategies:
-            if s.get("type") not in ("random", "spread", "binpack"):
-                raise InvalidParameterException(f"unknown placement strategy {s.get('type')!r}")
+        placement.check_launch_type(body)
         self._check_tags(list(body.get("tags") or []))  # type: ignore[attr-defined]
         if body.get("propagateTags") == "SERVICE":
             raise InvalidParameterException(
@@ -265,6 +261,7 @@ class TaskActions:
             out.append(
                 {
                     "name": c["name"],
+                    "image": c.get("image"),
                     "command": list(c.get("entryPoint") or [])
                     + list(o.get("command") or c.get("command") or []),
                     "environment": env,
@@ -324,6 +321,7 @@ class TaskActions:
                     **{
                         k: c[k]
                         for k in (
+                            "image",
                             "essential",
                             "dependsOn",
                             "stopTimeout",
@@ -392,6 +390,8 @@ class TaskActions:
                     resources.public_id(d) for d in c["devices"] if d["kind"] == "neuron"
                 ],
             }
+            if c.get("image"):
+                doc["image"] = c["image"]
             if c.get("memory"):
                 doc["memory"] = str(c["memory"])
             if c.get("exitCode") is not None:
@@ -425,9 +425,19 @@ class TaskActions:
         ):
             if t[col] is not None:
                 doc[key] = t[col]
+        zone = self._availability_zone(tx, t["instance_arn"])
+        if zone is not None:
+            doc["availabilityZone"] = zone
         if tags:
             doc["tags"] = self._tags(tx, arn)  # type: ignore[attr-defined]
         return doc
+
+    @staticmethod
+    def _availability_zone(tx: Tx, instance_arn: str | None) -> str | None:
+        """The ``ecs.availability-zone`` attribute of the task's instance, if it has one."""
+        row = tx.one("SELECT attributes FROM container_instances WHERE arn = ?", (instance_arn,))
+        zone = (loads(row["attributes"]) or {}).get("ecs.availability-zone") if row else None
+        return zone if isinstance(zone, str) and zone else None
 
     def _task_arn(self, cluster: str, ref: str) -> str:
         return ref if ref.startswith("arn:") else self.arn("task", f"{cluster}/{ref}")  # type: ignore[attr-defined]
