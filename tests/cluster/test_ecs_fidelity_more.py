@@ -1,6 +1,6 @@
-"""More places where the cluster did not behave as ECS scripts expect (a user trial, 2026-12-06): a command
-that cannot be executed is a launch failure, RunTask refuses what Kiln cannot honour, responses
-carry the fields ECS always returns, and DescribeServices has the ``deployments`` the
+"""More places where the cluster did not behave as ECS scripts expect (a user trial, 2026-12-06):
+a command that cannot be executed is a launch failure, RunTask refuses what Kiln cannot honour,
+responses carry the fields ECS always returns, and DescribeServices has the ``deployments`` the
 ``services_stable`` waiter reads."""
 
 from __future__ import annotations
