@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from kiln import metrics
+
 
 class ProfileSession:
     def __init__(self, path: str, steps: int, skip: int = 0) -> None:
@@ -49,6 +51,8 @@ class ProfileSession:
         atexit.register(self.finish)
 
     def on_step(self) -> None:
+        if self.prof is None:  # finished (at exit)
+            return
         if not self.done:
             self.prof.step()
         elif self.prof is not None:
@@ -73,7 +77,9 @@ class ProfileSession:
             prof.stop()  # writes the trace if still recording
 
     def finish(self) -> None:
-        """At exit: write what was recorded, if the steps did not all run."""
+        """At exit: write what was recorded, if the steps did not all run (compile mode's last
+        step, still open, ended first: :func:`kiln.metrics.run_ending`)."""
+        metrics.run_ending()
         self._stop()
 
 

@@ -199,6 +199,10 @@ class Publisher:
         self.writes += 1
 
     def remove(self) -> None:
-        """Remove the record (at exit; a forked child leaves its parent's record alone)."""
+        """Remove the record (at exit; a forked child leaves its parent's record alone).  Compile
+        mode's last step, still open, ends first (:func:`kiln.metrics.run_ending`), and nothing
+        is written after: a step ending later in the exit would leave a record behind."""
+        metrics.run_ending()
+        self._next = float("inf")
         if os.getpid() == self.pid:
             self.path.unlink(missing_ok=True)

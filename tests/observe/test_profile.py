@@ -220,3 +220,16 @@ def test_profiler_sessions_one_after_another_on_the_kiln_device(
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "RECORD True" in run.stdout  # the range is still recorded within a session
+
+
+def test_a_step_ending_after_the_session_finished_is_ignored(tmp_path: Path) -> None:
+    """At exit the session writes what it recorded, and compile mode's last step, still open,
+    ends (atexit functions run in either order): a step end after the finish does nothing."""
+    from kiln.observe.profile import ProfileSession
+
+    s = ProfileSession(str(tmp_path / "t.json"), steps=3, skip=5)  # still waiting at exit
+    s.start()
+    s.on_step()
+    s.finish()  # at exit
+    s.on_step()  # the open step's end, where it comes after
+    assert s.prof is None

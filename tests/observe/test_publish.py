@@ -101,6 +101,26 @@ def test_step_hooks_and_compile_mode_boundaries() -> None:
         steps._ran.clear()
 
 
+def test_the_record_is_gone_when_compile_modes_last_step_ends_at_exit(tmp_path: Path) -> None:
+    """At exit the record goes, and compile mode's last step, still open, ends (atexit functions
+    run in either order): it ends first and writes nothing after the record is removed."""
+    metrics.reset()
+    steps._ran.clear()
+    pub = Publisher(str(tmp_path / "run"), interval_s=0.0)
+    metrics.on_step(pub.tick)
+    try:
+        steps.graph_run(object())  # a compile-mode step, open
+        pub.write()
+        assert pub.path.exists()
+        pub.remove()  # at exit...
+        metrics.run_ending()  # ...and the open step's end, where it comes after
+        assert metrics.get("steps") == 1
+        assert not pub.path.exists()
+    finally:
+        metrics.remove_step_hook(pub.tick)
+        steps._ran.clear()
+
+
 def test_config_fields() -> None:
     cfg = from_env({"KILN_PUBLISH": "0", "KILN_RUNTIME_DIR": "/x", "KILN_PROFILE_STEPS": "2"})
     assert (cfg.publish, cfg.runtime_dir, cfg.profile_steps) == (False, "/x", 2)
