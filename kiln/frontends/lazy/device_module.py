@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 
+from kiln import metrics
 from kiln.frontends.lazy.memory import _allocated, peak, reset_peak, update_peak
+from kiln.runtime.steps import step_end
 
 # Why PyTorch's autograd engine cannot serve the kiln device in this process: the reason and the
 # fix; None while it can (or is not known yet).
@@ -44,9 +46,7 @@ def sync_all() -> None:
     """Cut and run both recorders' pending traces (``kiln.mark_step``): the Python recorder's,
     and the native recorder's once it is loaded (``config.lazy_recorder = "native"``); then the
     step ends."""
-    from kiln import metrics
     from kiln.frontends.lazy.trace import sync
-    from kiln.runtime.steps import step_end
 
     sync(ends_step=False)
     native = sys.modules.get("kiln.frontends.lazy.native")  # (not imported: never loaded)

@@ -583,9 +583,10 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
                 return [_view_of(x, m, g, ln) for m, g, ln in r.outs]
     name = f.name
     dev = kwargs.get("device")
-    if dev is not None and torch.device(dev).type == DEVICE.type:
+    kind = torch.device(dev).type if dev is not None else None
+    if kind == DEVICE.type:
         _devmod._index(dev)  # "kiln:1": an error naming the one device, not a tensor on kiln:0
-    if dev is not None and torch.device(dev).type == "cpu":
+    if kind == "cpu":
         # a CPU result (``.cpu()``, ``zeros_like(x, device="cpu")``): made from the values.  (A
         # ``_to_copy`` to the kiln device -- ``type_as`` inside a decomposition -- is recorded.)
         def conc(a: Any) -> Any:

@@ -33,6 +33,7 @@ recorded or run raises a Python exception (the process lives on).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -149,6 +150,19 @@ class _Op:
         while n > 0 and self.schema[n - 1][2] and _same(args[n - 1], self.schema[n - 1][3]):
             n -= 1
         return tuple(args[:n]), kwargs
+
+
+@functools.cache
+def _per_element_form(fn: Any) -> tuple[Any, Any] | None:
+    """(split, per-tensor in-place overload) of a functional foreach overload ``fn``, worked out
+    once per overload (:meth:`Handler.per_element` runs each step a clipping loop runs); None
+    where it has none."""
+    split = split_of(fn) if fn is not None else None
+    if split is None:
+        return None
+    name = split.op._schema.name.split("::")[1]
+    per = getattr(getattr(aten, name + "_", None), split.op._overloadname, None)
+    return None if per is None else (split, per)
 
 
 class Handler:
@@ -395,15 +409,11 @@ class Handler:
         writes them): the per-tensor in-place op once per element, in order -- what ATen's CPU
         foreach kernels do -- each recorded as a single in-place write (through its view, no
         sync).  ``_NOT_DONE`` when the op has no per-tensor in-place form."""
-        fn = op.facts.functional
-        split = split_of(fn) if fn is not None else None
-        if split is None:
+        form = _per_element_form(op.facts.functional)
+        calls = form[0].calls(args, kwargs) if form is not None else None
+        if calls is None:
             return _NOT_DONE
-        name = split.op._schema.name.split("::")[1]
-        per = getattr(getattr(aten, name + "_", None), split.op._overloadname, None)
-        calls = split.calls(args, kwargs)
-        if per is None or calls is None:
-            return _NOT_DONE
+        per = form[1]
         for pos, kw in calls:
             per(*pos, **kw)
         metrics.incr("native_foreach_per_element")
